@@ -1,0 +1,151 @@
+"""The `workbench` command line: pull, list, chat, generate."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from workbench import registry
+
+DEFAULT_SYSTEM = "You are helpful and concise."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except (FileNotFoundError, ValueError, registry.PullError) as exc:
+        print(f"workbench: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="workbench", description=__doc__)
+    sub = p.add_subparsers(title="commands", metavar="COMMAND")
+
+    pull = sub.add_parser("pull", help="download registered models into the cache",
+                          description="Download registered models (see `workbench list`) into "
+                          f"the cache ({registry.cache_dir()}, or $WORKBENCH_CACHE).")
+    pull.add_argument("aliases", nargs="*", default=[registry.DEFAULT_MODEL], metavar="ALIAS",
+                      help=f"model aliases (default: {registry.DEFAULT_MODEL})")
+    pull.add_argument("--force", action="store_true", help="download again even if cached")
+    pull.set_defaults(func=_pull)
+
+    ls = sub.add_parser("list", help="list registered models and what is cached",
+                        description="List the registered model aliases and which are cached.")
+    ls.set_defaults(func=_list)
+
+    chat = sub.add_parser("chat", help="chat with a model (interactive, streaming)",
+                          description="Chat with a model in the terminal. With MESSAGE, answer "
+                          "it once and exit; without, start an interactive session "
+                          "(/reset clears the history, /exit or Ctrl-D leaves).")
+    chat.add_argument("message", nargs="?", help="answer this one message and exit")
+    chat.add_argument("--system", default=DEFAULT_SYSTEM,
+                      help=f'system prompt (default: "{DEFAULT_SYSTEM}"; "" for none)')
+    _generation_options(chat)
+    chat.set_defaults(func=_chat)
+
+    gen = sub.add_parser("generate", help="complete a prompt (no chat template)",
+                         description="Continue PROMPT with the model, streaming to stdout.")
+    gen.add_argument("prompt", help="the text to continue")
+    _generation_options(gen)
+    gen.set_defaults(func=_generate)
+    return p
+
+
+def _generation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=registry.DEFAULT_MODEL,
+                   help=f"alias, .gguf path or hf://repo/file (default: {registry.DEFAULT_MODEL})")
+    p.add_argument("-n", "--max-tokens", type=int, default=512, help="default: 512")
+    p.add_argument("-t", "--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="default: 40 (0 = off)")
+    p.add_argument("--top-p", type=float, default=0.95, help="default: 0.95")
+    p.add_argument("--min-p", type=float, default=0.05, help="default: 0.05")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="default: 1.0 (off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
+
+
+def _options(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                seed=args.seed, stop=args.stop)
+
+
+def _load(args):
+    from workbench.engine.llm import LLM
+
+    return LLM.load(args.model, kv_cache_size=args.ctx)
+
+
+def _stream(completion) -> None:
+    try:
+        for piece in completion:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # Ctrl-C stops this answer, not the program
+        completion.close()
+    sys.stdout.write("\n")
+
+
+def _pull(args) -> int:
+    for alias in args.aliases:
+        path = registry.pull(alias, force=args.force)
+        print(f"{alias}: {path}")
+    return 0
+
+
+def _list(args) -> int:
+    print(f"cache: {registry.cache_dir()}")
+    for alias, entry in registry.MODELS.items():
+        mark = "*" if registry.cached_path(alias) else " "
+        default = " (default)" if alias == registry.DEFAULT_MODEL else ""
+        print(f" {mark} {alias:<22} {entry.description}{default}")
+    print("(* = cached)")
+    return 0
+
+
+def _generate(args) -> int:
+    m = _load(args)
+    _stream(m.generate(args.prompt, **_options(args)))
+    return 0
+
+
+def _chat(args) -> int:
+    m = _load(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message is not None:
+        _stream(m.chat(system + [{"role": "user", "content": args.message}], **_options(args)))
+        return 0
+    history: list[dict] = []
+    print(f"{m.path.name} - /reset clears the conversation, /exit leaves", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history.clear()
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        completion = m.chat(system + history, **_options(args))
+        _stream(completion)
+        history.append({"role": "assistant", "content": completion.text})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

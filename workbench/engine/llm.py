@@ -1,0 +1,401 @@
+"""`LLM`: load a GGUF decoder model and chat with it, complete text, embed, tokenize.
+
+    >>> from workbench import LLM
+    >>> m = LLM.load("smollm2-135m")
+    >>> for piece in m.chat([{"role": "user", "content": "Hi!"}], temperature=0):
+    ...     print(piece, end="")
+
+`chat` and `generate` return a `Completion`: iterate it for text pieces as they
+are produced, or read `.text`, `.token_ids`, `.usage` and `.finish_reason`
+(reading them runs the generation to its end). `iter_events()` yields one
+`TokenEvent` per generated token with its log-probability, top alternatives and
+the entropy of the distribution it was drawn from (with `logprobs=k`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workbench import registry
+from workbench.engine import chat_template
+from workbench.engine.backend import resolve_device
+from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
+from workbench.engine.kv_cache import KVCache
+from workbench.engine.models import llama
+from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
+from workbench.engine.tokenizers import Tokenizer, load_tokenizer
+from workbench.engine.tokenizers.stream import StreamDecoder
+
+SUPPORTED_ARCHITECTURES = llama.ARCHITECTURES
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One candidate for a generated position."""
+
+    id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token.
+
+    `text` is the output released at this step: it may be empty while a UTF-8
+    character or a possible stop string is incomplete, and a later event then
+    carries it. `piece` is the token's own text. The last event of a
+    generation may have `id=None`: it carries text held back until the end
+    and stands for no token. `logprob`, `top` and `entropy`
+    (nats) describe the model's distribution at this position before sampling
+    filters; they are None unless the call asked for `logprobs`.
+    """
+
+    id: int | None
+    text: str
+    piece: str
+    logprob: float | None = None
+    top: tuple[Alternative, ...] | None = None
+    entropy: float | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Completion:
+    """A running or finished generation; iterate it for text pieces."""
+
+    def __init__(self, events: Iterator[TokenEvent], prompt_ids: list[int], prefix_text: str = ""):
+        self.prompt_ids = prompt_ids
+        self.events: list[TokenEvent] = []
+        self.finish_reason: str | None = None  # "stop" (EOS, stop token/string) or "length"
+        self._source = events
+        self._prefix_text = prefix_text
+        self._text: list[str] = [prefix_text] if prefix_text else []
+        self._prefix_pending = bool(prefix_text)
+        self._done = False
+
+    def iter_events(self) -> Iterator[TokenEvent]:
+        """Yield each generated token's event as it is produced."""
+        for ev in self._source:
+            self.events.append(ev)
+            if ev.text:
+                self._text.append(ev.text)
+            yield ev
+        self._done = True
+
+    def __iter__(self) -> Iterator[str]:
+        if self._prefix_pending:
+            self._prefix_pending = False
+            yield self._prefix_text
+        for ev in self.iter_events():
+            if ev.text:
+                yield ev.text
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return _aiter(iter(self))
+
+    def wait(self) -> Completion:
+        """Run the generation to its end; return self."""
+        for _ in self.iter_events():
+            pass
+        return self
+
+    @property
+    def text(self) -> str:
+        """The whole output text (generation runs to its end first)."""
+        self.wait()
+        return "".join(self._text)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Generated token ids (without the prompt and without the stop token)."""
+        self.wait()
+        return [ev.id for ev in self.events if ev.id is not None]
+
+    @property
+    def usage(self) -> Usage:
+        self.wait()
+        return Usage(len(self.prompt_ids), len(self.token_ids))
+
+    def close(self) -> None:
+        """Stop the generation early (frees the model for other calls)."""
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+        if self.finish_reason is None:
+            self.finish_reason = "stop"
+
+    def __repr__(self) -> str:
+        state = self.finish_reason or "running"
+        n = sum(ev.id is not None for ev in self.events)
+        return f"<Completion {state}: {n} tokens {''.join(self._text)[:60]!r}>"
+
+
+async def _aiter(it: Iterator[str]) -> AsyncIterator[str]:
+    done = object()
+    while True:
+        piece = await asyncio.to_thread(next, it, done)
+        if piece is done:
+            return
+        yield piece
+
+
+class LLM:
+    """A GGUF decoder model (llama, qwen2, qwen3) ready to chat, complete and embed."""
+
+    def __init__(self, gguf: GGUFFile, *, device: str = "auto", kv_cache_size: int = 4096):
+        arch = gguf.architecture
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"{gguf.path.name}: architecture {arch!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if kv_cache_size < 1:
+            raise ValueError("kv_cache_size must be >= 1")
+        self.device = resolve_device(device)
+        self.path: Path = gguf.path
+        self.metadata = gguf.metadata
+        self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
+        self.model = llama.LlamaModel(gguf, kv_cache_size)
+        self.config = self.model.config
+        self.chat_template: str = gguf.get("tokenizer.chat_template") or chat_template.CHATML
+        self.kv_cache_size = kv_cache_size
+        self._gguf = gguf
+        self._forward_lock = threading.Lock()  # one forward pass at a time per model
+        self._cache = self.model.new_cache()  # kept between calls for prompt prefix reuse
+        self._cache_lock = threading.Lock()
+
+    @classmethod
+    def load(cls, source: str | os.PathLike = registry.DEFAULT_MODEL, *, device: str = "auto",
+             kv_cache_size: int = 4096) -> LLM:
+        """Load a model from an alias (see `workbench list`), a .gguf path or `hf://repo/file`.
+
+        Aliases are downloaded on first use. `kv_cache_size` is the context length
+        (prompt plus output) in tokens.
+        """
+        return cls(open_gguf(registry.resolve(source)), device=device,
+                   kv_cache_size=kv_cache_size)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the weights and caches (the file's memory map goes with them)."""
+        self.model = None
+        self._cache = None
+        self._gguf = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LLM({self.path.name!r}, arch={self.config.arch!r}, device={self.device!r})"
+
+    # -- tokens ------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True
+                 ) -> list[int]:
+        """Token ids of `text`. BOS only when the model adds one (or `add_bos=True`);
+        special tokens such as `<|im_start|>` are parsed unless `special=False`."""
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(list(ids), skip_special=skip_special)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True, **variables) -> str:
+        """The prompt text the model's own chat template makes of `messages`."""
+        tok = self.tokenizer
+        return chat_template.render(
+            self.chat_template, list(messages), add_generation_prompt=add_generation_prompt,
+            bos_token=tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
+            eos_token=tok.decode([tok.eos_id]) if tok.eos_id is not None else "",
+            **variables,
+        )
+
+    # -- low level ---------------------------------------------------------------------------
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        """An empty KV cache for `forward` (default length: `kv_cache_size`)."""
+        return self._require_model().new_cache(max_len)
+
+    def forward(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
+        """Logits (T, n_vocab) float32 at every position of `ids`, which are appended to
+        `cache` at its next positions."""
+        with self._forward_lock:
+            return self._require_model().forward(np.asarray(ids), cache)
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 512,
+                 stop: str | Sequence[str] | None = None, stop_tokens: Sequence[int] = (),
+                 include_prompt: bool = False, add_bos: bool | None = None,
+                 logprobs: int | None = None, temperature: float = 0.8, top_k: int = 40,
+                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 repeat_last_n: int = 64, seed: int | None = None,
+                 logit_bias: Mapping[int, float] | None = None) -> Completion:
+        """Continue `prompt` (text, or token ids) without a chat template.
+
+        Stops at the model's end-of-generation tokens, any of `stop_tokens`, any
+        string in `stop` (not included in the output), or after `max_tokens`.
+        `logprobs=k` records each token's log-probability, its k best
+        alternatives and the entropy in the events. `include_prompt` puts the
+        prompt text in front of the output.
+        """
+        if isinstance(prompt, str):
+            prompt_text = prompt
+            ids = self.tokenize(prompt, add_bos=add_bos)
+        else:
+            ids = [int(i) for i in prompt]
+            prompt_text = self.detokenize(ids) if include_prompt else ""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                seed=seed, logit_bias=dict(logit_bias or {}))
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens); pass text or token ids")
+        if max(ids) >= self.config.n_vocab or min(ids) < 0:
+            raise ValueError(f"prompt token ids must lie in [0, {self.config.n_vocab})")
+        if len(ids) >= self.kv_cache_size:
+            raise ValueError(f"the prompt has {len(ids)} tokens and the context holds "
+                             f"{self.kv_cache_size}; load with a larger kv_cache_size")
+        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        completion = Completion(iter(()), ids, prompt_text if include_prompt else "")
+        completion._source = self._generate_events(
+            completion, ids, Sampler(params, self.config.n_vocab), max_tokens=max_tokens,
+            stop=stops, stop_tokens=frozenset(int(t) for t in stop_tokens), logprobs=logprobs)
+        return completion
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
+             **options) -> Completion:
+        """Answer a conversation rendered with the model's chat template.
+
+        `messages` are dicts with `role` and `content`. Options are those of
+        `generate` (`max_tokens`, `temperature`, `stop`, `logprobs`, `seed` ...).
+        """
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        variables = {"tools": tools} if tools else {}
+        prompt = self.apply_chat_template(messages, **variables)
+        ids = self.tokenize(prompt, add_bos=False)
+        tok = self.tokenizer
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids.insert(0, tok.bos_id)
+        options.pop("include_prompt", None)
+        return self.generate(ids, **options)
+
+    def embed(self, text: str | Sequence[int], *, normalize: bool = True) -> np.ndarray:
+        """The final hidden state (after the output norm) of the last token of `text`,
+        float32 of shape (n_embd,); L2-normalized unless `normalize=False`."""
+        ids = self.tokenize(text) if isinstance(text, str) else [int(i) for i in text]
+        if not ids:
+            raise ValueError("cannot embed an empty text")
+        model = self._require_model()
+        cache = model.new_cache(len(ids))
+        with self._forward_lock:
+            h = model.hidden(np.asarray(ids), cache)[-1]
+        if normalize:
+            h = h / max(float(np.linalg.norm(h)), 1e-12)
+        return h.astype(np.float32)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _require_model(self) -> llama.LlamaModel:
+        if self.model is None:
+            raise RuntimeError("this LLM has been closed")
+        return self.model
+
+    def _generate_events(self, completion: Completion, prompt_ids: list[int], sampler: Sampler,
+                         *, max_tokens: int, stop: list[str], stop_tokens: frozenset[int],
+                         logprobs: int | None) -> Iterator[TokenEvent]:
+        model = self._require_model()
+        tok = self.tokenizer
+        end_ids = tok.eot_ids | stop_tokens
+        # The shared cache keeps the last conversation so that a prompt sharing its
+        # beginning skips that part of the prefill; a concurrent call gets its own cache.
+        owns_shared = self._cache_lock.acquire(blocking=False)
+        cache = self._cache if owns_shared else model.new_cache()
+        try:
+            if max_tokens == 0:
+                completion.finish_reason = "length"
+                return
+            reuse = min(cache.common_prefix(prompt_ids), len(prompt_ids) - 1)
+            cache.trim(reuse)
+            with self._forward_lock:
+                logits = model.logits(model.hidden(np.asarray(prompt_ids[reuse:]), cache)[-1:])[0]
+            history = list(prompt_ids)
+            decoder = StreamDecoder(tok)
+            held = ""  # released text that might still turn out to start a stop string
+            n_generated = 0
+            while True:
+                lp = top = ent = None
+                if logprobs is not None:
+                    logp = log_softmax(logits)
+                    ent = entropy(logp)
+                token = sampler.sample(logits, history)
+                if logprobs is not None:
+                    lp = float(logp[token])
+                    k = min(int(logprobs), len(logp))
+                    best = np.argpartition(-logp, k - 1)[:k] if k > 0 else np.empty(0, int)
+                    best = best[np.argsort(-logp[best], kind="stable")]
+                    top = tuple(Alternative(int(i), tok.decode([int(i)]), float(logp[i]))
+                                for i in best)
+                if token in end_ids:
+                    completion.finish_reason = "stop"
+                    break
+                history.append(token)
+                n_generated += 1
+                held += decoder.push(token)
+                released, held, hit = _split_stop(held, stop)
+                yield TokenEvent(token, released, tok.decode([token]), lp, top, ent)
+                if hit:
+                    completion.finish_reason = "stop"
+                    return
+                if n_generated >= max_tokens or cache.offset >= cache.max_len:
+                    completion.finish_reason = "length"
+                    break
+                with self._forward_lock:
+                    logits = model.logits(model.hidden(np.asarray([token]), cache))[0]
+            tail, _, _ = _split_stop(held + decoder.flush(), stop, final=True)
+            if tail:  # text held back until the end: released by a token-less event
+                yield TokenEvent(None, tail, "")
+        finally:
+            if owns_shared:
+                self._cache_lock.release()
+
+
+def _split_stop(text: str, stops: list[str], final: bool = False) -> tuple[str, str, bool]:
+    """Split `text` into (releasable, held back, stop string found).
+
+    Text up to a stop string is released and the rest dropped; otherwise the
+    longest tail that could begin a stop string is held back (unless `final`).
+    """
+    if not stops:
+        return text, "", False
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    if cut >= 0:
+        return text[:cut], "", True
+    if final:
+        return text, "", False
+    keep = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:n]):
+                keep = n
+                break
+    return (text[: len(text) - keep], text[len(text) - keep :], False) if keep else (text, "", False)

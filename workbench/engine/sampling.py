@@ -1,0 +1,112 @@
+"""Choosing the next token: logits processors, then a sampler.
+
+The chain follows llama.cpp's default order: logit bias -> repetition penalty
+-> (grammar mask) -> top-k -> top-p -> min-p -> temperature -> draw.
+`temperature == 0` is greedy argmax (ties go to the lowest id, as llama.cpp's
+argmax does). Every filter works on a small candidate set once top-k has cut
+the vocabulary, so sampling stays cheap with a 150k vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. The defaults are llama-cpp-python's."""
+
+    temperature: float = 0.8  # 0 means greedy argmax
+    top_k: int = 40  # keep the k most likely tokens; 0 keeps all
+    top_p: float = 0.95  # keep the smallest set whose probability reaches p; 1.0 keeps all
+    min_p: float = 0.05  # drop tokens below min_p times the best token's probability
+    repeat_penalty: float = 1.0  # > 1 discourages tokens seen in the last repeat_last_n
+    repeat_last_n: int = 64
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added logit
+    seed: int | None = None  # same seed, same text
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+
+
+class Sampler:
+    """Stateful sampler for one sequence (owns the random generator)."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        bias = np.zeros(n_vocab, dtype=np.float32)
+        for tok, b in params.logit_bias.items():
+            tok = int(tok)
+            if not 0 <= tok < n_vocab:
+                raise ValueError(f"logit_bias names token {tok}, outside the vocabulary "
+                                 f"[0, {n_vocab})")
+            bias[tok] = b
+        self._bias = bias if params.logit_bias else None
+
+    def process(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """Apply logit bias and the repetition penalty; returns a new (n_vocab,) array."""
+        p = self.params
+        out = logits.astype(np.float32, copy=True)
+        if self._bias is not None:
+            out += self._bias
+        if p.repeat_penalty != 1.0 and p.repeat_last_n != 0 and len(history):
+            recent = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history
+            ids = np.unique(np.asarray(recent, dtype=np.int64))
+            vals = out[ids]
+            out[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        return out
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """Pick the next token id from raw logits (n_vocab,)."""
+        p = self.params
+        logits = self.process(logits, history)
+        if p.temperature == 0:
+            return int(np.argmax(logits))
+        # candidates: top-k (or all), sorted by descending logit
+        n = logits.shape[0]
+        if 0 < p.top_k < n:
+            ids = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
+        else:
+            ids = np.flatnonzero(np.isfinite(logits))
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        vals = logits[ids].astype(np.float64)
+        probs = _softmax(vals)
+        keep = len(ids)
+        if p.top_p < 1.0:
+            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p) + 1))
+        if p.min_p > 0.0:
+            keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
+        ids, vals = ids[:keep], vals[:keep]
+        probs = _softmax(vals / p.temperature)
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities (float32) of a logits vector."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    return (x - m - np.log(np.exp(x - m).sum())).astype(np.float32)
+
+
+def entropy(logprobs: np.ndarray) -> float:
+    """Shannon entropy in nats of a distribution given as log-probabilities."""
+    p = np.exp(logprobs.astype(np.float64))
+    return float(-(p * np.where(p > 0, logprobs, 0.0)).sum())

