@@ -33,8 +33,8 @@ def test_top_p_keeps_smallest_set_reaching_p():
 
 
 def test_min_p_drops_unlikely_tokens():
-    # 0.5 * 0.3 = 0.15: tokens with p >= 0.15 stay
-    draws = _draws(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.3), LOGITS)
+    # 0.5 * 0.25 = 0.125: the tokens with p 0.5, 0.2 and 0.15 stay
+    draws = _draws(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.25), LOGITS)
     assert draws == {0, 1, 2}
 
 

@@ -1,0 +1,172 @@
+"""The LLM API on the real default model: streaming, stops, sampling options, events."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"  # llama.cpp greedy: " Paris.\n\nThe United States has ..."
+GREEDY = dict(temperature=0)
+
+
+def test_stream_pieces_make_the_text(smollm2):
+    c = smollm2.generate(PROMPT, max_tokens=12, **GREEDY)
+    pieces = list(c)
+    assert "".join(pieces) == c.text
+    assert c.text.startswith(" Paris.\n\nThe United States")
+    assert c.finish_reason == "length"
+    assert c.usage.prompt_tokens == 5 and c.usage.completion_tokens == 12
+    assert c.usage.total_tokens == 17
+    assert c.token_ids == [e.id for e in c.events]
+    assert smollm2.detokenize(c.token_ids) == c.text
+
+
+def test_stop_strings_and_tokens(smollm2):
+    c = smollm2.generate(PROMPT, max_tokens=20, stop=["."], **GREEDY)
+    assert c.text == " Paris" and c.finish_reason == "stop"
+    # a stop string spanning several tokens is cut as a whole, nothing of it leaks
+    c = smollm2.generate(PROMPT, max_tokens=20, stop="\n\nThe United", **GREEDY)
+    assert list(c) and c.text == " Paris." and c.finish_reason == "stop"
+    dot = smollm2.tokenize(".")[0]
+    c = smollm2.generate(PROMPT, max_tokens=20, stop_tokens=[dot], **GREEDY)
+    assert c.text == " Paris" and c.finish_reason == "stop"
+
+
+def test_chat_stops_at_end_of_turn(smollm2):
+    c = smollm2.chat([{"role": "system", "content": "You are a terse assistant."},
+                      {"role": "user", "content": "Name three fruits."}], **GREEDY)
+    assert c.finish_reason == "stop"
+    assert "<|im_end|>" not in c.text and c.text.endswith(".")
+
+
+def test_include_prompt(smollm2):
+    c = smollm2.generate(PROMPT, max_tokens=3, include_prompt=True, **GREEDY)
+    assert c.text.startswith(PROMPT + " Paris")
+
+
+def test_include_prompt_streams_prompt_first(smollm2):
+    pieces = list(smollm2.generate(PROMPT, max_tokens=2, include_prompt=True, **GREEDY))
+    assert pieces[0] == PROMPT
+
+
+def test_seed_reproduces_sampled_text(smollm2):
+    opts = dict(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    a = smollm2.generate(PROMPT, seed=7, **opts).text
+    b = smollm2.generate(PROMPT, seed=7, **opts).text
+    assert a == b
+    others = {smollm2.generate(PROMPT, seed=s, **opts).text for s in (1, 2, 3)}
+    assert len(others | {a}) > 1
+
+
+def test_logprobs_alternatives_and_entropy(smollm2):
+    c = smollm2.generate(PROMPT, max_tokens=4, logprobs=5, **GREEDY)
+    for ev in c.events:
+        assert len(ev.top) == 5
+        assert ev.top[0].id == ev.id and ev.top[0].logprob == pytest.approx(ev.logprob)
+        assert all(a.logprob >= b.logprob for a, b in zip(ev.top, ev.top[1:]))
+        assert ev.logprob <= 0 and ev.entropy >= 0
+    assert c.events[0].piece == " Paris"
+    # the reported distribution is the model's: compare with a forward pass
+    ids = smollm2.tokenize(PROMPT)
+    logits = smollm2.forward(ids, smollm2.new_cache())[-1].astype(np.float64)
+    logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    assert c.events[0].logprob == pytest.approx(logp[c.events[0].id], abs=1e-4)
+
+
+def test_logit_bias_forces_a_token(smollm2):
+    london = smollm2.tokenize(" London")[0]
+    c = smollm2.generate(PROMPT, max_tokens=1, logit_bias={london: 100.0}, **GREEDY)
+    assert c.token_ids == [london]
+
+
+def test_repeat_penalty_changes_a_repetitive_greedy_run(smollm2):
+    plain = smollm2.generate(PROMPT, max_tokens=40, **GREEDY).text
+    penalized = smollm2.generate(PROMPT, max_tokens=40, repeat_penalty=1.5, **GREEDY).text
+    assert plain != penalized
+
+
+def test_prefix_reuse_gives_the_same_answer(smollm2):
+    msgs = [{"role": "system", "content": "You are helpful and concise."},
+            {"role": "user", "content": "What is the capital of France?"}]
+    first = smollm2.chat(msgs, **GREEDY).text
+    again = smollm2.chat(msgs, **GREEDY).text  # reuses the cached prompt
+    longer = smollm2.chat(msgs + [{"role": "assistant", "content": first},
+                                  {"role": "user", "content": "And of Italy?"}], **GREEDY).text
+    assert first == again and longer
+
+
+def test_interleaved_generations_do_not_disturb_each_other(smollm2):
+    want = smollm2.generate(PROMPT, max_tokens=8, **GREEDY).text
+    a = iter(smollm2.generate(PROMPT, max_tokens=8, **GREEDY))
+    first = next(a)
+    b = smollm2.generate("Once upon a time", max_tokens=8, **GREEDY).text
+    assert first + "".join(a) == want and b
+
+
+def test_threads_share_a_model(smollm2):
+    want = smollm2.generate(PROMPT, max_tokens=6, **GREEDY).text
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(
+        smollm2.generate(PROMPT, max_tokens=6, **GREEDY).text)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == [want] * 3
+
+
+def test_async_iteration(smollm2):
+    async def collect():
+        return [p async for p in smollm2.generate(PROMPT, max_tokens=5, **GREEDY)]
+
+    pieces = asyncio.run(collect())
+    assert "".join(pieces).startswith(" Paris.")
+
+
+def test_tokenize_detokenize(smollm2):
+    ids = smollm2.tokenize("<|im_start|>user\nHi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2  # special tokens parsed, no BOS added
+    assert smollm2.tokenize("<|im_start|>", special=False) != [1]
+    assert smollm2.detokenize(ids) == "<|im_start|>user\nHi<|im_end|>"
+
+
+def test_embed_is_the_last_hidden_state(smollm2):
+    e = smollm2.embed("Hello world")
+    assert e.shape == (576,) and e.dtype == np.float32
+    assert np.linalg.norm(e) == pytest.approx(1.0, abs=1e-5)
+    raw = smollm2.embed("Hello world", normalize=False)
+    model = smollm2.model
+    hidden = model.hidden(np.array(smollm2.tokenize("Hello world")), model.new_cache())[-1]
+    assert np.allclose(raw, hidden, atol=1e-5)
+
+
+def test_bad_requests(smollm2):
+    with pytest.raises(ValueError, match="empty"):
+        smollm2.generate("")
+    with pytest.raises(ValueError, match="max_tokens"):
+        smollm2.generate(PROMPT, max_tokens=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        smollm2.generate(PROMPT, temperature=-0.5)
+    with pytest.raises(ValueError, match="token ids"):
+        smollm2.generate([10**9])
+    with pytest.raises(ValueError, match="kv_cache_size"):
+        smollm2.generate("word " * 5000)
+    with pytest.raises(TypeError, match="messages"):
+        smollm2.chat("just a string")
+    c = smollm2.generate(PROMPT, max_tokens=0)
+    assert c.text == "" and c.finish_reason == "length"
+
+
+def test_context_full_stops_with_length():
+    from workbench import LLM
+
+    with LLM.load("smollm2-135m", kv_cache_size=12) as m:
+        c = m.generate(PROMPT, max_tokens=100, **GREEDY)
+        assert c.finish_reason == "length" and len(c.token_ids) == 12 - 5 + 1
+    with pytest.raises(RuntimeError, match="closed"):
+        m.generate(PROMPT).text
