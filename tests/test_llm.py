@@ -169,4 +169,4 @@ def test_context_full_stops_with_length():
         c = m.generate(PROMPT, max_tokens=100, **GREEDY)
         assert c.finish_reason == "length" and len(c.token_ids) == 12 - 5 + 1
     with pytest.raises(RuntimeError, match="closed"):
-        m.generate(PROMPT).text
+        m.generate(PROMPT).wait()

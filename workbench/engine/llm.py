@@ -18,7 +18,7 @@ import asyncio
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -398,4 +398,5 @@ def _split_stop(text: str, stops: list[str], final: bool = False) -> tuple[str, 
             if text.endswith(s[:n]):
                 keep = n
                 break
-    return (text[: len(text) - keep], text[len(text) - keep :], False) if keep else (text, "", False)
+    cut = len(text) - keep
+    return text[:cut], text[cut:], False
