@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-PROMPT = "The capital of France is"  # llama.cpp greedy: " Paris.\n\nThe United States has ..."
+PROMPT = "The capital of France is"  # greedy: " Paris.\n\nThe ..." (see test_llamacpp_reference)
 GREEDY = dict(temperature=0)
 
 
@@ -18,7 +18,7 @@ def test_stream_pieces_make_the_text(smollm2):
     c = smollm2.generate(PROMPT, max_tokens=12, **GREEDY)
     pieces = list(c)
     assert "".join(pieces) == c.text
-    assert c.text.startswith(" Paris.\n\nThe United States")
+    assert c.text.startswith(" Paris.\n\nThe ")
     assert c.finish_reason == "length"
     assert c.usage.prompt_tokens == 5 and c.usage.completion_tokens == 12
     assert c.usage.total_tokens == 17
@@ -30,7 +30,7 @@ def test_stop_strings_and_tokens(smollm2):
     c = smollm2.generate(PROMPT, max_tokens=20, stop=["."], **GREEDY)
     assert c.text == " Paris" and c.finish_reason == "stop"
     # a stop string spanning several tokens is cut as a whole, nothing of it leaks
-    c = smollm2.generate(PROMPT, max_tokens=20, stop="\n\nThe United", **GREEDY)
+    c = smollm2.generate(PROMPT, max_tokens=20, stop="\n\nThe", **GREEDY)
     assert list(c) and c.text == " Paris." and c.finish_reason == "stop"
     dot = smollm2.tokenize(".")[0]
     c = smollm2.generate(PROMPT, max_tokens=20, stop_tokens=[dot], **GREEDY)

@@ -82,8 +82,8 @@ class Completion:
 
     def __init__(self, events: Iterator[TokenEvent], prompt_ids: list[int], prefix_text: str = ""):
         self.prompt_ids = prompt_ids
-        self.events: list[TokenEvent] = []
-        self.finish_reason: str | None = None  # "stop" (EOS, stop token/string) or "length"
+        self._events: list[TokenEvent] = []
+        self._finish_reason: str | None = None
         self._source = events
         self._prefix_text = prefix_text
         self._text: list[str] = [prefix_text] if prefix_text else []
@@ -93,7 +93,7 @@ class Completion:
     def iter_events(self) -> Iterator[TokenEvent]:
         """Yield each generated token's event as it is produced."""
         for ev in self._source:
-            self.events.append(ev)
+            self._events.append(ev)
             if ev.text:
                 self._text.append(ev.text)
             yield ev
@@ -123,10 +123,23 @@ class Completion:
         return "".join(self._text)
 
     @property
+    def events(self) -> list[TokenEvent]:
+        """Every event of the generation (which runs to its end first)."""
+        self.wait()
+        return list(self._events)
+
+    @property
     def token_ids(self) -> list[int]:
         """Generated token ids (without the prompt and without the stop token)."""
         self.wait()
-        return [ev.id for ev in self.events if ev.id is not None]
+        return [ev.id for ev in self._events if ev.id is not None]
+
+    @property
+    def finish_reason(self) -> str:
+        """"stop" (end of turn, a stop token or string, or `close()`) or "length"
+        (max_tokens or the context is full)."""
+        self.wait()
+        return self._finish_reason or "stop"
 
     @property
     def usage(self) -> Usage:
@@ -138,12 +151,11 @@ class Completion:
         close = getattr(self._source, "close", None)
         if close is not None:
             close()
-        if self.finish_reason is None:
-            self.finish_reason = "stop"
+        self._done = True
 
     def __repr__(self) -> str:
-        state = self.finish_reason or "running"
-        n = sum(ev.id is not None for ev in self.events)
+        state = (self._finish_reason or "stopped") if self._done else "running"
+        n = sum(ev.id is not None for ev in self._events)
         return f"<Completion {state}: {n} tokens {''.join(self._text)[:60]!r}>"
 
 
@@ -332,7 +344,7 @@ class LLM:
         cache = self._cache if owns_shared else model.new_cache()
         try:
             if max_tokens == 0:
-                completion.finish_reason = "length"
+                completion._finish_reason = "length"
                 return
             reuse = min(cache.common_prefix(prompt_ids), len(prompt_ids) - 1)
             cache.trim(reuse)
@@ -356,7 +368,7 @@ class LLM:
                     top = tuple(Alternative(int(i), tok.decode([int(i)]), float(logp[i]))
                                 for i in best)
                 if token in end_ids:
-                    completion.finish_reason = "stop"
+                    completion._finish_reason = "stop"
                     break
                 history.append(token)
                 n_generated += 1
@@ -364,10 +376,10 @@ class LLM:
                 released, held, hit = _split_stop(held, stop)
                 yield TokenEvent(token, released, tok.decode([token]), lp, top, ent)
                 if hit:
-                    completion.finish_reason = "stop"
+                    completion._finish_reason = "stop"
                     return
                 if n_generated >= max_tokens or cache.offset >= cache.max_len:
-                    completion.finish_reason = "length"
+                    completion._finish_reason = "length"
                     break
                 with self._forward_lock:
                     logits = model.logits(model.hidden(np.asarray([token]), cache))[0]
