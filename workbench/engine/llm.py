@@ -35,6 +35,7 @@ from workbench.engine.tokenizers import Tokenizer, load_tokenizer
 from workbench.engine.tokenizers.stream import StreamDecoder
 
 SUPPORTED_ARCHITECTURES = llama.ARCHITECTURES
+PREFILL_CHUNK = 512  # prompt tokens per forward pass
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,16 @@ class LLM:
             raise RuntimeError("this LLM has been closed")
         return self.model
 
+    def _prefill(self, ids: list[int], cache: KVCache) -> np.ndarray:
+        """Feed `ids` in chunks of PREFILL_CHUNK (bounding the attention scores' memory);
+        return the logits (n_vocab,) after the last one."""
+        model = self._require_model()
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            with self._forward_lock:
+                hidden = model.hidden(np.asarray(ids[start : start + PREFILL_CHUNK]), cache)
+        with self._forward_lock:
+            return model.logits(hidden[-1:])[0]
+
     def _generate_events(self, completion: Completion, prompt_ids: list[int], sampler: Sampler,
                          *, max_tokens: int, stop: list[str], stop_tokens: frozenset[int],
                          logprobs: int | None) -> Iterator[TokenEvent]:
@@ -348,8 +359,7 @@ class LLM:
                 return
             reuse = min(cache.common_prefix(prompt_ids), len(prompt_ids) - 1)
             cache.trim(reuse)
-            with self._forward_lock:
-                logits = model.logits(model.hidden(np.asarray(prompt_ids[reuse:]), cache)[-1:])[0]
+            logits = self._prefill(prompt_ids[reuse:], cache)
             history = list(prompt_ids)
             decoder = StreamDecoder(tok)
             held = ""  # released text that might still turn out to start a stop string
