@@ -1,0 +1,196 @@
+"""Numba CPU kernels and `QuantizedWeight` vs `x @ dequantize(W).T`.
+
+Tolerance: the kernels accumulate in fp32 in a different order than the
+reference (vectorized partial sums, per-block scales applied to block sums,
+constant offsets and mins folded in through sums of x). Such reordering changes
+a K-term fp32 dot product by roughly sqrt(K) * 2^-24 of the magnitude of its
+terms: ~1e-6 of the output scale for K <= 5000 (observed: <= 5e-7). A layout
+bug (a swapped nibble, a wrong scale) shows up at 1e-3..1 of the output scale.
+So each test asserts max|y - ref| <= 1e-5 * max|ref|, with `ref` computed in
+float64 from the bit-exact NumPy dequantization.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from tests.test_quants import F16_FIELDS, assert_bits_equal, random_blocks
+from workbench import registry
+from workbench.kernels import cpu
+from workbench.kernels.linear import QuantizedWeight
+from workbench.kernels.quants import SUPPORTED_TYPES, UnsupportedQuantError, dequantize
+
+KERNEL_TYPES = list(cpu.KERNEL_TYPES)
+RTOL = 1e-5
+
+
+def random_weight(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, bytes_per_row) uint8 as a GGUF file stores it: random blocks, or random 16-bit floats."""
+    if qtype in F16_FIELDS:
+        return random_blocks(qtype, n, k, rng)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if qtype == Q.F16:
+        return w.astype(np.float16).view(np.uint8)
+    if qtype == Q.BF16:
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return w.view(np.uint8)
+
+
+def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T in float64."""
+    return x.astype(np.float64) @ w.astype(np.float64).T
+
+
+def assert_close(y: np.ndarray, ref: np.ndarray) -> None:
+    assert y.dtype == np.float32
+    assert y.shape == ref.shape
+    err = np.abs(y - ref).max()
+    scale = np.abs(ref).max()
+    assert err <= RTOL * scale + 1e-30, f"max|diff| {err:.3g}, max|ref| {scale:.3g}"
+
+
+def test_required_kernels_exist():
+    assert {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.F16, Q.BF16} <= set(KERNEL_TYPES)
+    assert set(cpu.DEQUANT_KERNELS) == set(cpu.GEMV_KERNELS)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_matmul_matches_dequantized(qtype, T, monkeypatch):
+    """N=37 (not a multiple of 4), K=768 (3 super-blocks); every kernel, whatever T.
+
+    `matmul` picks `gemv` for T=1, `gemv_dequant_rows` for T=3 and the tiled
+    dequantize + BLAS path for T=17 (> GEMV_MAX_T).
+    """
+    assert cpu.GEMV_MAX_T < 17
+    monkeypatch.setattr(cpu, "TILE_WEIGHTS", 16 * 768)  # 16-row tiles: 3 tiles, the last partial
+    rng = np.random.default_rng(int(qtype) * 10 + T)
+    n, k = 37, 768
+    raw = random_weight(qtype, n, k, rng)
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    ref = reference(x, dequantize(raw, qtype))
+    assert_close(cpu.gemv(x, raw, qtype), ref)
+    assert_close(cpu.gemv_dequant_rows(x, raw, qtype), ref)
+    assert_close(cpu.matmul(x, raw, qtype), ref)
+    assert_close(QuantizedWeight.from_gguf_tensor(raw, qtype, (n, k)).matmul(x), ref)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.F16], ids=lambda t: t.name)
+def test_long_prefill(qtype, monkeypatch):
+    """T=70 takes the (T, K) @ (K, rows) orientation of the tiled path."""
+    monkeypatch.setattr(cpu, "TILE_WEIGHTS", 16 * 512)
+    rng = np.random.default_rng(int(qtype) + 21)
+    raw = random_weight(qtype, 37, 512, rng)
+    x = rng.standard_normal((70, 512)).astype(np.float32)
+    assert_close(cpu.matmul(x, raw, qtype), reference(x, dequantize(raw, qtype)))
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_long_rows(qtype):
+    """K = 4864 (Qwen's feed-forward width, 19 super-blocks) at T=1."""
+    rng = np.random.default_rng(int(qtype) + 7)
+    n, k = 5, 4864
+    raw = random_weight(qtype, n, k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    assert_close(cpu.gemv(x, raw, qtype), reference(x, dequantize(raw, qtype)))
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_dequant_kernels_bit_exact(qtype):
+    rng = np.random.default_rng(int(qtype) + 3)
+    raw = random_weight(qtype, 9, 512, rng)
+    ref = dequantize(raw, qtype)
+    assert_bits_equal(cpu.dequantize_rows(raw, qtype, 0, 9), ref)
+    assert_bits_equal(cpu.dequantize_rows(raw, qtype, 4, 7), ref[4:7])
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_quantized_weight_every_type(qtype):
+    """matmul, dequantize and rows for every storage format, with or without a kernel."""
+    rng = np.random.default_rng(int(qtype) + 11)
+    n, k = 13, 512
+    raw = random_weight(qtype, n, k, rng)
+    if qtype == Q.F32:
+        raw = raw.view(np.float32)  # typed, as the readers give F32
+    elif qtype == Q.F16:
+        raw = raw.view(np.float16)
+    weight = QuantizedWeight.from_gguf_tensor(raw, qtype, (n, k))
+    full = dequantize(raw, qtype)
+    assert weight.shape == (n, k) and weight.qtype == qtype
+    assert weight.nbytes == n * k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
+    assert_bits_equal(weight.dequantize(), full)
+
+    ids = [12, 0, 5, 5]
+    assert_bits_equal(weight.rows(ids), full[ids])
+    assert weight.rows([]).shape == (0, k)
+
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    assert_close(weight.matmul(x), reference(x, full))
+    assert_close(weight.matmul(x[0]), reference(x[:1], full)[0])  # (K,) -> (N,)
+    assert_close(weight.matmul(x.reshape(3, 1, k)), reference(x, full).reshape(3, 1, n))
+    x40 = rng.standard_normal((40, k)).astype(np.float32)  # prefill-sized
+    assert_close(weight.matmul(x40), reference(x40, full))
+
+
+def test_weight_stays_quantized():
+    """Kernel formats never build an fp32 copy; read-only (mmap-like) data is used as is."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks(Q.Q4_K, 8, 256, rng)
+    raw.flags.writeable = False
+    weight = QuantizedWeight.from_gguf_tensor(raw, Q.Q4_K, (8, 256))
+    weight.matmul(rng.standard_normal((2, 256)).astype(np.float32))
+    weight.matmul(rng.standard_normal((20, 256)).astype(np.float32))
+    assert weight._fp32 is None
+    assert np.shares_memory(weight.data, raw)
+    assert weight.has_kernel
+
+
+def test_errors():
+    rng = np.random.default_rng(6)
+    raw = random_blocks(Q.Q8_0, 4, 64, rng)
+    weight = QuantizedWeight.from_gguf_tensor(raw, Q.Q8_0, (4, 64))
+    with pytest.raises(ValueError, match=r"expected \(\.\.\., 64\)"):
+        weight.matmul(np.zeros((2, 32), np.float32))
+    with pytest.raises(IndexError, match="out of range"):
+        weight.rows([4])
+    with pytest.raises(IndexError, match="out of range"):
+        weight.rows([-1])
+    with pytest.raises(ValueError, match="needs 340 bytes, the data has 272"):
+        QuantizedWeight.from_gguf_tensor(raw, Q.Q8_0, (5, 64))
+    with pytest.raises(ValueError, match="block size"):
+        QuantizedWeight.from_gguf_tensor(raw, Q.Q8_0, (4, 48))
+    with pytest.raises(UnsupportedQuantError, match="IQ4_NL"):
+        QuantizedWeight.from_gguf_tensor(np.zeros((1, 18), np.uint8), Q.IQ4_NL, (1, 32))
+
+
+def _real_weights():
+    from workbench.engine.gguf import open_gguf
+
+    picked = []
+    for alias in ["smollm2-135m", "qwen2.5-coder-0.5b"]:
+        path = registry.cached_path(alias)  # None when not pulled: those cases are skipped
+        if path is None:
+            continue
+        seen = set()
+        for t in open_gguf(path).tensors.values():
+            if len(t.shape) == 2 and t.qtype not in seen and t.shape[0] <= 5000:
+                seen.add(t.qtype)
+                picked.append(pytest.param(t, id=f"{alias}-{t.qtype.name}-{t.name}"))
+    return picked or [pytest.param(None, marks=pytest.mark.skip(reason="no model files"))]
+
+
+@pytest.mark.parametrize("tensor", _real_weights())
+def test_real_tensors(tensor):
+    """Kernels on real weights (mmap views): SmolLM2 Q4_1, Qwen2.5 Q5_0/Q8_0/Q4_K/Q6_K."""
+    n, k = tensor.shape
+    weight = QuantizedWeight.from_gguf_tensor(tensor.data, tensor.qtype, tensor.shape)
+    full = dequantize(tensor.data, tensor.qtype)
+    rng = np.random.default_rng(0)
+    for T in (1, 9):
+        x = rng.standard_normal((T, k)).astype(np.float32)
+        assert_close(weight.matmul(x), reference(x, full))
+    ids = rng.integers(0, n, size=5)
+    assert_bits_equal(weight.rows(ids), full[ids])

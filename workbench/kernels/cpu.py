@@ -1,0 +1,839 @@
+"""Numba CPU kernels: `y = x @ W.T` computed from GGUF weights in their file format.
+
+Three kernels per format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and
+F16/BF16 through a lookup table), picked by `matmul` from T, the number of
+rows of x:
+
+- `_gemv_<type>`, T <= 2 (decode): dot products on the packed blocks, one
+  output row per `prange` iteration, fp32 accumulation, nothing materialized.
+  The unpacking is redone for every row of x.
+- `_gemv2_<type>`, 3 <= T <= `GEMV_MAX_T`: each row of W is dequantized once
+  into a per-thread fp32 buffer, then dotted with the T rows of x.
+- `_dequant_<type>`, T > `GEMV_MAX_T` (prefill) and `dequantize_rows`: rows of
+  W to float32, bit-identical to `gguf.quants.dequantize` (same float32 ops in
+  the same order, no fastmath). `matmul` dequantizes one tile of rows at a
+  time and multiplies it with BLAS.
+
+Arguments (fixed dtypes, C-contiguous, W always read-only, so each kernel has
+one specialization, compiled once and cached on disk by `cache=True`):
+
+- `x`: (T, K) float32 activations; `y`: (T, N) float32 output.
+- `w`: (N, bytes_per_row) uint8, the raw rows as stored in the file.
+- `f16`: `F16_TO_F32` (or `BF16_TO_F32`), 65536-entry tables from 16-bit
+  patterns to float32: a lookup is exact and cheaper than decoding the bits.
+- `mask`: `MASK32`, int32 `1 << j`, to test the 5th bits of Q5_0/Q5_1.
+- `xs`: (T, K // 16) float32 sums of x over runs of 16: block offsets
+  (`q - 8`, `q - 32`) and additive mins (`d * q + m`) are applied once per
+  block as `offset * sum(x)` instead of once per weight.
+- `n`: the literal 16, passed at run time on purpose: with a compile-time
+  trip count LLVM fully unrolls the per-block inner loop and vectorizes across
+  blocks with gathers instead (measured ~4x slower on Q8_0).
+
+The dot kernels use `fastmath={"reassoc", "contract"}`: LLVM may reorder sums
+(to vectorize them) and fuse multiply-adds; results differ from
+`x @ dequantize(W).T` by fp32 rounding only (~1e-7..1e-6 of the output
+scale). NaN/inf semantics are kept (no `nnan`/`ninf`).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from numba import get_thread_id, njit, prange
+
+Q = GGMLQuantizationType
+
+# fp16 bit pattern -> float32, exact (NumPy's own conversion).
+F16_TO_F32: np.ndarray = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+# bf16 bit pattern -> float32 (the pattern is the float32's upper half), exact.
+BF16_TO_F32: np.ndarray = (np.arange(65536, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+
+_FM = {"reassoc", "contract"}  # fastmath flags of the dot kernels: reorder sums, fuse mul-add
+_INNER = 16  # the run-time inner trip count handed to the kernels (see module docstring)
+
+
+@njit(inline="always")
+def _h(w, r, o, f16):
+    """fp16 at bytes o, o+1 of row r, as float32."""
+    return f16[np.int64(w[r, o]) | (np.int64(w[r, o + 1]) << 8)]
+
+
+@njit(inline="always")
+def _u32(w, r, o):
+    """Little-endian uint32 at bytes o..o+3 of row r, as int64."""
+    return (
+        np.int64(w[r, o])
+        | (np.int64(w[r, o + 1]) << 8)
+        | (np.int64(w[r, o + 2]) << 16)
+        | (np.int64(w[r, o + 3]) << 24)
+    )
+
+
+@njit(inline="always")
+def _k_scale(w, r, o, j):
+    """Q4_K/Q5_K 6-bit scale j (0..7) from the 12 packed bytes at offset o."""
+    if j < 4:
+        return np.int64(w[r, o + j]) & 63
+    return (np.int64(w[r, o + j + 4]) & 15) | ((np.int64(w[r, o + j - 4]) >> 6) << 4)
+
+
+@njit(inline="always")
+def _k_min(w, r, o, j):
+    """Q4_K/Q5_K 6-bit min j (0..7) from the 12 packed bytes at offset o."""
+    if j < 4:
+        return np.int64(w[r, o + j + 4]) & 63
+    return (np.int64(w[r, o + j + 4]) >> 4) | ((np.int64(w[r, o + j]) >> 6) << 4)
+
+
+@njit(cache=True)
+def _group_sums(x):
+    """(T, K) float32 -> (T, K // 16) float32 sums over each run of 16 columns."""
+    T, K = x.shape
+    ng = K // 16
+    xs = np.empty((T, ng), np.float32)
+    for t in range(T):
+        for g in range(ng):
+            s = np.float32(0.0)
+            for j in range(16):
+                s += x[t, g * 16 + j]
+            xs[t, g] = s
+    return xs
+
+
+# --------------------------------------------------------------------------- dot products
+# One row r of W against one row of activations x (K,), with xs (K//16,) its
+# 16-group sums. Nibbles are unpacked in float32: a byte v (0..255) converts
+# exactly, hi = floor(v / 16), lo = v - 16 * hi. Numba types integer arithmetic
+# as int64, which LLVM vectorizes 8 lanes wide with 64-bit int->float
+# conversions; the float route keeps every op 32-bit (measured 1.2-1.3x faster
+# on Q4_0/Q4_1/Q4_K). Single high bits (Q5_*, Q6_K) are tested with a select
+# (`_bit`), 1.8x faster on Q5_0 than shifting the 32-bit qh word by j.
+
+
+@njit(fastmath=_FM, inline="always")
+def _split(v):
+    """A byte value as float32 -> (low nibble, high nibble), exact."""
+    hi = np.floor(v * np.float32(0.0625))
+    return v - np.float32(16.0) * hi, hi
+
+
+@njit(fastmath=_FM, inline="always")
+def _dot_q8_0(w, wi, r, x, f16, n):
+    nb = x.shape[0] // 32
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 34
+        xo = b * 32
+        t = np.float32(0.0)
+        for j in range(2 * n):
+            t += np.float32(wi[r, o + 2 + j]) * x[xo + j]
+        s += _h(w, r, o, f16) * t
+    return s
+
+
+@njit(fastmath=_FM, inline="always")
+def _dot_q4_0(w, r, x, xs, f16, n):
+    nb = x.shape[0] // 32
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 18
+        xo = b * 32
+        t = np.float32(0.0)
+        for j in range(n):
+            lo, hi = _split(np.float32(w[r, o + 2 + j]))
+            t += lo * x[xo + j] + hi * x[xo + 16 + j]
+        s += _h(w, r, o, f16) * (t - np.float32(8.0) * (xs[2 * b] + xs[2 * b + 1]))
+    return s
+
+
+@njit(fastmath=_FM, inline="always")
+def _dot_q4_1(w, r, x, xs, f16, n):
+    nb = x.shape[0] // 32
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 20
+        xo = b * 32
+        t = np.float32(0.0)
+        for j in range(n):
+            lo, hi = _split(np.float32(w[r, o + 4 + j]))
+            t += lo * x[xo + j] + hi * x[xo + 16 + j]
+        s += _h(w, r, o, f16) * t + _h(w, r, o + 2, f16) * (xs[2 * b] + xs[2 * b + 1])
+    return s
+
+
+@njit(fastmath=_FM, inline="always")
+def _bit(bits, mask, value):
+    """`value` where `bits & mask` is non-zero, else 0.0 (vectorizes to a test and a blend)."""
+    return value if (bits & mask) != 0 else np.float32(0.0)
+
+
+@njit(fastmath=_FM, inline="always")
+def _dot_q5_0(w, r, x, xs, f16, mask, n):
+    # The 5th bit of weight j is bit j of qh: a select on `qh & mask[j]` with an
+    # int32 mask table stays 32-bit (shifting qh by j would be 64-bit; 1.8x slower).
+    nb = x.shape[0] // 32
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 22
+        xo = b * 32
+        qh = np.int32(_u32(w, r, o + 2))
+        t = np.float32(0.0)
+        for j in range(n):
+            lo, hi = _split(np.float32(w[r, o + 6 + j]))
+            lo += _bit(qh, mask[j], np.float32(16.0))
+            hi += _bit(qh, mask[j + 16], np.float32(16.0))
+            t += lo * x[xo + j] + hi * x[xo + 16 + j]
+        s += _h(w, r, o, f16) * (t - np.float32(16.0) * (xs[2 * b] + xs[2 * b + 1]))
+    return s
+
+
+@njit(fastmath=_FM, inline="always")
+def _dot_q5_1(w, r, x, xs, f16, mask, n):
+    nb = x.shape[0] // 32
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 24
+        xo = b * 32
+        qh = np.int32(_u32(w, r, o + 4))
+        t = np.float32(0.0)
+        for j in range(n):
+            lo, hi = _split(np.float32(w[r, o + 8 + j]))
+            lo += _bit(qh, mask[j], np.float32(16.0))
+            hi += _bit(qh, mask[j + 16], np.float32(16.0))
+            t += lo * x[xo + j] + hi * x[xo + 16 + j]
+        s += _h(w, r, o, f16) * t + _h(w, r, o + 2, f16) * (xs[2 * b] + xs[2 * b + 1])
+    return s
+
+
+@njit(fastmath=_FM, inline="always")
+def _dot_q4_k(w, r, x, xs, f16, n):
+    nb = x.shape[0] // 256
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 144
+        xo = b * 256
+        d = _h(w, r, o, f16)
+        dmin = _h(w, r, o + 2, f16)
+        for c in range(4):  # pairs of 32-weight sub-blocks sharing 32 bytes
+            qo = o + 16 + 32 * c
+            x0 = xo + 64 * c
+            t0 = np.float32(0.0)
+            t1 = np.float32(0.0)
+            for j in range(2 * n):
+                lo, hi = _split(np.float32(w[r, qo + j]))
+                t0 += lo * x[x0 + j]
+                t1 += hi * x[x0 + 32 + j]
+            g = (xo + 64 * c) // 16  # first 16-group of sub-block 2c
+            s += (d * np.float32(_k_scale(w, r, o + 4, 2 * c))) * t0
+            s += (d * np.float32(_k_scale(w, r, o + 4, 2 * c + 1))) * t1
+            s -= (dmin * np.float32(_k_min(w, r, o + 4, 2 * c))) * (xs[g] + xs[g + 1])
+            s -= (dmin * np.float32(_k_min(w, r, o + 4, 2 * c + 1))) * (xs[g + 2] + xs[g + 3])
+    return s
+
+
+@njit(fastmath=_FM, inline="always")
+def _dot_q5_k(w, r, x, xs, f16, n):
+    nb = x.shape[0] // 256
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 176
+        xo = b * 256
+        d = _h(w, r, o, f16)
+        dmin = _h(w, r, o + 2, f16)
+        for c in range(4):
+            qo = o + 48 + 32 * c
+            x0 = xo + 64 * c
+            m0 = 1 << (2 * c)  # 5th bits of sub-blocks 2c, 2c+1: bits 2c, 2c+1 of qh[j]
+            m1 = 2 << (2 * c)
+            t0 = np.float32(0.0)
+            t1 = np.float32(0.0)
+            for j in range(2 * n):
+                lo, hi = _split(np.float32(w[r, qo + j]))
+                h = w[r, o + 16 + j]
+                t0 += (lo + _bit(h, m0, np.float32(16.0))) * x[x0 + j]
+                t1 += (hi + _bit(h, m1, np.float32(16.0))) * x[x0 + 32 + j]
+            g = (xo + 64 * c) // 16
+            s += (d * np.float32(_k_scale(w, r, o + 4, 2 * c))) * t0
+            s += (d * np.float32(_k_scale(w, r, o + 4, 2 * c + 1))) * t1
+            s -= (dmin * np.float32(_k_min(w, r, o + 4, 2 * c))) * (xs[g] + xs[g + 1])
+            s -= (dmin * np.float32(_k_min(w, r, o + 4, 2 * c + 1))) * (xs[g + 2] + xs[g + 3])
+    return s
+
+
+@njit(fastmath=_FM, inline="always")
+def _dot_q6_k(w, wi, r, x, xs, f16, n):
+    nb = x.shape[0] // 256
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 210
+        xo = b * 256
+        d = _h(w, r, o + 208, f16)
+        for h in range(2):  # two halves of 128 weights
+            for half in range(2):  # 16-weight sub-blocks within each run of 32
+                lo = o + 64 * h + 16 * half  # low-nibble bytes of weights 128h + {0, 64} + l
+                ho = o + 128 + 32 * h + 16 * half  # 2-bit pairs of weights 128h + 32s + l
+                x0 = xo + 128 * h + 16 * half
+                t0 = np.float32(0.0)
+                t1 = np.float32(0.0)
+                t2 = np.float32(0.0)
+                t3 = np.float32(0.0)
+                for j in range(n):
+                    a0, a1 = _split(np.float32(w[r, lo + j]))
+                    c0, c1 = _split(np.float32(w[r, lo + 32 + j]))
+                    hb = w[r, ho + j]  # high 2 bits: bits 0-1 of t0, 2-3 t1, 4-5 t2, 6-7 t3
+                    a0 += _bit(hb, 1, np.float32(16.0)) + _bit(hb, 2, np.float32(32.0))
+                    c0 += _bit(hb, 4, np.float32(16.0)) + _bit(hb, 8, np.float32(32.0))
+                    a1 += _bit(hb, 16, np.float32(16.0)) + _bit(hb, 32, np.float32(32.0))
+                    c1 += _bit(hb, 64, np.float32(16.0)) + _bit(hb, 128, np.float32(32.0))
+                    t0 += a0 * x[x0 + j]
+                    t1 += c0 * x[x0 + 32 + j]
+                    t2 += a1 * x[x0 + 64 + j]
+                    t3 += c1 * x[x0 + 96 + j]
+                g = x0 // 16  # 16-group of t0; t1..t3 are 2, 4, 6 groups further
+                so = o + 192 + 8 * h + half  # scale of weights 128h + 32s + 16*half: 8h + 2s + half
+                s += (d * np.float32(wi[r, so])) * (t0 - np.float32(32.0) * xs[g])
+                s += (d * np.float32(wi[r, so + 2])) * (t1 - np.float32(32.0) * xs[g + 2])
+                s += (d * np.float32(wi[r, so + 4])) * (t2 - np.float32(32.0) * xs[g + 4])
+                s += (d * np.float32(wi[r, so + 6])) * (t3 - np.float32(32.0) * xs[g + 6])
+    return s
+
+
+# One gemv kernel per format: prange over output rows, loop over the T rows of x.
+# All share the signature (x, w, f16, mask, xs, y, n).
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv_q8_0(x, w, f16, mask, xs, y, n):
+    wi = w.view(np.int8)
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            y[t, r] = _dot_q8_0(w, wi, r, x[t], f16, n)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv_q4_0(x, w, f16, mask, xs, y, n):
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            y[t, r] = _dot_q4_0(w, r, x[t], xs[t], f16, n)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv_q4_1(x, w, f16, mask, xs, y, n):
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            y[t, r] = _dot_q4_1(w, r, x[t], xs[t], f16, n)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv_q5_0(x, w, f16, mask, xs, y, n):
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            y[t, r] = _dot_q5_0(w, r, x[t], xs[t], f16, mask, n)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv_q5_1(x, w, f16, mask, xs, y, n):
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            y[t, r] = _dot_q5_1(w, r, x[t], xs[t], f16, mask, n)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv_q4_k(x, w, f16, mask, xs, y, n):
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            y[t, r] = _dot_q4_k(w, r, x[t], xs[t], f16, n)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv_q5_k(x, w, f16, mask, xs, y, n):
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            y[t, r] = _dot_q5_k(w, r, x[t], xs[t], f16, n)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv_q6_k(x, w, f16, mask, xs, y, n):
+    wi = w.view(np.int8)
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            y[t, r] = _dot_q6_k(w, wi, r, x[t], xs[t], f16, n)
+
+
+# --------------------------------------------------------------------------- dequantizers
+# `_row_<type>(w, r, f16, out, n)` writes row r of W as float32 into `out` (K,).
+# Inlined into the non-fastmath `_dequant_*` kernels they are bit-identical to
+# the NumPy reference (same float32 ops in the same order); inlined into the
+# fastmath two-stage gemv kernels they may fuse multiply-adds.
+
+
+@njit(inline="always")
+def _row_q8_0(w, wi, r, f16, out, n):
+    for b in range(out.shape[0] // 32):
+        o = b * 34
+        d = _h(w, r, o, f16)
+        for j in range(2 * n):
+            out[b * 32 + j] = np.float32(wi[r, o + 2 + j]) * d
+
+
+@njit(inline="always")
+def _row_q4_0(w, r, f16, out, n):
+    for b in range(out.shape[0] // 32):
+        o = b * 18
+        d = _h(w, r, o, f16)
+        for j in range(n):
+            q = np.int64(w[r, o + 2 + j])
+            out[b * 32 + j] = d * np.float32((q & 15) - 8)
+            out[b * 32 + 16 + j] = d * np.float32((q >> 4) - 8)
+
+
+@njit(inline="always")
+def _row_q4_1(w, r, f16, out, n):
+    for b in range(out.shape[0] // 32):
+        o = b * 20
+        d = _h(w, r, o, f16)
+        m = _h(w, r, o + 2, f16)
+        for j in range(n):
+            q = np.int64(w[r, o + 4 + j])
+            out[b * 32 + j] = d * np.float32(q & 15) + m
+            out[b * 32 + 16 + j] = d * np.float32(q >> 4) + m
+
+
+@njit(inline="always")
+def _row_q5_0(w, r, f16, out, n):
+    for b in range(out.shape[0] // 32):
+        o = b * 22
+        d = _h(w, r, o, f16)
+        qh = _u32(w, r, o + 2)
+        for j in range(n):
+            q = np.int64(w[r, o + 6 + j])
+            lo = (q & 15) | (((qh >> j) & 1) << 4)
+            hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+            out[b * 32 + j] = d * np.float32(lo - 16)
+            out[b * 32 + 16 + j] = d * np.float32(hi - 16)
+
+
+@njit(inline="always")
+def _row_q5_1(w, r, f16, out, n):
+    for b in range(out.shape[0] // 32):
+        o = b * 24
+        d = _h(w, r, o, f16)
+        m = _h(w, r, o + 2, f16)
+        qh = _u32(w, r, o + 4)
+        for j in range(n):
+            q = np.int64(w[r, o + 8 + j])
+            lo = (q & 15) | (((qh >> j) & 1) << 4)
+            hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+            out[b * 32 + j] = d * np.float32(lo) + m
+            out[b * 32 + 16 + j] = d * np.float32(hi) + m
+
+
+@njit(inline="always")
+def _row_q4_k(w, r, f16, out, n):
+    for b in range(out.shape[0] // 256):
+        o = b * 144
+        d = _h(w, r, o, f16)
+        dmin = _h(w, r, o + 2, f16)
+        for c in range(4):
+            d0 = d * np.float32(_k_scale(w, r, o + 4, 2 * c))
+            m0 = dmin * np.float32(_k_min(w, r, o + 4, 2 * c))
+            d1 = d * np.float32(_k_scale(w, r, o + 4, 2 * c + 1))
+            m1 = dmin * np.float32(_k_min(w, r, o + 4, 2 * c + 1))
+            e = b * 256 + 64 * c
+            for j in range(2 * n):
+                q = np.int64(w[r, o + 16 + 32 * c + j])
+                out[e + j] = d0 * np.float32(q & 15) - m0
+                out[e + 32 + j] = d1 * np.float32(q >> 4) - m1
+
+
+@njit(inline="always")
+def _row_q5_k(w, r, f16, out, n):
+    for b in range(out.shape[0] // 256):
+        o = b * 176
+        d = _h(w, r, o, f16)
+        dmin = _h(w, r, o + 2, f16)
+        for c in range(4):
+            d0 = d * np.float32(_k_scale(w, r, o + 4, 2 * c))
+            m0 = dmin * np.float32(_k_min(w, r, o + 4, 2 * c))
+            d1 = d * np.float32(_k_scale(w, r, o + 4, 2 * c + 1))
+            m1 = dmin * np.float32(_k_min(w, r, o + 4, 2 * c + 1))
+            e = b * 256 + 64 * c
+            for j in range(2 * n):
+                q = np.int64(w[r, o + 48 + 32 * c + j])
+                h = np.int64(w[r, o + 16 + j]) >> (2 * c)
+                out[e + j] = d0 * np.float32((q & 15) | ((h & 1) << 4)) - m0
+                out[e + 32 + j] = d1 * np.float32((q >> 4) | ((h & 2) << 3)) - m1
+
+
+@njit(inline="always")
+def _row_q6_k(w, wi, r, f16, out, n):
+    for b in range(out.shape[0] // 256):
+        o = b * 210
+        d = _h(w, r, o + 208, f16)
+        for h in range(2):
+            for half in range(2):
+                so = o + 192 + 8 * h + half  # scale of weights 128h + 32s + 16*half: 8h + 2s + half
+                d0 = d * np.float32(wi[r, so])
+                d1 = d * np.float32(wi[r, so + 2])
+                d2 = d * np.float32(wi[r, so + 4])
+                d3 = d * np.float32(wi[r, so + 6])
+                lo = o + 64 * h + 16 * half
+                ho = o + 128 + 32 * h + 16 * half
+                e = b * 256 + 128 * h + 16 * half
+                for j in range(n):
+                    a = np.int64(w[r, lo + j])
+                    c = np.int64(w[r, lo + 32 + j])
+                    hb = np.int64(w[r, ho + j])
+                    out[e + j] = d0 * np.float32(((a & 15) | ((hb & 3) << 4)) - 32)
+                    out[e + 32 + j] = d1 * np.float32(((c & 15) | ((hb & 12) << 2)) - 32)
+                    out[e + 64 + j] = d2 * np.float32(((a >> 4) | (hb & 48)) - 32)
+                    out[e + 96 + j] = d3 * np.float32(((c >> 4) | ((hb >> 2) & 48)) - 32)
+
+
+# Bit-exact dequantization of rows r0 .. r0 + len(out) (fastmath off).
+
+
+@njit(cache=True)
+def _dequant_q8_0(w, r0, f16, out, n):
+    wi = w.view(np.int8)
+    for i in range(out.shape[0]):
+        _row_q8_0(w, wi, r0 + i, f16, out[i], n)
+
+
+@njit(cache=True)
+def _dequant_q4_0(w, r0, f16, out, n):
+    for i in range(out.shape[0]):
+        _row_q4_0(w, r0 + i, f16, out[i], n)
+
+
+@njit(cache=True)
+def _dequant_q4_1(w, r0, f16, out, n):
+    for i in range(out.shape[0]):
+        _row_q4_1(w, r0 + i, f16, out[i], n)
+
+
+@njit(cache=True)
+def _dequant_q5_0(w, r0, f16, out, n):
+    for i in range(out.shape[0]):
+        _row_q5_0(w, r0 + i, f16, out[i], n)
+
+
+@njit(cache=True)
+def _dequant_q5_1(w, r0, f16, out, n):
+    for i in range(out.shape[0]):
+        _row_q5_1(w, r0 + i, f16, out[i], n)
+
+
+@njit(cache=True)
+def _dequant_q4_k(w, r0, f16, out, n):
+    for i in range(out.shape[0]):
+        _row_q4_k(w, r0 + i, f16, out[i], n)
+
+
+@njit(cache=True)
+def _dequant_q5_k(w, r0, f16, out, n):
+    for i in range(out.shape[0]):
+        _row_q5_k(w, r0 + i, f16, out[i], n)
+
+
+@njit(cache=True)
+def _dequant_q6_k(w, r0, f16, out, n):
+    wi = w.view(np.int8)
+    for i in range(out.shape[0]):
+        _row_q6_k(w, wi, r0 + i, f16, out[i], n)
+
+
+# Two-stage gemv: dequantize one row into a per-thread fp32 buffer, then T
+# plain dot products over K (long, fully vectorized loops). The unpacking is
+# paid once per row whatever T is.
+
+
+@njit(fastmath=_FM, inline="always")
+def _dot(a, x):
+    s = np.float32(0.0)
+    for k in range(x.shape[0]):
+        s += a[k] * x[k]
+    return s
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv2_q8_0(x, w, f16, scratch, y, n):
+    wi = w.view(np.int8)
+    for r in prange(w.shape[0]):
+        buf = scratch[get_thread_id()]
+        _row_q8_0(w, wi, r, f16, buf, n)
+        for t in range(x.shape[0]):
+            y[t, r] = _dot(buf, x[t])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv2_q4_0(x, w, f16, scratch, y, n):
+    for r in prange(w.shape[0]):
+        buf = scratch[get_thread_id()]
+        _row_q4_0(w, r, f16, buf, n)
+        for t in range(x.shape[0]):
+            y[t, r] = _dot(buf, x[t])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv2_q4_1(x, w, f16, scratch, y, n):
+    for r in prange(w.shape[0]):
+        buf = scratch[get_thread_id()]
+        _row_q4_1(w, r, f16, buf, n)
+        for t in range(x.shape[0]):
+            y[t, r] = _dot(buf, x[t])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv2_q5_0(x, w, f16, scratch, y, n):
+    for r in prange(w.shape[0]):
+        buf = scratch[get_thread_id()]
+        _row_q5_0(w, r, f16, buf, n)
+        for t in range(x.shape[0]):
+            y[t, r] = _dot(buf, x[t])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv2_q5_1(x, w, f16, scratch, y, n):
+    for r in prange(w.shape[0]):
+        buf = scratch[get_thread_id()]
+        _row_q5_1(w, r, f16, buf, n)
+        for t in range(x.shape[0]):
+            y[t, r] = _dot(buf, x[t])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv2_q4_k(x, w, f16, scratch, y, n):
+    for r in prange(w.shape[0]):
+        buf = scratch[get_thread_id()]
+        _row_q4_k(w, r, f16, buf, n)
+        for t in range(x.shape[0]):
+            y[t, r] = _dot(buf, x[t])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv2_q5_k(x, w, f16, scratch, y, n):
+    for r in prange(w.shape[0]):
+        buf = scratch[get_thread_id()]
+        _row_q5_k(w, r, f16, buf, n)
+        for t in range(x.shape[0]):
+            y[t, r] = _dot(buf, x[t])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv2_q6_k(x, w, f16, scratch, y, n):
+    wi = w.view(np.int8)
+    for r in prange(w.shape[0]):
+        buf = scratch[get_thread_id()]
+        _row_q6_k(w, wi, r, f16, buf, n)
+        for t in range(x.shape[0]):
+            y[t, r] = _dot(buf, x[t])
+
+
+# 16-bit floats (F16, BF16): each weight is a lookup in a 65536-entry table
+# (`F16_TO_F32` or `BF16_TO_F32`, passed as `f16`), exact. The same kernels
+# serve both formats. w is (N, 2 K) bytes, viewed as (N, K) uint16.
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv_f16(x, w, f16, mask, xs, y, n):
+    h = w.view(np.uint16)
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            s = np.float32(0.0)
+            for k in range(x.shape[1]):
+                s += f16[np.int64(h[r, k])] * x[t, k]
+            y[t, r] = s
+
+
+@njit(inline="always")
+def _row_f16(h, r, f16, out):
+    for k in range(out.shape[0]):
+        out[k] = f16[np.int64(h[r, k])]
+
+
+@njit(cache=True)
+def _dequant_f16(w, r0, f16, out, n):
+    h = w.view(np.uint16)
+    for i in range(out.shape[0]):
+        _row_f16(h, r0 + i, f16, out[i])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv2_f16(x, w, f16, scratch, y, n):
+    h = w.view(np.uint16)
+    for r in prange(w.shape[0]):
+        buf = scratch[get_thread_id()]
+        _row_f16(h, r, f16, buf)
+        for t in range(x.shape[0]):
+            y[t, r] = _dot(buf, x[t])
+
+
+# --------------------------------------------------------------------------- dispatch
+
+GEMV_KERNELS = {
+    Q.Q8_0: _gemv_q8_0,
+    Q.Q4_0: _gemv_q4_0,
+    Q.Q4_1: _gemv_q4_1,
+    Q.Q5_0: _gemv_q5_0,
+    Q.Q5_1: _gemv_q5_1,
+    Q.Q4_K: _gemv_q4_k,
+    Q.Q5_K: _gemv_q5_k,
+    Q.Q6_K: _gemv_q6_k,
+    Q.F16: _gemv_f16,
+    Q.BF16: _gemv_f16,
+}
+DEQUANT_KERNELS = {
+    Q.Q8_0: _dequant_q8_0,
+    Q.Q4_0: _dequant_q4_0,
+    Q.Q4_1: _dequant_q4_1,
+    Q.Q5_0: _dequant_q5_0,
+    Q.Q5_1: _dequant_q5_1,
+    Q.Q4_K: _dequant_q4_k,
+    Q.Q5_K: _dequant_q5_k,
+    Q.Q6_K: _dequant_q6_k,
+    Q.F16: _dequant_f16,
+    Q.BF16: _dequant_f16,
+}
+GEMV2_KERNELS = {
+    Q.Q8_0: _gemv2_q8_0,
+    Q.Q4_0: _gemv2_q4_0,
+    Q.Q4_1: _gemv2_q4_1,
+    Q.Q5_0: _gemv2_q5_0,
+    Q.Q5_1: _gemv2_q5_1,
+    Q.Q4_K: _gemv2_q4_k,
+    Q.Q5_K: _gemv2_q5_k,
+    Q.Q6_K: _gemv2_q6_k,
+    Q.F16: _gemv2_f16,
+    Q.BF16: _gemv2_f16,
+}
+KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(GEMV_KERNELS)
+
+# MASK32[j] = 1 << j as int32 (bit 31 wraps to the sign bit): selects bit j of a Q5 qh word.
+MASK32: np.ndarray = (np.int64(1) << np.arange(32)).astype(np.uint32).view(np.int32)
+
+# Largest T for the Numba-only kernels. Measured on Q4_K 4864x1024 (ms):
+# T=2 gemv 0.63 / two-stage 0.78; T=8 two-stage 1.65 / tile+BLAS 2.0;
+# T=16 two-stage 2.8 / tile+BLAS 2.3.
+GEMV_MAX_T = 8
+# Weights dequantized per tile on the BLAS path (1M floats = 4 MiB of fp32);
+# 256K and 4M were 5-40% slower from T=16 to T=512.
+TILE_WEIGHTS = 1 << 20
+
+
+def _table(qtype: GGMLQuantizationType) -> np.ndarray:
+    """The fp16 table, or the bf16 one for BF16 weights."""
+    return BF16_TO_F32 if qtype == Q.BF16 else F16_TO_F32
+
+
+def _frozen(w: np.ndarray) -> np.ndarray:
+    """A read-only view of w: mmap'd weights are read-only, so kernels are compiled
+    for read-only arrays only (one specialization each, whatever the caller has)."""
+    if w.flags.writeable:
+        w = w.view()
+        w.flags.writeable = False
+    return w
+
+
+def _check(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    if qtype not in GEMV_KERNELS:
+        raise ValueError(f"no CPU kernel for {GGMLQuantizationType(qtype).name}; kernels: "
+                         + ", ".join(t.name for t in KERNEL_TYPES))
+    if x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous:
+        raise ValueError("x must be a C-contiguous (T, K) float32 array")
+    if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous:
+        raise ValueError("w must be a C-contiguous (N, bytes_per_row) uint8 array")
+
+
+def gemv(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """`x @ dequantize(w).T` by dot products on the packed blocks (the decode path).
+
+    x: (T, K) float32, C-contiguous; w: (N, bytes_per_row) uint8 raw blocks of
+    `qtype`; returns (T, N) float32. Unpacks every block once per row of x, so
+    its cost grows linearly in T: the fastest kernel for T = 1.
+    """
+    _check(x, w, qtype)
+    if not x.flags.writeable:
+        x = x.copy()
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    GEMV_KERNELS[qtype](x, _frozen(w), _table(qtype), MASK32, _group_sums(x), y, _INNER)
+    return y
+
+
+def gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """`x @ dequantize(w).T`, dequantizing each row of W once into a per-thread buffer.
+
+    Same contract as `gemv`; the unpacking is shared by the T rows of x, so
+    this is the faster kernel for 3 <= T <= `GEMV_MAX_T`.
+    """
+    _check(x, w, qtype)
+    if not x.flags.writeable:
+        x = x.copy()
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    scratch = np.empty((numba.config.NUMBA_NUM_THREADS, x.shape[1]), np.float32)  # (threads, K)
+    GEMV2_KERNELS[qtype](x, _frozen(w), _table(qtype), scratch, y, _INNER)
+    return y
+
+
+def dequantize_rows(w: np.ndarray, qtype: GGMLQuantizationType, r0: int, r1: int,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """Rows r0..r1 of W as float32, bit-identical to `gguf.quants.dequantize`.
+
+    w: (N, bytes_per_row) uint8 raw blocks; returns (r1 - r0, K) float32
+    (written into `out` when given: C-contiguous float32 of that shape).
+    """
+    if qtype not in DEQUANT_KERNELS:
+        raise ValueError(f"no CPU kernel for {GGMLQuantizationType(qtype).name}")
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    k = w.shape[1] // ts * bs
+    if out is None:
+        out = np.empty((r1 - r0, k), np.float32)
+    elif out.shape != (r1 - r0, k) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape ({r1 - r0}, {k})")
+    if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous:
+        raise ValueError("w must be a C-contiguous (N, bytes_per_row) uint8 array")
+    if not 0 <= r0 <= r1 <= w.shape[0]:
+        raise ValueError(f"row range [{r0}, {r1}) outside the {w.shape[0]} rows of w")
+    DEQUANT_KERNELS[qtype](_frozen(w), r0, _table(qtype), out, _INNER)
+    return out
+
+
+def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """`x @ dequantize(w).T` on quantized weights, fp32 accumulation.
+
+    x: (T, K) float32, C-contiguous; w: (N, bytes_per_row) uint8 raw blocks.
+    Returns (T, N) float32. Picks the kernel by T:
+
+    - T <= 2 (decode): `gemv`, dot products on the packed blocks;
+    - 3 <= T <= `GEMV_MAX_T`: `gemv_dequant_rows`;
+    - larger T (prefill): W is dequantized one tile of `TILE_WEIGHTS` floats
+      at a time (serial Numba) and each tile is multiplied with BLAS
+      (`np.dot`, multithreaded), so the fp32 copy never exceeds one tile.
+      The dequantization is serial on purpose: OpenBLAS's worker threads
+      keep spinning after a call, and a parallel Numba region right after
+      one waits for its descheduled threads (measured 5-10x slower).
+    """
+    _check(x, w, qtype)
+    T, K = x.shape
+    if T <= GEMV_MAX_T:
+        return gemv(x, w, qtype) if T <= 2 else gemv_dequant_rows(x, w, qtype)
+    w = _frozen(w)
+    N = w.shape[0]
+    rows = max(16, min(N, TILE_WEIGHTS // K))
+    tile = np.empty((rows, K), np.float32)
+    kern = DEQUANT_KERNELS[qtype]
+    table = _table(qtype)
+    # BLAS is faster as (rows, K) @ (K, T) for small T and as (T, K) @ (K, rows) for large T.
+    wide = T > 64
+    y = np.empty((T, N) if wide else (N, T), np.float32)  # (N, T): each tile fills contiguous rows
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        part = tile[: r1 - r0]
+        kern(w, r0, table, part, _INNER)
+        if wide:
+            np.matmul(x, part.T, out=y[:, r0:r1])  # (T, K) @ (K, rows)
+        else:
+            np.dot(part, x.T, out=y[r0:r1])  # (rows, K) @ (K, T)
+    return y if wide else np.ascontiguousarray(y.T)
