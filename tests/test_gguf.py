@@ -51,7 +51,7 @@ def _write_gguf(path, arch: str) -> None:
 def test_missing_file_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         LLM.load(tmp_path / "nope.gguf")
-    with pytest.raises(ModelNotFoundError, match="known aliases"):
+    with pytest.raises(ModelNotFoundError, match="Known aliases"):
         LLM.load("no-such-model-alias")
 
 

@@ -38,6 +38,9 @@ def test_resolve_local_path(tmp_path):
 
 def test_hf_reference_offline_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import time
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
     with pytest.raises(ModelNotFoundError, match="hf://some-org/some-repo/model.gguf"):
         registry.resolve("hf://some-org/some-repo/model.gguf")
