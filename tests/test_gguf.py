@@ -97,3 +97,22 @@ def test_small_file_metadata(tmp_path):
     assert t.qtype == GGMLQuantizationType.F32 and t.shape == (4, 8)
     with pytest.raises(GGUFError, match="no tensor 'output.weight'"):
         g.tensor("output.weight")
+
+
+def test_unsupported_tensor_type_names_the_tensor(tmp_path):
+    from workbench.engine.gguf import UnsupportedTensorTypeError
+    from workbench.engine.models.llama import _linear
+
+    path = tmp_path / "iq4.gguf"
+    w = GGUFWriter(str(path), "llama")
+    # IQ4_NL: 32 weights in 18 bytes per block; 2 rows of 64 weights
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((2, 36), dtype=np.uint8),
+                 raw_dtype=GGMLQuantizationType.IQ4_NL)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = open_gguf(path)
+    assert g.tensor("blk.0.attn_q.weight").shape == (2, 64)
+    with pytest.raises(UnsupportedTensorTypeError, match="'blk.0.attn_q.weight'.*IQ4_NL"):
+        _linear(g, "blk.0.attn_q.weight")

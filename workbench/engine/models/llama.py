@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.engine.gguf import GGUFError, GGUFFile
+from workbench.engine.gguf import GGUFError, GGUFFile, UnsupportedTensorTypeError
 from workbench.engine.kv_cache import KVCache
 from workbench.kernels.linear import QuantizedWeight
+from workbench.kernels.quants import UnsupportedQuantError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -237,7 +238,10 @@ class LlamaModel:
 
 def _linear(g: GGUFFile, name: str) -> QuantizedWeight:
     t = g.tensor(name)
-    return QuantizedWeight.from_gguf_tensor(t.data, t.qtype, t.shape)
+    try:
+        return QuantizedWeight.from_gguf_tensor(t.data, t.qtype, t.shape)
+    except UnsupportedQuantError as exc:
+        raise UnsupportedTensorTypeError(f"{g.path.name}: tensor {name!r}: {exc}") from None
 
 
 def _vector(g: GGUFFile, name: str, optional: bool = False) -> np.ndarray | None:
