@@ -4,17 +4,15 @@ that try to reach Python internals."""
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from pathlib import Path
 
 import jinja2
 import pytest
 
+from tests.conftest import reference
 from workbench.engine import chat_template
 from workbench.engine.chat_template import CHATML, ChatTemplate, ChatTemplateError, render
-
-REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference"
 
 # alias -> the llama.cpp reference made on that alias's GGUF
 REFERENCES = {
@@ -22,13 +20,6 @@ REFERENCES = {
     "qwen2.5-coder-0.5b": "llamacpp_qwen2.5-coder-0.5b.json",
 }
 
-
-def _reference(name: str) -> dict:
-    path = REFERENCE_DIR / name
-    if not path.is_file():
-        pytest.fail(f"missing reference file {path}: the chat template tests expect "
-                    "../shared/reference beside the repository (as CI provides it)")
-    return json.loads(path.read_text())
 
 
 _TEMPLATES: dict[str, str] = {}
@@ -51,7 +42,7 @@ def _gguf_template(alias: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("alias", sorted(REFERENCES))
 def test_gguf_template_reproduces_llamacpp_rendering(alias):
-    ref = _reference(REFERENCES[alias])
+    ref = reference(REFERENCES[alias])
     source = _gguf_template(alias)
     case = ref["chat_template"]
     assert render(source, case["messages"]) == case["rendered"]

@@ -4,14 +4,13 @@ llama.cpp's reference tokenizations in ../shared/reference."""
 from __future__ import annotations
 
 import functools
-import json
 import random
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.conftest import reference
 from workbench.engine.tokenizers import (
     BPETokenizer,
     SPMTokenizer,
@@ -22,8 +21,6 @@ from workbench.engine.tokenizers import (
 )
 from workbench.engine.tokenizers.bpe import PRE_TOKENIZERS, PreTokenizer, byte_encode
 from workbench.engine.tokenizers.stream import StreamDecoder
-
-REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference"
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 
@@ -251,13 +248,6 @@ MODELS = {
     "gemma3-270m": "llamacpp_gemma3-270m.json",
 }
 
-
-def reference(name: str) -> dict:
-    path = REFERENCE_DIR / name
-    if not path.is_file():
-        pytest.fail(f"missing llama.cpp reference {path}: the tests expect ../shared/reference "
-                    "beside the repository")
-    return json.loads(path.read_text())
 
 
 @functools.cache
