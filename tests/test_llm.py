@@ -170,3 +170,55 @@ def test_context_full_stops_with_length():
         assert c.finish_reason == "length" and len(c.token_ids) == 12 - 5 + 1
     with pytest.raises(RuntimeError, match="closed"):
         m.generate(PROMPT).wait()
+
+
+def test_busy_and_device_signals(smollm2):
+    assert smollm2.device.get() == "cpu"
+    seen = []
+    unsubscribe = smollm2.busy.subscribe(seen.append)
+    c = smollm2.generate(PROMPT, max_tokens=3, **GREEDY)
+    assert not smollm2.busy.get()  # nothing runs until the completion is iterated
+    it = iter(c)
+    next(it)
+    assert smollm2.busy.get()
+    rest = list(it)
+    assert not smollm2.busy.get() and rest is not None
+    # a stopped stream frees the model too
+    it = iter(smollm2.generate(PROMPT, max_tokens=50, **GREEDY))
+    next(it)
+    it.close()
+    assert not smollm2.busy.get()
+    unsubscribe()
+    assert seen == [True, False, True, False]
+
+
+def test_busy_false_after_an_exception_in_generation(smollm2, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("sampler exploded")
+
+    c = smollm2.generate(PROMPT, max_tokens=3, **GREEDY)
+    monkeypatch.setattr(smollm2, "_prefill", broken)
+    with pytest.raises(RuntimeError, match="exploded"):
+        c.wait()
+    assert not smollm2.busy.get()
+
+
+def test_busy_across_three_threads(smollm2):
+    started, release = threading.Barrier(4), threading.Event()
+
+    def work():
+        c = iter(smollm2.generate(PROMPT, max_tokens=4, **GREEDY))
+        next(c)
+        started.wait()
+        release.wait()
+        list(c)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    started.wait()
+    assert smollm2.busy.get()
+    release.set()
+    for t in threads:
+        t.join()
+    assert not smollm2.busy.get()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from workbench.engine.models import llama
 from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
 from workbench.engine.tokenizers.stream import StreamDecoder
+from workbench.signals import BusyCounter, Signal
 
 SUPPORTED_ARCHITECTURES = llama.ARCHITECTURES
 PREFILL_CHUNK = 512  # prompt tokens per forward pass
@@ -92,13 +93,24 @@ class Completion:
         self._done = False
 
     def iter_events(self) -> Iterator[TokenEvent]:
-        """Yield each generated token's event as it is produced."""
-        for ev in self._source:
-            self._events.append(ev)
-            if ev.text:
-                self._text.append(ev.text)
-            yield ev
-        self._done = True
+        """Yield each generated token's event as it is produced.
+
+        Abandoning the iteration early (closing it, or dropping it) stops the
+        generation and frees the model.
+        """
+        try:
+            while True:
+                try:
+                    ev = next(self._source)
+                except StopIteration as stop:  # the generator returns its finish reason
+                    self._finish_reason = stop.value or self._finish_reason
+                    break
+                self._events.append(ev)
+                if ev.text:
+                    self._text.append(ev.text)
+                yield ev
+        finally:
+            self.close()
 
     def __iter__(self) -> Iterator[str]:
         if self._prefix_pending:
@@ -149,9 +161,7 @@ class Completion:
 
     def close(self) -> None:
         """Stop the generation early (frees the model for other calls)."""
-        close = getattr(self._source, "close", None)
-        if close is not None:
-            close()
+        self._source.close()
         self._done = True
 
     def __repr__(self) -> str:
@@ -181,7 +191,9 @@ class LLM:
             )
         if kv_cache_size < 1:
             raise ValueError("kv_cache_size must be >= 1")
-        self.device = resolve_device(device)
+        self.device: Signal[str] = Signal(resolve_device(device), name="device")
+        self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
+        self._busy = BusyCounter(self.busy)
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
@@ -219,7 +231,8 @@ class LLM:
         self.close()
 
     def __repr__(self) -> str:
-        return f"LLM({self.path.name!r}, arch={self.config.arch!r}, device={self.device!r})"
+        return (f"LLM({self.path.name!r}, arch={self.config.arch!r}, "
+                f"device={self.device.peek()!r})")
 
     # -- tokens ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True
@@ -251,7 +264,7 @@ class LLM:
     def forward(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
         """Logits (T, n_vocab) float32 at every position of `ids`, which are appended to
         `cache` at its next positions."""
-        with self._forward_lock:
+        with self._busy, self._forward_lock:
             return self._require_model().forward(np.asarray(ids), cache)
 
     # -- generation --------------------------------------------------------------------------
@@ -289,11 +302,10 @@ class LLM:
             raise ValueError(f"the prompt has {len(ids)} tokens and the context holds "
                              f"{self.kv_cache_size}; load with a larger kv_cache_size")
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-        completion = Completion(iter(()), ids, prompt_text if include_prompt else "")
-        completion._source = self._generate_events(
-            completion, ids, Sampler(params, self.config.n_vocab), max_tokens=max_tokens,
-            stop=stops, stop_tokens=frozenset(int(t) for t in stop_tokens), logprobs=logprobs)
-        return completion
+        events = self._generate_events(
+            ids, Sampler(params, self.config.n_vocab), max_tokens=max_tokens, stop=stops,
+            stop_tokens=frozenset(int(t) for t in stop_tokens), logprobs=logprobs)
+        return Completion(events, ids, prompt_text if include_prompt else "")
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
              **options) -> Completion:
@@ -321,7 +333,7 @@ class LLM:
             raise ValueError("cannot embed an empty text")
         model = self._require_model()
         cache = model.new_cache(len(ids))
-        with self._forward_lock:
+        with self._busy, self._forward_lock:
             h = model.hidden(np.asarray(ids), cache)[-1]
         if normalize:
             h = h / max(float(np.linalg.norm(h)), 1e-12)
@@ -343,9 +355,10 @@ class LLM:
         with self._forward_lock:
             return model.logits(hidden[-1:])[0]
 
-    def _generate_events(self, completion: Completion, prompt_ids: list[int], sampler: Sampler,
-                         *, max_tokens: int, stop: list[str], stop_tokens: frozenset[int],
-                         logprobs: int | None) -> Iterator[TokenEvent]:
+    def _generate_events(self, prompt_ids: list[int], sampler: Sampler, *, max_tokens: int,
+                         stop: list[str], stop_tokens: frozenset[int], logprobs: int | None
+                         ) -> Generator[TokenEvent, None, str]:
+        """Yield the events of one generation; return its finish reason."""
         model = self._require_model()
         tok = self.tokenizer
         end_ids = tok.eot_ids | stop_tokens
@@ -353,10 +366,10 @@ class LLM:
         # beginning skips that part of the prefill; a concurrent call gets its own cache.
         owns_shared = self._cache_lock.acquire(blocking=False)
         cache = self._cache if owns_shared else model.new_cache()
+        self._busy.__enter__()
         try:
             if max_tokens == 0:
-                completion._finish_reason = "length"
-                return
+                return "length"
             reuse = min(cache.common_prefix(prompt_ids), len(prompt_ids) - 1)
             cache.trim(reuse)
             logits = self._prefill(prompt_ids[reuse:], cache)
@@ -378,7 +391,7 @@ class LLM:
                     top = tuple(Alternative(int(i), tok.decode([int(i)]), float(logp[i]))
                                 for i in best)
                 if token in end_ids:
-                    completion._finish_reason = "stop"
+                    reason = "stop"
                     break
                 history.append(token)
                 n_generated += 1
@@ -386,17 +399,18 @@ class LLM:
                 released, held, hit = _split_stop(held, stop)
                 yield TokenEvent(token, released, tok.decode([token]), lp, top, ent)
                 if hit:
-                    completion._finish_reason = "stop"
-                    return
+                    return "stop"
                 if n_generated >= max_tokens or cache.offset >= cache.max_len:
-                    completion._finish_reason = "length"
+                    reason = "length"
                     break
                 with self._forward_lock:
                     logits = model.logits(model.hidden(np.asarray([token]), cache))[0]
             tail, _, _ = _split_stop(held + decoder.flush(), stop, final=True)
             if tail:  # text held back until the end: released by a token-less event
                 yield TokenEvent(None, tail, "")
+            return reason
         finally:
+            self._busy.__exit__()
             if owns_shared:
                 self._cache_lock.release()
 
