@@ -166,25 +166,20 @@ def test_errors():
         QuantizedWeight.from_gguf_tensor(np.zeros((1, 18), np.uint8), Q.IQ4_NL, (1, 32))
 
 
-def _real_weights():
+REAL_TYPES = [("smollm2-135m", "Q4_1"), ("smollm2-135m", "Q8_0"), ("qwen2.5-coder-0.5b", "Q5_0"),
+              ("qwen2.5-coder-0.5b", "Q8_0"), ("qwen2.5-coder-0.5b", "Q4_K"),
+              ("qwen2.5-coder-0.5b", "Q6_K")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias, qtype", REAL_TYPES)
+def test_real_tensors(alias, qtype):
+    """Kernels on real weights (mmap views): SmolLM2 Q4_1/Q8_0, Qwen2.5 Q5_0/Q8_0/Q4_K/Q6_K."""
     from workbench.engine.gguf import open_gguf
 
-    picked = []
-    for alias in ["smollm2-135m", "qwen2.5-coder-0.5b"]:
-        path = registry.cached_path(alias)  # None when not pulled: those cases are skipped
-        if path is None:
-            continue
-        seen = set()
-        for t in open_gguf(path).tensors.values():
-            if len(t.shape) == 2 and t.qtype not in seen and t.shape[0] <= 5000:
-                seen.add(t.qtype)
-                picked.append(pytest.param(t, id=f"{alias}-{t.qtype.name}-{t.name}"))
-    return picked or [pytest.param(None, marks=pytest.mark.skip(reason="no model files"))]
-
-
-@pytest.mark.parametrize("tensor", _real_weights())
-def test_real_tensors(tensor):
-    """Kernels on real weights (mmap views): SmolLM2 Q4_1, Qwen2.5 Q5_0/Q8_0/Q4_K/Q6_K."""
+    tensors = open_gguf(registry.pull(alias)).tensors.values()
+    tensor = min((t for t in tensors if t.qtype.name == qtype and len(t.shape) == 2),
+                 key=lambda t: t.shape[0])  # the smallest matrix of that type
     n, k = tensor.shape
     weight = QuantizedWeight.from_gguf_tensor(tensor.data, tensor.qtype, tensor.shape)
     full = dequantize(tensor.data, tensor.qtype)
