@@ -1,0 +1,14 @@
+"""Jupyter widgets for workbench models (anywidget + ipywidgets, no network needed).
+
+- `BusyBadge`, `DeviceBadge`: badges following a model's `busy` / `device` signals.
+- `ChatCell`: a chat with a model, streaming on a worker thread.
+- `TokenView`, `LogitsCell`: tokens coloured by probability, alternatives, branching.
+"""
+
+from __future__ import annotations
+
+from workbench.widgets.badges import BusyBadge, DeviceBadge
+from workbench.widgets.chat import ChatCell, render_markdown
+from workbench.widgets.logits import LogitsCell, TokenView
+
+__all__ = ["BusyBadge", "ChatCell", "DeviceBadge", "LogitsCell", "TokenView", "render_markdown"]

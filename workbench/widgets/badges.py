@@ -1,0 +1,93 @@
+"""Small status badges that follow a model's `busy` and `device` signals.
+
+    BusyBadge(m)     # "● busy" / "○ idle", DOM: <span class="wb-badge wb-busy" data-state="busy">
+    DeviceBadge(m)   # "cpu", DOM: <span class="wb-badge wb-device" data-state="cpu">
+
+Each badge binds its synced trait one way (signal -> widget) with
+`workbench.signals.bind`; `close()` removes the link.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anywidget
+import traitlets
+
+from workbench.signals import Signal, bind
+
+STATIC = Path(__file__).parent / "static"
+
+
+def _signal_of(source: Any, attribute: str) -> Signal:
+    """`source` itself when it is a Signal, else its `attribute` (e.g. an LLM's `busy`)."""
+    if isinstance(source, Signal):
+        return source
+    signal = getattr(source, attribute, None)
+    if not isinstance(signal, Signal):
+        raise TypeError(f"expected a Signal or an object with a {attribute!r} Signal, "
+                        f"got {type(source).__name__}")
+    return signal
+
+
+class _Badge(anywidget.AnyWidget):
+    _esm = STATIC / "badge.js"
+    _css = STATIC / "widgets.css"
+
+    kind = traitlets.Unicode("").tag(sync=True)
+    _unbind = None
+
+    def close(self) -> None:
+        """Stop following the signal and close the widget."""
+        if self._unbind is not None:
+            self._unbind()
+            self._unbind = None
+        super().close()
+
+
+class BusyBadge(_Badge):
+    """A badge showing whether a model is busy: `BusyBadge(llm)` or `BusyBadge(signal)`.
+
+    The synced trait `busy` follows the signal; the DOM root has the classes
+    `wb-badge wb-busy` and `data-state` "busy" or "idle".
+    """
+
+    busy = traitlets.Bool(False).tag(sync=True)
+
+    def __init__(self, model_or_signal: Any, **kwargs: Any):
+        super().__init__(kind="busy", **kwargs)
+        self.signal: Signal[bool] = _signal_of(model_or_signal, "busy")
+        self._unbind = bind(self.signal, self, "busy", direction="to_widget")
+
+    @property
+    def state(self) -> str:
+        """"busy" or "idle": the badge's `data-state`."""
+        return "busy" if self.busy else "idle"
+
+    @property
+    def label(self) -> str:
+        """The badge's text."""
+        return "● busy" if self.busy else "○ idle"
+
+
+class DeviceBadge(_Badge):
+    """A badge showing the device a model runs on: `DeviceBadge(llm)` or `DeviceBadge(signal)`.
+
+    The synced trait `device` follows the signal; the DOM root has the classes
+    `wb-badge wb-device` and `data-state` equal to the device name.
+    """
+
+    device = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, model_or_signal: Any, **kwargs: Any):
+        super().__init__(kind="device", **kwargs)
+        self.signal: Signal[str] = _signal_of(model_or_signal, "device")
+        self._unbind = bind(self.signal, self, "device", direction="to_widget")
+
+    @property
+    def state(self) -> str:
+        """The device name: the badge's `data-state` and text."""
+        return self.device or "unknown"
+
+    label = state
