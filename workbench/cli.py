@@ -1,14 +1,19 @@
-"""The `workbench` command line: pull, list, chat, generate."""
+"""The `workbench` command line: pull, list, chat, generate, lab."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from workbench import registry
 
 DEFAULT_SYSTEM = "You are helpful and concise."
+LAB_NOTEBOOK = "00_tour.ipynb"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,6 +63,17 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the text to continue")
     _generation_options(gen)
     gen.set_defaults(func=_generate)
+
+    lab = sub.add_parser("lab", help="open the notebooks in JupyterLab",
+                         description="Pull the default model, then run JupyterLab on the "
+                         "repository's notebooks/ directory, opening the tour notebook. "
+                         "Runs until Ctrl-C.")
+    lab.add_argument("--port", type=int, default=None,
+                     help="port to listen on (default: JupyterLab's, 8888 or the next free)")
+    lab.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    lab.add_argument("--notebook", default=LAB_NOTEBOOK, metavar="PATH",
+                     help=f"notebook to open, relative to notebooks/ (default: {LAB_NOTEBOOK})")
+    lab.set_defaults(func=_lab)
     return p
 
 
@@ -145,6 +161,65 @@ def _chat(args) -> int:
         completion = m.chat(system + history, **_options(args))
         _stream(completion)
         history.append({"role": "assistant", "content": completion.text})
+
+
+def notebooks_dir() -> Path:
+    """The repository's notebooks/ directory (beside the package in a source checkout)."""
+    import workbench
+
+    return Path(workbench.__file__).resolve().parents[1] / "notebooks"
+
+
+def lab_command(notebooks: Path, notebook: str, *, port: int | None = None,
+                no_browser: bool = False) -> list[str]:
+    """The JupyterLab command line `workbench lab` runs (offline: no news, no update checks)."""
+    cmd = [sys.executable, "-m", "jupyterlab",
+           f"--ServerApp.root_dir={notebooks}",
+           f"--ServerApp.default_url=/lab/tree/{notebook}",
+           f"--LabApp.default_url=/lab/tree/{notebook}",
+           "--LabApp.news_url=None",
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+           "--LabApp.extension_manager=readonly",
+           "--ServerApp.answer_yes=True"]  # one Ctrl-C stops the server, no y/n prompt
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers often run as root
+        cmd.append("--ServerApp.allow_root=True")
+    if port is not None:
+        cmd.append(f"--ServerApp.port={port}")
+    if no_browser:
+        cmd.append("--ServerApp.open_browser=False")
+    return cmd
+
+
+def _lab(args) -> int:
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        raise FileNotFoundError('JupyterLab is not installed: pip install "workbench-nb[notebook]"'
+                                ) from None
+    notebooks = notebooks_dir()
+    if not notebooks.is_dir():
+        raise FileNotFoundError(f"no notebooks directory at {notebooks}: `workbench lab` serves "
+                                "the notebooks of a source checkout (pip install -e .)")
+    if not (notebooks / args.notebook).is_file():
+        raise FileNotFoundError(f"no notebook {args.notebook!r} in {notebooks}")
+    registry.pull(registry.DEFAULT_MODEL)  # with a progress bar; a no-op once cached
+    proc = subprocess.Popen(lab_command(notebooks, args.notebook, port=args.port,
+                                        no_browser=args.no_browser), cwd=notebooks)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # JupyterLab gets the Ctrl-C too and shuts itself down
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:  # we were terminated: take JupyterLab down with us
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 if __name__ == "__main__":

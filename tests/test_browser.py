@@ -1,0 +1,356 @@
+"""The notebooks in a real JupyterLab, driven with Chromium; and `workbench lab`.
+
+The browser tests copy notebooks/ into a temporary directory, start JupyterLab on a
+free loopback port with a random token (isolated Jupyter config, data and runtime
+directories, nothing fetched from the network), open the notebooks in headless
+Chromium (Playwright, with the system's browser: $WORKBENCH_CHROMIUM, or chromium
+on PATH), run all cells and use the widgets as a person would. Screenshots go to
+test-artifacts/ at the repository root ($WORKBENCH_TEST_ARTIFACTS overrides it).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import lab_command, main
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", REPO / "test-artifacts"))
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--disable-dev-shm-usage"]
+# Offline JupyterLab: no news feed, no update check, no PyPI extension listing.
+LAB_OFFLINE = ["--LabApp.news_url=None",
+               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+               "--LabApp.extension_manager=readonly"]
+SERVER_START_S = 120
+RUN_ALL_S = 240  # first kernel start, model load and numba compilation included
+QUESTION = "What is the capital of France?"
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _chromium() -> str:
+    path = os.environ.get("WORKBENCH_CHROMIUM") or shutil.which("chromium") or \
+        shutil.which("chromium-browser")
+    if not path:
+        pytest.fail("no Chromium: install it (Debian: apt-get install chromium) or set "
+                    "$WORKBENCH_CHROMIUM to its executable")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _jupyter_env(home: Path) -> dict:
+    """Environment for a JupyterLab that reads no user config and asks nobody about news."""
+    env = dict(os.environ)
+    for name in ("config", "data", "runtime", "workspaces", "settings"):
+        (home / name).mkdir(parents=True, exist_ok=True)
+    env.update(JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
+               JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
+               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), PYTHONUNBUFFERED="1")
+    env.pop("JUPYTER_TOKEN", None)
+    notification = home / "settings" / "@jupyterlab" / "apputils-extension"
+    notification.mkdir(parents=True, exist_ok=True)
+    (notification / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    return env
+
+
+def _wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"JupyterLab exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"JupyterLab did not answer {url} in {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Lab:
+    def __init__(self, url: str, token: str, root: Path, artifacts: Path):
+        self.url, self.token, self.root, self.artifacts = url, token, root, artifacts
+
+    def api(self, method: str, path: str) -> object:
+        req = urllib.request.Request(f"{self.url}{path}", method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lab")
+    root = tmp / "notebooks"
+    shutil.copytree(NOTEBOOKS, root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    port, token = _free_port(), secrets.token_hex(24)
+    log = tmp / "jupyterlab.log"
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+           f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+           f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
+           "--ServerApp.allow_root=True", *LAB_OFFLINE]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env=_jupyter_env(tmp / "jupyter"))
+    url = f"http://127.0.0.1:{port}"
+    artifacts = tmp / "artifacts"
+    artifacts.mkdir()
+    for stale in [*ARTIFACTS.glob("*.png"), ARTIFACTS / "jupyterlab.log"]:
+        stale.unlink(missing_ok=True)
+    server = Lab(url, token, root, artifacts)
+    try:
+        _wait_http(f"{url}/api/status?token={token}", SERVER_START_S, proc, log)
+        yield server
+    finally:
+        try:
+            for kernel in server.api("GET", "/api/kernels") or []:
+                server.api("DELETE", f"/api/kernels/{kernel['id']}")
+        except OSError:
+            pass
+        _stop(proc)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        for f in [*artifacts.iterdir(), log]:
+            shutil.copy2(f, ARTIFACTS / f.name)
+
+
+@pytest.fixture(scope="module")
+def browser_context(tmp_path_factory):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with sync_api.sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(profile), executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000})
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+@pytest.fixture
+def page(browser_context, lab):
+    page = browser_context.new_page()
+    page.set_default_timeout(60_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.console_errors = errors
+    yield page
+    page.close()
+
+
+def _shot(page, lab: Lab, name: str, locator=None) -> Path:
+    path = lab.artifacts / f"{name}.png"
+    if locator is not None:
+        locator.scroll_into_view_if_needed()
+    page.screenshot(path=str(path))
+    return path
+
+
+def _open_and_run_all(page, lab: Lab, notebook: str) -> None:
+    """Open `notebook`, wait for its kernel, run all cells, wait until every cell has run."""
+    # ?reset: a fresh workspace holding this notebook only (not the one open before)
+    page.goto(f"{lab.url}/lab/tree/{notebook}?reset&token={lab.token}")
+    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell",
+                           timeout=SERVER_START_S * 1000)
+    page.wait_for_selector(
+        ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator"
+        "[data-status='idle']", timeout=SERVER_START_S * 1000)
+    page.wait_for_selector(".jp-StatusBar-TextItem:has-text('Idle')",
+                           timeout=SERVER_START_S * 1000)
+    started = """() => [...document.querySelectorAll(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')]
+        .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))"""
+    for attempt in range(3):  # a Run All right after the page opened can be lost: retry
+        page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").first.click()
+        page.keyboard.press("Escape")  # command mode, the notebook focused
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel",
+                     has_text="Run All Cells").first.click()
+        try:
+            page.wait_for_function(started, timeout=20_000, polling=250)
+            if attempt:
+                print(f"\n{notebook}: Run All needed {attempt + 1} clicks")
+            break
+        except Exception:
+            if attempt == 2:
+                _shot(page, lab, f"{Path(notebook).stem}-run-all-not-started")
+                raise
+    # Every code cell ends with a numeric prompt such as "[7]:" (not "[ ]:" or "[*]:").
+    try:
+        page.wait_for_function(
+            """() => {
+                const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+                const prompts = [...panel.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
+                return prompts.length > 0
+                    && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+            }""", timeout=RUN_ALL_S * 1000, polling=500)
+    except Exception:
+        _shot(page, lab, f"{Path(notebook).stem}-run-all-timeout")
+        raise
+    errors = page.locator(".jp-OutputArea-output[data-mime-type="
+                          "'application/vnd.jupyter.error']")
+    if errors.count():
+        _shot(page, lab, f"{Path(notebook).stem}-error", errors.first)
+        pytest.fail(f"{notebook}: a cell raised:\n{errors.first.inner_text()[:3000]}")
+
+
+# -- the notebooks in the browser ----------------------------------------------------------
+@pytest.mark.browser
+def test_chat_notebook_in_the_browser(page, lab):
+    t0 = time.monotonic()
+    _open_and_run_all(page, lab, "01_chat.ipynb")
+    run_s = time.monotonic() - t0
+    chat_input = page.locator(".wb-chat-input").first
+    chat_input.wait_for(state="visible")
+    assistant = page.locator(".wb-msg.wb-msg-assistant")
+    # The notebook's own `chat.send(...)` cell has answered already.
+    assert assistant.count() >= 1 and "Paris" in assistant.first.inner_text()
+    before = assistant.count()
+    _shot(page, lab, "01_chat-ran", chat_input)
+
+    # Record every state the busy badge and the last assistant message go through.
+    page.evaluate("""() => {
+        window.__wb = {states: [], texts: []};
+        const look = () => {
+            for (const b of document.querySelectorAll('.wb-busy'))
+                window.__wb.states.push(b.getAttribute('data-state'));
+            const msgs = document.querySelectorAll('.wb-msg-assistant');
+            if (msgs.length) window.__wb.texts.push(msgs[msgs.length - 1].textContent);
+        };
+        new MutationObserver(look).observe(document.body, {subtree: true, childList: true,
+            attributes: true, attributeFilter: ['data-state'], characterData: true});
+    }""")
+    chat_input.fill(QUESTION)
+    t1 = time.monotonic()
+    page.locator(".wb-chat-send").first.click()
+    page.wait_for_function("() => window.__wb.states.includes('busy')", timeout=30_000)
+    page.wait_for_function(
+        f"""() => document.querySelectorAll('.wb-msg-assistant').length > {before}
+              && [...document.querySelectorAll('.wb-busy')]
+                   .every(b => b.getAttribute('data-state') === 'idle')""",
+        timeout=120_000)
+    answer_s = time.monotonic() - t1
+    answer = assistant.last.inner_text().strip()
+    _shot(page, lab, "01_chat-answered", assistant.last)
+    assert answer, "the assistant message is empty"
+    assert "Paris" in answer, answer
+    texts = page.evaluate("() => window.__wb.texts")
+    print(f"\n01_chat: run all {run_s:.1f} s, answer {answer_s:.1f} s, "
+          f"{len(set(texts))} distinct assistant texts seen while streaming: {answer!r}")
+    assert not page.console_errors, page.console_errors
+
+
+@pytest.mark.browser
+def test_logits_notebook_in_the_browser(page, lab):
+    t0 = time.monotonic()
+    _open_and_run_all(page, lab, "02_logits_and_entropy.ipynb")
+    run_s = time.monotonic() - t0
+    tokens = page.locator(".wb-token[data-index]")
+    tokens.first.wait_for(state="visible")
+    n = tokens.count()
+    assert n >= 2
+    token = tokens.nth(1)
+    token.scroll_into_view_if_needed()
+    token.hover()
+    popup = page.locator(".wb-alternatives").first
+    try:
+        popup.wait_for(state="visible", timeout=5_000)
+    except Exception:  # the contract allows hover or click
+        token.click()
+        popup.wait_for(state="visible", timeout=10_000)
+    rows = popup.locator(".wb-alt[data-id]")
+    assert rows.count() >= 2, popup.inner_html()
+    _shot(page, lab, "02_logits-alternatives", None)
+    # The figures rendered as images.
+    figures = page.locator(".jp-OutputArea-output img")
+    assert figures.count() >= 3
+    print(f"\n02_logits: run all {run_s:.1f} s, {n} tokens, {rows.count()} alternatives: "
+          f"{rows.first.inner_text()!r}")
+    assert not page.console_errors, page.console_errors
+
+
+# -- workbench lab ---------------------------------------------------------------------------
+def test_lab_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["lab", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: workbench lab" in out and "--no-browser" in out and "--port" in out
+
+
+def test_lab_command_is_offline_and_opens_the_tour(tmp_path):
+    cmd = lab_command(tmp_path, "00_tour.ipynb", port=9999, no_browser=True)
+    assert cmd[:3] == [sys.executable, "-m", "jupyterlab"]
+    assert f"--ServerApp.root_dir={tmp_path}" in cmd
+    assert "--ServerApp.default_url=/lab/tree/00_tour.ipynb" in cmd
+    assert "--ServerApp.port=9999" in cmd and "--ServerApp.open_browser=False" in cmd
+    assert "--LabApp.news_url=None" in cmd
+
+
+def test_lab_needs_the_notebook(capsys):
+    assert main(["lab", "--no-browser", "--notebook", "no_such.ipynb"]) == 1
+    assert "no notebook 'no_such.ipynb'" in capsys.readouterr().err
+
+
+@pytest.mark.browser
+def test_lab_serves_the_tour_until_ctrl_c(tmp_path):
+    port = _free_port()
+    log = tmp_path / "lab.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "workbench.cli", "lab", "--no-browser", "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, env=_jupyter_env(tmp_path / "jupyter"),
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        location = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/")
+                location = conn.getresponse().getheader("Location")
+                conn.close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert location and "/lab/tree/00_tour.ipynb" in location, log.read_text()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal reaches the whole group
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
