@@ -96,16 +96,11 @@ class Signal(Generic[T]):
         return unsubscribe
 
     def _notify(self) -> None:
-        global _batch_depth
         _changed[self] = None
         for observer in list(self._observers):
             _pending[observer] = None
         if _batch_depth == 0:
-            _batch_depth += 1
-            try:
-                _flush()
-            finally:
-                _batch_depth -= 1
+            _flush()
 
     def __repr__(self) -> str:
         label = f" {self.name}" if self.name else ""
@@ -204,15 +199,23 @@ def batch() -> Iterator[None]:
         finally:
             _batch_depth -= 1
             if _batch_depth == 0:
-                _batch_depth += 1
-                try:
-                    _flush()
-                finally:
-                    _batch_depth -= 1
+                _flush()
 
 
 def _flush() -> None:
-    """Run pending observers (computeds first, so effects see fresh values), then subscribers."""
+    """Run pending observers (computeds first, so effects see fresh values), then subscribers.
+
+    Runs as a batch itself: what the observers set joins the queue being drained.
+    """
+    global _batch_depth
+    _batch_depth += 1
+    try:
+        _drain()
+    finally:
+        _batch_depth -= 1
+
+
+def _drain() -> None:
     while _pending or _changed:
         while _pending:
             computed = next((o for o in _pending if isinstance(o, _ComputedNode)), None)
