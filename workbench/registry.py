@@ -211,12 +211,3 @@ def _hf_download(ref: str) -> Path:
             "Offline? Use a local path or a registered alias instead."
         ) from exc
 
-
-def remove(alias: str) -> bool:
-    """Delete the cached file of `alias`; True when there was one."""
-    path = cached_path(alias)
-    if path is None:
-        return False
-    path.unlink()
-    return True
-
