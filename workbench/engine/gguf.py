@@ -52,6 +52,12 @@ class TensorInfo:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    offset: int = 0  # byte offset of the data in the file
+
+    def read(self, path: str | os.PathLike) -> np.ndarray:
+        """A private copy of the raw bytes (1-D uint8), read with file I/O rather than
+        through the memory map, so the mapped pages stay untouched (and out of RSS)."""
+        return np.fromfile(path, dtype=np.uint8, count=self.data.nbytes, offset=self.offset)
 
 
 class GGUFFile:
@@ -114,7 +120,7 @@ class GGUFFile:
                 data = raw.view(np.float16).reshape(shape)
             else:  # (rows, bytes per row), as gguf.GGUFReader gives it
                 data = raw.reshape(*shape[:-1], shape[-1] // block * type_size)
-            self.tensors[name] = TensorInfo(name, qtype, shape, data)
+            self.tensors[name] = TensorInfo(name, qtype, shape, data, begin)
 
     @property
     def architecture(self) -> str:

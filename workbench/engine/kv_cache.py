@@ -1,10 +1,18 @@
-"""Key/value caches for decoder self-attention: explicit per-layer objects.
+"""Key/value caches for decoder self-attention.
 
-Each layer owns preallocated key and value buffers for `max_len` positions;
-`update_and_fetch` writes the new positions in place and returns views of
-everything cached so far, so decoding allocates nothing per step. (The buffers
-come from `np.zeros`, whose pages the OS maps lazily: a 4096-position cache
-costs memory only as far as it is filled.)
+A `KVPool` preallocates the keys and values of every layer for `n_slots`
+sequences of up to `max_len` positions:
+
+    keys, values: (n_layer, n_slots, n_kv_head, max_len, head_dim) float32
+
+A `KVCache` is one sequence: one slot of a pool, its filled length `offset`
+and the token ids cached so far. Sequences of one pool can be decoded together
+in a single forward pass (`LlamaModel.decode`), each at its own position.
+Writes go in place, so decoding allocates nothing per step. (The buffers come
+from `np.zeros`, whose pages the OS maps lazily: a 4096-position pool costs
+memory only as far as it is filled.)
+
+`LayerKVCache` is one layer of one sequence, the view the prefill path uses.
 """
 
 from __future__ import annotations
@@ -16,59 +24,78 @@ class ContextFullError(ValueError):
     """More positions were fed than the KV cache holds."""
 
 
-class LayerKVCache:
-    """Keys and values of one attention layer.
+class KVPool:
+    """Keys and values of all layers for `n_slots` sequences of up to `max_len` positions."""
 
-    Buffers are (n_kv_head, max_len, head_dim) float32; `offset` positions are filled.
-    """
+    def __init__(self, n_layer: int, n_slots: int, n_kv_head: int, head_dim: int,
+                 max_len: int):
+        if n_slots < 1 or max_len < 1:
+            raise ValueError("a KV pool needs at least one slot and one position")
+        shape = (n_layer, n_slots, n_kv_head, max_len, head_dim)
+        self.keys = np.zeros(shape, dtype=np.float32)
+        self.values = np.zeros(shape, dtype=np.float32)
 
-    def __init__(self, n_kv_head: int, head_dim: int, max_len: int, dtype=np.float32):
-        self.keys = np.zeros((n_kv_head, max_len, head_dim), dtype=dtype)
-        self.values = np.zeros((n_kv_head, max_len, head_dim), dtype=dtype)
-        self.offset = 0
+    @property
+    def n_slots(self) -> int:
+        return self.keys.shape[1]
 
     @property
     def max_len(self) -> int:
-        return self.keys.shape[1]
+        return self.keys.shape[3]
+
+    def caches(self) -> list[KVCache]:
+        """One `KVCache` per slot."""
+        return [KVCache(self, s) for s in range(self.n_slots)]
+
+
+class LayerKVCache:
+    """Keys and values of one layer of one sequence: views (n_kv_head, max_len, head_dim)."""
+
+    def __init__(self, seq: KVCache, layer: int):
+        self.seq = seq
+        self.keys = seq.pool.keys[layer, seq.slot]
+        self.values = seq.pool.values[layer, seq.slot]
 
     def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Append k, v of shape (n_kv_head, T, head_dim); return all keys and values so far,
-        each (n_kv_head, offset + T, head_dim)."""
-        T = k.shape[1]
-        end = self.offset + T
+        """Write k, v of shape (n_kv_head, T, head_dim) at the sequence's next positions;
+        return all keys and values up to them, each (n_kv_head, offset + T, head_dim).
+
+        The sequence's `offset` is advanced by the caller once every layer is written."""
+        start = self.seq.offset
+        end = self.seq.check_room(k.shape[1])
+        self.keys[:, start:end] = k
+        self.values[:, start:end] = v
+        return self.keys[:, :end], self.values[:, :end]
+
+
+class KVCache:
+    """The cached keys and values of one sequence (all layers): one slot of a `KVPool`."""
+
+    def __init__(self, pool: KVPool, slot: int):
+        self.pool = pool
+        self.slot = slot
+        self.offset = 0  # number of cached positions (the position the next token takes)
+        self.tokens: list[int] = []  # the token ids whose keys and values are cached
+        self.layers = [LayerKVCache(self, i) for i in range(pool.keys.shape[0])]
+
+    @property
+    def max_len(self) -> int:
+        return self.pool.max_len
+
+    def check_room(self, n: int) -> int:
+        """The end position after `n` more tokens; `ContextFullError` if they do not fit."""
+        end = self.offset + n
         if end > self.max_len:
             raise ContextFullError(
                 f"the KV cache holds {self.max_len} positions and {end} were requested; "
                 "load the model with a larger kv_cache_size"
             )
-        self.keys[:, self.offset : end] = k
-        self.values[:, self.offset : end] = v
-        self.offset = end
-        return self.keys[:, :end], self.values[:, :end]
-
-
-class KVCache:
-    """The caches of every layer of one sequence, moving together."""
-
-    def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, max_len: int):
-        self.layers = [LayerKVCache(n_kv_head, head_dim, max_len) for _ in range(n_layer)]
-        self.tokens: list[int] = []  # the token ids whose keys and values are cached
-
-    @property
-    def offset(self) -> int:
-        """Number of cached positions (the position the next token takes)."""
-        return self.layers[0].offset if self.layers else len(self.tokens)
-
-    @property
-    def max_len(self) -> int:
-        return self.layers[0].max_len
+        return end
 
     def trim(self, n: int) -> None:
         """Forget all but the first `n` positions (nothing is copied)."""
-        n = max(0, min(n, self.offset))
-        for layer in self.layers:
-            layer.offset = n
-        del self.tokens[n:]
+        self.offset = max(0, min(n, self.offset))
+        del self.tokens[self.offset :]
 
     def reset(self) -> None:
         """Forget everything."""

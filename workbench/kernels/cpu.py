@@ -301,11 +301,12 @@ def _dot_q6_k(w, wi, r, x, xs, f16, n):
 
 
 # One gemv kernel per format: prange over output rows, loop over the T rows of x.
-# All share the signature (x, w, f16, mask, xs, y, n).
+# All share the signature (x, w, f16, mask, y, n); the 16-group sums of x are
+# computed inside, so one call from Python does everything.
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q8_0(x, w, f16, mask, xs, y, n):
+def _gemv_q8_0(x, w, f16, mask, y, n):
     wi = w.view(np.int8)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
@@ -313,49 +314,56 @@ def _gemv_q8_0(x, w, f16, mask, xs, y, n):
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q4_0(x, w, f16, mask, xs, y, n):
+def _gemv_q4_0(x, w, f16, mask, y, n):
+    xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
             y[t, r] = _dot_q4_0(w, r, x[t], xs[t], f16, n)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q4_1(x, w, f16, mask, xs, y, n):
+def _gemv_q4_1(x, w, f16, mask, y, n):
+    xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
             y[t, r] = _dot_q4_1(w, r, x[t], xs[t], f16, n)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q5_0(x, w, f16, mask, xs, y, n):
+def _gemv_q5_0(x, w, f16, mask, y, n):
+    xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
             y[t, r] = _dot_q5_0(w, r, x[t], xs[t], f16, mask, n)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q5_1(x, w, f16, mask, xs, y, n):
+def _gemv_q5_1(x, w, f16, mask, y, n):
+    xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
             y[t, r] = _dot_q5_1(w, r, x[t], xs[t], f16, mask, n)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q4_k(x, w, f16, mask, xs, y, n):
+def _gemv_q4_k(x, w, f16, mask, y, n):
+    xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
             y[t, r] = _dot_q4_k(w, r, x[t], xs[t], f16, n)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q5_k(x, w, f16, mask, xs, y, n):
+def _gemv_q5_k(x, w, f16, mask, y, n):
+    xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
             y[t, r] = _dot_q5_k(w, r, x[t], xs[t], f16, n)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q6_k(x, w, f16, mask, xs, y, n):
+def _gemv_q6_k(x, w, f16, mask, y, n):
+    xs = _group_sums(x)
     wi = w.view(np.int8)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
@@ -638,7 +646,7 @@ def _gemv2_q6_k(x, w, f16, scratch, y, n):
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_f16(x, w, f16, mask, xs, y, n):
+def _gemv_f16(x, w, f16, mask, y, n):
     h = w.view(np.uint16)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
@@ -737,7 +745,9 @@ def _frozen(w: np.ndarray) -> np.ndarray:
     return w
 
 
-def _check(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> None:
+def _check(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
+           out: np.ndarray | None) -> np.ndarray:
+    """Validate the arguments; return the output array (out, or a new (T, N) array)."""
     if qtype not in GEMV_KERNELS:
         raise ValueError(f"no CPU kernel for {GGMLQuantizationType(qtype).name}; kernels: "
                          + ", ".join(t.name for t in KERNEL_TYPES))
@@ -745,36 +755,44 @@ def _check(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> None:
         raise ValueError("x must be a C-contiguous (T, K) float32 array")
     if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous:
         raise ValueError("w must be a C-contiguous (N, bytes_per_row) uint8 array")
+    shape = (x.shape[0], w.shape[0])
+    if out is None:
+        return np.empty(shape, np.float32)
+    if out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    return out
 
 
-def gemv(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+def gemv(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
+         out: np.ndarray | None = None) -> np.ndarray:
     """`x @ dequantize(w).T` by dot products on the packed blocks (the decode path).
 
     x: (T, K) float32, C-contiguous; w: (N, bytes_per_row) uint8 raw blocks of
-    `qtype`; returns (T, N) float32. Unpacks every block once per row of x, so
-    its cost grows linearly in T: the fastest kernel for T = 1.
+    `qtype`; returns (T, N) float32 (written into `out` when given). Unpacks
+    every block once per row of x, so its cost grows linearly in T: the
+    fastest kernel for T = 1.
     """
-    _check(x, w, qtype)
-    if not x.flags.writeable:
-        x = x.copy()
-    y = np.empty((x.shape[0], w.shape[0]), np.float32)
-    GEMV_KERNELS[qtype](x, _frozen(w), _table(qtype), MASK32, _group_sums(x), y, _INNER)
+    y = _check(x, w, qtype, out)
+    GEMV_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), MASK32, y, _INNER)
     return y
 
 
-def gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+def gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
+                      out: np.ndarray | None = None) -> np.ndarray:
     """`x @ dequantize(w).T`, dequantizing each row of W once into a per-thread buffer.
 
     Same contract as `gemv`; the unpacking is shared by the T rows of x, so
     this is the faster kernel for 3 <= T <= `GEMV_MAX_T`.
     """
-    _check(x, w, qtype)
-    if not x.flags.writeable:
-        x = x.copy()
-    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    y = _check(x, w, qtype, out)
     scratch = np.empty((numba.config.NUMBA_NUM_THREADS, x.shape[1]), np.float32)  # (threads, K)
-    GEMV2_KERNELS[qtype](x, _frozen(w), _table(qtype), scratch, y, _INNER)
+    GEMV2_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), scratch, y, _INNER)
     return y
+
+
+def _writeable(x: np.ndarray) -> np.ndarray:
+    """x itself, or a copy when read-only (kernels are compiled for writeable x only)."""
+    return x if x.flags.writeable else x.copy()
 
 
 def dequantize_rows(w: np.ndarray, qtype: GGMLQuantizationType, r0: int, r1: int,
@@ -800,11 +818,12 @@ def dequantize_rows(w: np.ndarray, qtype: GGMLQuantizationType, r0: int, r1: int
     return out
 
 
-def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
+           out: np.ndarray | None = None) -> np.ndarray:
     """`x @ dequantize(w).T` on quantized weights, fp32 accumulation.
 
     x: (T, K) float32, C-contiguous; w: (N, bytes_per_row) uint8 raw blocks.
-    Returns (T, N) float32. Picks the kernel by T:
+    Returns (T, N) float32, written into `out` when given. Picks the kernel by T:
 
     - T <= 2 (decode): `gemv`, dot products on the packed blocks;
     - 3 <= T <= `GEMV_MAX_T`: `gemv_dequant_rows`;
@@ -815,10 +834,13 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndar
       keep spinning after a call, and a parallel Numba region right after
       one waits for its descheduled threads (measured 5-10x slower).
     """
-    _check(x, w, qtype)
+    y = _check(x, w, qtype, out)
     T, K = x.shape
+    if T <= 2:
+        GEMV_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), MASK32, y, _INNER)
+        return y
     if T <= GEMV_MAX_T:
-        return gemv(x, w, qtype) if T <= 2 else gemv_dequant_rows(x, w, qtype)
+        return gemv_dequant_rows(x, w, qtype, y)
     w = _frozen(w)
     N = w.shape[0]
     rows = max(16, min(N, TILE_WEIGHTS // K))
@@ -827,7 +849,7 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndar
     table = _table(qtype)
     # BLAS is faster as (rows, K) @ (K, T) for small T and as (T, K) @ (K, rows) for large T.
     wide = T > 64
-    y = np.empty((T, N) if wide else (N, T), np.float32)  # (N, T): each tile fills contiguous rows
+    yt = y if wide else np.empty((N, T), np.float32)  # (N, T): each tile fills contiguous rows
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
         part = tile[: r1 - r0]
@@ -835,5 +857,7 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndar
         if wide:
             np.matmul(x, part.T, out=y[:, r0:r1])  # (T, K) @ (K, rows)
         else:
-            np.dot(part, x.T, out=y[r0:r1])  # (rows, K) @ (K, T)
-    return y if wide else np.ascontiguousarray(y.T)
+            np.dot(part, x.T, out=yt[r0:r1])  # (rows, K) @ (K, T)
+    if not wide:
+        y[...] = yt.T
+    return y

@@ -16,12 +16,14 @@ Weights stay in the file's format (`workbench.kernels.linear.QuantizedWeight`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from workbench.engine.gguf import GGUFError, GGUFFile, UnsupportedTensorTypeError
-from workbench.engine.kv_cache import KVCache
+from workbench.engine.kv_cache import KVCache, KVPool, LayerKVCache
+from workbench.kernels import layers
 from workbench.kernels.linear import QuantizedWeight
 from workbench.kernels.quants import UnsupportedQuantError
 
@@ -131,27 +133,38 @@ class Rope:
 
 
 class Attention:
+    """Grouped-query self-attention with RoPE (and Qwen's Q/K/V biases or Q/K norms).
+
+    The Q, K and V projections are fused into one matrix when they share a
+    format (one matmul per token instead of three).
+    """
+
     def __init__(self, cfg: LlamaConfig, g: GGUFFile, i: int, rope: Rope):
         p = f"blk.{i}."
         self.cfg, self.rope = cfg, rope
-        self.wq = _linear(g, p + "attn_q.weight")
-        self.wk = _linear(g, p + "attn_k.weight")
-        self.wv = _linear(g, p + "attn_v.weight")
+        self.wqkv = _fused(g, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
         self.wo = _linear(g, p + "attn_output.weight")
-        self.bq, self.bk, self.bv = (_vector(g, p + f"attn_{n}.bias", optional=True) for n in "qkv")
+        biases = [_vector(g, p + f"attn_{n}.bias", optional=True) for n in "qkv"]
+        self.bqkv = None if biases[0] is None else np.concatenate(biases)
         self.q_norm = _vector(g, p + "attn_q_norm.weight", optional=not cfg.qk_norm)
         self.k_norm = _vector(g, p + "attn_k_norm.weight", optional=not cfg.qk_norm)
 
-    def __call__(self, x: np.ndarray, cache, start: int) -> np.ndarray:
+    def qkv(self, x: np.ndarray) -> np.ndarray:
+        """(T, n_embd) -> (T, (n_head + 2 n_kv) head_dim): Q, K, V side by side, biases added."""
+        y = self.wqkv.matmul(x)
+        if self.bqkv is not None:
+            y += self.bqkv
+        return y
+
+    def __call__(self, x: np.ndarray, cache: LayerKVCache, start: int) -> np.ndarray:
+        """Prefill: T tokens of one sequence at positions start .. start + T - 1."""
         cfg = self.cfg
         T = x.shape[0]
         n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        q, k, v = self.wq.matmul(x), self.wk.matmul(x), self.wv.matmul(x)
-        if self.bq is not None:
-            q, k, v = q + self.bq, k + self.bk, v + self.bv
-        q = q.reshape(T, n_head, hd)
-        k = k.reshape(T, n_kv, hd)
-        v = v.reshape(T, n_kv, hd)
+        qkv = self.qkv(x)
+        q = qkv[:, : n_head * hd].reshape(T, n_head, hd)
+        k = qkv[:, n_head * hd : (n_head + n_kv) * hd].reshape(T, n_kv, hd)
+        v = qkv[:, (n_head + n_kv) * hd :].reshape(T, n_kv, hd)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, cfg.norm_eps)
             k = rms_norm(k, self.k_norm, cfg.norm_eps)
@@ -172,16 +185,35 @@ class Attention:
         out = out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)
         return self.wo.matmul(out)
 
+    def decode(self, x: np.ndarray, pool: KVPool, layer: int, slots: np.ndarray,
+               pos: np.ndarray) -> np.ndarray:
+        """One token for each of N sequences: x (N, n_embd), the sequences' pool slots and
+        positions (N,) -> (N, n_embd). Norms, RoPE, cache writes and attention run in
+        one kernel (`workbench.kernels.layers.attend`)."""
+        cfg = self.cfg
+        qkv = self.qkv(x)
+        out = np.empty((x.shape[0], cfg.n_head * cfg.head_dim), np.float32)
+        layers.attend(qkv, cfg.n_head, cfg.n_head_kv, slots, pos, self.rope.cos, self.rope.sin,
+                      self.rope.dim, self.rope.neox,
+                      _NONE if self.q_norm is None else self.q_norm,
+                      _NONE if self.k_norm is None else self.k_norm,
+                      cfg.norm_eps, pool.keys[layer], pool.values[layer], out)
+        return self.wo.matmul(out)
+
 
 class FeedForward:
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused when they share a format."""
+
     def __init__(self, g: GGUFFile, i: int):
         p = f"blk.{i}."
-        self.gate = _linear(g, p + "ffn_gate.weight")
-        self.up = _linear(g, p + "ffn_up.weight")
+        self.gate_up = _fused(g, [p + "ffn_gate.weight", p + "ffn_up.weight"])
         self.down = _linear(g, p + "ffn_down.weight")
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.down.matmul(silu(self.gate.matmul(x)) * self.up.matmul(x))
+        gu = self.gate_up.matmul(x)  # (T, 2 n_ff): gate, then up
+        h = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
+        layers.silu_mul(gu, h)
+        return self.down.matmul(h)
 
 
 class Block:
@@ -192,7 +224,7 @@ class Block:
         self.attn = Attention(cfg, g, i, rope)
         self.ffn = FeedForward(g, i)
 
-    def __call__(self, x: np.ndarray, cache, start: int) -> np.ndarray:
+    def __call__(self, x: np.ndarray, cache: LayerKVCache, start: int) -> np.ndarray:
         h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), cache, start)
         return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
 
@@ -210,22 +242,71 @@ class LlamaModel:
         self.norm = _vector(g, "output_norm.weight")
         self.output = _linear(g, "output.weight") if "output.weight" in g.tensors else self.embed
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
+    def new_pool(self, n_slots: int, max_len: int | None = None) -> KVPool:
+        """KV-cache room for `n_slots` sequences of up to `max_len` positions each."""
         cfg = self.config
-        return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, max_len or self.max_len)
+        max_len = min(max_len or self.max_len, self.max_len)
+        return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, max_len)
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        """An empty KV cache for one sequence."""
+        return self.new_pool(1, max_len).caches()[0]
+
+    def _check_ids(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.n_vocab):
+            raise ValueError(f"token ids must lie in [0, {self.config.n_vocab})")
+        return ids
 
     def hidden(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
         """Run tokens `ids` (T,) at the cache's next positions; return the final-normed
         hidden states (T, n_embd) and append the tokens' keys and values to the cache."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.n_vocab):
-            raise ValueError(f"token ids must lie in [0, {self.config.n_vocab})")
+        ids = self._check_ids(ids)
+        if ids.size == 1:
+            return self.decode(ids, [cache])
         start = cache.offset
+        end = cache.check_room(ids.size)
         x = self.embed.rows(ids)  # (T, n_embd)
         for block, layer_cache in zip(self.blocks, cache.layers):
             x = block(x, layer_cache, start)
+        cache.offset = end
         cache.tokens.extend(int(i) for i in ids)
         return rms_norm(x, self.norm, self.config.norm_eps)
+
+    def decode(self, ids: np.ndarray, caches: Sequence[KVCache]) -> np.ndarray:
+        """One token for each of N sequences in one forward pass.
+
+        ids: (N,) the next token of each sequence; caches: N `KVCache`s of one
+        pool (distinct slots), each at its own position. Returns the
+        final-normed hidden states (N, n_embd) and appends each token to its cache.
+        """
+        ids = self._check_ids(ids)
+        if len(caches) != ids.size or not caches:
+            raise ValueError(f"decode needs one cache per token: {ids.size} ids, "
+                             f"{len(caches)} caches")
+        pool = caches[0].pool
+        if any(c.pool is not pool for c in caches):
+            raise ValueError("caches decoded together must come from one KVPool")
+        slots = np.array([c.slot for c in caches], dtype=np.int64)
+        if len(set(slots.tolist())) != len(caches):
+            raise ValueError("each sequence decoded together needs its own KV-pool slot")
+        pos = np.array([c.offset for c in caches], dtype=np.int64)
+        for c in caches:
+            c.check_room(1)
+        eps = self.config.norm_eps
+        x = self.embed.rows(ids)  # (N, n_embd): the residual stream
+        h = np.empty_like(x)  # normed input of the next sub-layer
+        layers.rms_norm(x, self.blocks[0].attn_norm, eps, h)
+        for i, block in enumerate(self.blocks):
+            a = block.attn.decode(h, pool, i, slots, pos)
+            layers.add_rms_norm(x, a, block.ffn_norm, eps, h)
+            f = block.ffn(h)
+            nxt = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.norm
+            layers.add_rms_norm(x, f, nxt, eps, h)
+        for c, t in zip(caches, ids):
+            c.offset += 1
+            c.tokens.append(int(t))
+        return h
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """(T, n_embd) final hidden states -> (T, n_vocab) logits."""
@@ -234,6 +315,34 @@ class LlamaModel:
     def forward(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
         """Logits (T, n_vocab) at every position of `ids`, appending them to `cache`."""
         return self.logits(self.hidden(ids, cache))
+
+
+_NONE = np.zeros(0, np.float32)  # "no per-head norm" for `layers.attend`
+
+
+def _fused(g: GGUFFile, names: list[str]) -> QuantizedWeight:
+    """The matrices `names` stacked row-wise into one weight, (sum of N, K), when they share
+    a format and K: a private copy read from the file (the mapped pages stay untouched).
+    Otherwise a `_Stacked` that runs them one by one and joins the outputs."""
+    infos = [g.tensor(n) for n in names]
+    if len({(t.qtype, t.shape[1:]) for t in infos}) > 1 or any(len(t.shape) != 2 for t in infos):
+        return _Stacked([_linear(g, n) for n in names])
+    n_rows = sum(t.shape[0] for t in infos)
+    raw = np.concatenate([t.read(g.path) for t in infos])
+    try:
+        return QuantizedWeight.from_gguf_tensor(raw, infos[0].qtype, (n_rows, infos[0].shape[1]))
+    except UnsupportedQuantError as exc:
+        raise UnsupportedTensorTypeError(f"{g.path.name}: tensor {names[0]!r}: {exc}") from None
+
+
+class _Stacked:
+    """Weights of different formats standing in for one stacked matrix."""
+
+    def __init__(self, parts: list[QuantizedWeight]):
+        self.parts = parts
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([w.matmul(x) for w in self.parts], axis=-1)
 
 
 def _linear(g: GGUFFile, name: str) -> QuantizedWeight:

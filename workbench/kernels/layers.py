@@ -1,0 +1,188 @@
+"""Numba CPU kernels for the per-token work of a decoder layer besides the matmuls.
+
+Decoding runs one token per sequence through ~30 layers; done with NumPy,
+each layer costs dozens of small array operations whose Python overhead
+exceeds their arithmetic. These kernels do each step in one call:
+
+- `rms_norm(x, weight, eps, out)`: RMSNorm of each row;
+- `add_rms_norm(x, h, weight, eps, out)`: the residual add `x += h`, then
+  RMSNorm of the sum into `out`;
+- `silu_mul(gu, out)`: SwiGLU, `silu(gate) * up` from the fused gate/up output;
+- `attend(qkv, ...)`: for N sequences at their own positions, split the fused
+  Q/K/V projection into heads, apply the per-head Q/K RMSNorm (Qwen3) and
+  RoPE, write the new key and value into each sequence's KV-cache slot and
+  attend over everything cached, grouped-query style.
+
+The NumPy code of `workbench.engine.models.llama` (used for prefill) is their
+reference; the tests compare token-by-token decoding through these kernels
+with a single prefill pass. All are compiled once and cached on disk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+_FM = {"reassoc", "contract"}  # reorder sums, fuse multiply-adds; NaN/inf semantics kept
+
+
+@njit(fastmath=_FM, cache=True)
+def rms_norm(x, weight, eps, out):
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, for each row of x (T, D)."""
+    T, D = x.shape
+    for t in range(T):
+        ss = np.float32(0.0)
+        for i in range(D):
+            ss += x[t, i] * x[t, i]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(D) + np.float32(eps))
+        for i in range(D):
+            out[t, i] = x[t, i] * r * weight[i]
+
+
+@njit(fastmath=_FM, cache=True)
+def add_rms_norm(x, h, weight, eps, out):
+    """x += h (the residual stream, in place); out = rms_norm(x) row by row. x, h: (T, D)."""
+    T, D = x.shape
+    for t in range(T):
+        ss = np.float32(0.0)
+        for i in range(D):
+            v = x[t, i] + h[t, i]
+            x[t, i] = v
+            ss += v * v
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(D) + np.float32(eps))
+        for i in range(D):
+            out[t, i] = x[t, i] * r * weight[i]
+
+
+@njit(fastmath=_FM, cache=True)
+def silu_mul(gu, out):
+    """out = silu(gate) * up, where gu (T, 2F) holds gate in [:, :F] and up in [:, F:]."""
+    T, F = out.shape
+    for t in range(T):
+        for i in range(F):
+            g = gu[t, i]
+            out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[t, F + i]
+
+
+@njit(fastmath=_FM, inline="always")
+def _head_norm(v, weight, eps):
+    """RMSNorm of one head vector v (hd,) in place (Qwen3's Q/K norm)."""
+    ss = np.float32(0.0)
+    for i in range(v.shape[0]):
+        ss += v[i] * v[i]
+    r = np.float32(1.0) / np.sqrt(ss / np.float32(v.shape[0]) + np.float32(eps))
+    for i in range(v.shape[0]):
+        v[i] = v[i] * r * weight[i]
+
+
+@njit(fastmath=_FM, inline="always")
+def _rope(v, cos, sin, dim, neox):
+    """Rotate the first `dim` entries of one head vector v in place; cos, sin: (dim // 2,)."""
+    half = dim // 2
+    for i in range(half):
+        if neox:  # pairs (i, i + dim/2)
+            a, b = v[i], v[i + half]
+            v[i] = a * cos[i] - b * sin[i]
+            v[i + half] = a * sin[i] + b * cos[i]
+        else:  # pairs (2i, 2i + 1)
+            a, b = v[2 * i], v[2 * i + 1]
+            v[2 * i] = a * cos[i] - b * sin[i]
+            v[2 * i + 1] = a * sin[i] + b * cos[i]
+
+
+@njit(fastmath=_FM, inline="always")
+def _attend_head(qkv, n, h, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
+                 keys, values, out):
+    """Query head h of sequence n: norm, RoPE, softmax(q K^T / sqrt(hd)) V into out[n]."""
+    hd = keys.shape[3]
+    p = pos[n]
+    q = qkv[n, h * hd : (h + 1) * hd]
+    if q_norm.shape[0]:
+        _head_norm(q, q_norm, eps)
+    _rope(q, cos[p], sin[p], rope_dim, neox)
+    K = keys[slots[n], h // group]  # (max_len, hd)
+    V = values[slots[n], h // group]
+    scale = np.float32(1.0 / np.sqrt(hd))
+    scores = np.empty(p + 1, np.float32)
+    m = -np.inf
+    for s in range(p + 1):
+        d = np.float32(0.0)
+        for i in range(hd):
+            d += q[i] * K[s, i]
+        d *= scale
+        scores[s] = d
+        m = max(m, d)
+    total = np.float32(0.0)
+    for s in range(p + 1):
+        e = np.exp(scores[s] - m)
+        scores[s] = e
+        total += e
+    o = out[n, h * hd : (h + 1) * hd]
+    for i in range(hd):
+        o[i] = 0.0
+    for s in range(p + 1):
+        w = scores[s] / total
+        for i in range(hd):
+            o[i] += w * V[s, i]
+
+
+@njit(fastmath=_FM, cache=True)
+def _write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, eps, keys,
+              values):
+    """Norm and rotate each new key; write keys and values at [slot, :, pos] of the pool."""
+    hd = keys.shape[3]
+    for n in range(qkv.shape[0]):
+        p = pos[n]
+        for h in range(n_kv):
+            k = qkv[n, (n_head + h) * hd : (n_head + h + 1) * hd]
+            if k_norm.shape[0]:
+                _head_norm(k, k_norm, eps)
+            _rope(k, cos[p], sin[p], rope_dim, neox)
+            v0 = (n_head + n_kv + h) * hd
+            for i in range(hd):
+                keys[slots[n], h, p, i] = k[i]
+                values[slots[n], h, p, i] = qkv[n, v0 + i]
+
+
+@njit(fastmath=_FM, cache=True)
+def _heads_serial(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
+                  keys, values, out):
+    for job in range(qkv.shape[0] * n_head):
+        _attend_head(qkv, job // n_head, job % n_head, n_head, group, slots, pos, cos, sin,
+                     rope_dim, neox, q_norm, eps, keys, values, out)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _heads_parallel(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
+                    keys, values, out):
+    for job in prange(qkv.shape[0] * n_head):
+        _attend_head(qkv, job // n_head, job % n_head, n_head, group, slots, pos, cos, sin,
+                     rope_dim, neox, q_norm, eps, keys, values, out)
+
+
+# Below this many multiply-adds (all heads, all cached positions) the heads run on
+# one thread: starting the thread pool costs more (~20 us) than the work.
+PARALLEL_ATTENTION_MACS = 1 << 16
+
+
+def attend(qkv: np.ndarray, n_head: int, n_kv: int, slots: np.ndarray, pos: np.ndarray,
+           cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: bool, q_norm: np.ndarray,
+           k_norm: np.ndarray, eps: float, keys: np.ndarray, values: np.ndarray,
+           out: np.ndarray) -> None:
+    """Self-attention of N new tokens, one per sequence, each at its own position.
+
+    qkv: (N, (n_head + 2 n_kv) * hd) float32, the fused Q, K, V projections
+        (with biases added); modified in place (norms, RoPE).
+    slots, pos: (N,) int64, each sequence's KV-pool slot and its token's position.
+    cos, sin: (max_len, rope_dim // 2) RoPE tables; neox: rotate halves, not pairs.
+    q_norm, k_norm: (hd,) per-head RMSNorm weights, or empty arrays for none.
+    keys, values: (n_slots, n_kv, max_len, hd) one layer of the KV pool; the new
+        key and value are written at [slot, :, pos].
+    out: (N, n_head * hd) the attention output (before the output projection).
+    """
+    _write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, eps, keys,
+              values)
+    macs = 2 * n_head * keys.shape[3] * (int(pos.sum()) + len(pos))
+    heads = _heads_parallel if macs >= PARALLEL_ATTENTION_MACS else _heads_serial
+    heads(qkv, n_head, n_head // n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
+          keys, values, out)
