@@ -283,29 +283,17 @@ class LLM:
         alternatives and the entropy in the events. `include_prompt` puts the
         prompt text in front of the output.
         """
-        if isinstance(prompt, str):
-            prompt_text = prompt
-            ids = self.tokenize(prompt, add_bos=add_bos)
-        else:
-            ids = [int(i) for i in prompt]
-            prompt_text = self.detokenize(ids) if include_prompt else ""
+        ids, prompt_text = self._prompt_ids(prompt, add_bos, include_prompt)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                 seed=seed, logit_bias=dict(logit_bias or {}))
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens); pass text or token ids")
-        if max(ids) >= self.config.n_vocab or min(ids) < 0:
-            raise ValueError(f"prompt token ids must lie in [0, {self.config.n_vocab})")
-        if len(ids) >= self.kv_cache_size:
-            raise ValueError(f"the prompt has {len(ids)} tokens and the context holds "
-                             f"{self.kv_cache_size}; load with a larger kv_cache_size")
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         events = self._generate_events(
             ids, Sampler(params, self.config.n_vocab), max_tokens=max_tokens, stop=stops,
             stop_tokens=frozenset(int(t) for t in stop_tokens), logprobs=logprobs)
-        return Completion(events, ids, prompt_text if include_prompt else "")
+        return Completion(events, ids, prompt_text)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
              **options) -> Completion:
@@ -314,16 +302,86 @@ class LLM:
         `messages` are dicts with `role` and `content`. Options are those of
         `generate` (`max_tokens`, `temperature`, `stop`, `logprobs`, `seed` ...).
         """
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        variables = {"tools": tools} if tools else {}
-        prompt = self.apply_chat_template(messages, **variables)
-        ids = self.tokenize(prompt, add_bos=False)
-        tok = self.tokenizer
-        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids.insert(0, tok.bos_id)
         options.pop("include_prompt", None)
+        ids = self._chat_ids(messages, tools)
         return self.generate(ids, **options)
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, max_tokens: int = 512,
+                       stop: str | Sequence[str] | None = None,
+                       stop_tokens: Sequence[int] = (), include_prompt: bool = False,
+                       add_bos: bool | None = None, logprobs: int | None = None,
+                       temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
+                       min_p: float = 0.05, repeat_penalty: float = 1.0,
+                       repeat_last_n: int = 64, seed: int | Sequence[int] | None = None,
+                       logit_bias: Mapping[int, float] | None = None) -> list[Completion]:
+        """Continue several prompts at once; returns their finished `Completion`s, in order.
+
+        Each prompt is prefilled into its own rows of one KV pool; then every
+        step runs one forward pass for all unfinished sequences together
+        (matmuls with one row per sequence, which costs little more than one
+        sequence's), each with its own sampler and stop conditions. Options
+        are those of `generate`. With `seed=s`, sequence i samples with seed
+        s + i (pass a list for explicit seeds); greedy results equal `generate`'s.
+        """
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if seed is None or isinstance(seed, int):
+            seeds = [None if seed is None else seed + i for i in range(len(prompts))]
+        else:
+            seeds = [int(x) for x in seed]
+            if len(seeds) != len(prompts):
+                raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        requests = [self._prompt_ids(p, add_bos, include_prompt) for p in prompts]
+        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        seqs = [
+            _Decoding(self.tokenizer, ids, Sampler(SamplingParams(
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=sd,
+                logit_bias=dict(logit_bias or {})), self.config.n_vocab),
+                max_tokens=max_tokens, stop=stops,
+                stop_tokens=frozenset(int(t) for t in stop_tokens), logprobs=logprobs)
+            for (ids, _), sd in zip(requests, seeds)
+        ]
+        events: list[list[TokenEvent]] = [[] for _ in prompts]
+        if max_tokens > 0:
+            with self._busy:
+                self._run_batch([ids for ids, _ in requests], seqs, events, max_tokens)
+        return [Completion(_replay(ev, seq.finish_reason or "length"), ids, text)
+                for ev, seq, (ids, text) in zip(events, seqs, requests)]
+
+    def chat_batch(self, conversations: Sequence[Sequence[Mapping[str, Any]]], **options
+                   ) -> list[Completion]:
+        """Answer several conversations at once (see `chat` and `generate_batch`)."""
+        tools = options.pop("tools", None)
+        options.pop("include_prompt", None)
+        return self.generate_batch([self._chat_ids(m, tools) for m in conversations], **options)
+
+    def _run_batch(self, prompt_ids: list[list[int]], seqs: list[_Decoding],
+                   events: list[list[TokenEvent]], max_tokens: int) -> None:
+        """Prefill each prompt into its slot of a new KV pool, then decode all unfinished
+        sequences together, one forward pass per step, until each is finished."""
+        model = self._require_model()
+        longest = max(len(ids) for ids in prompt_ids)
+        caches = model.new_pool(len(prompt_ids), min(self.kv_cache_size,
+                                                     longest + max_tokens)).caches()
+        logits = np.stack([self._prefill(ids, c) for ids, c in zip(prompt_ids, caches)])
+        active = list(range(len(seqs)))
+        while active:
+            feed, still = [], []
+            for i, row in zip(active, logits):
+                token, evs = seqs[i].step(row, room=caches[i].offset < caches[i].max_len)
+                events[i].extend(evs)
+                if token is not None:
+                    feed.append(token)
+                    still.append(i)
+            active = still
+            if active:
+                with self._forward_lock:
+                    hidden = model.decode(np.asarray(feed), [caches[i] for i in active])
+                    logits = model.logits(hidden)
 
     def embed(self, text: str | Sequence[int], *, normalize: bool = True) -> np.ndarray:
         """The final hidden state (after the output norm) of the last token of `text`,
@@ -340,6 +398,36 @@ class LLM:
         return h.astype(np.float32)
 
     # -- internals ---------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Sequence[int], add_bos: bool | None,
+                    include_prompt: bool) -> tuple[list[int], str]:
+        """A prompt's checked token ids, and its text when `include_prompt` (else "")."""
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt, add_bos=add_bos)
+            text = prompt
+        else:
+            ids = [int(i) for i in prompt]
+            text = self.detokenize(ids) if include_prompt else ""
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens); pass text or token ids")
+        if max(ids) >= self.config.n_vocab or min(ids) < 0:
+            raise ValueError(f"prompt token ids must lie in [0, {self.config.n_vocab})")
+        if len(ids) >= self.kv_cache_size:
+            raise ValueError(f"the prompt has {len(ids)} tokens and the context holds "
+                             f"{self.kv_cache_size}; load with a larger kv_cache_size")
+        return ids, text if include_prompt else ""
+
+    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: list | None) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (BOS as the model wants)."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        variables = {"tools": tools} if tools else {}
+        prompt = self.apply_chat_template(messages, **variables)
+        ids = self.tokenize(prompt, add_bos=False)
+        tok = self.tokenizer
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids.insert(0, tok.bos_id)
+        return ids
+
     def _require_model(self) -> llama.LlamaModel:
         if self.model is None:
             raise RuntimeError("this LLM has been closed")
@@ -360,8 +448,6 @@ class LLM:
                          ) -> Generator[TokenEvent, None, str]:
         """Yield the events of one generation; return its finish reason."""
         model = self._require_model()
-        tok = self.tokenizer
-        end_ids = tok.eot_ids | stop_tokens
         # The shared cache keeps the last conversation so that a prompt sharing its
         # beginning skips that part of the prefill; a concurrent call gets its own cache.
         owns_shared = self._cache_lock.acquire(blocking=False)
@@ -373,46 +459,81 @@ class LLM:
             reuse = min(cache.common_prefix(prompt_ids), len(prompt_ids) - 1)
             cache.trim(reuse)
             logits = self._prefill(prompt_ids[reuse:], cache)
-            history = list(prompt_ids)
-            decoder = StreamDecoder(tok)
-            held = ""  # released text that might still turn out to start a stop string
-            n_generated = 0
+            seq = _Decoding(self.tokenizer, prompt_ids, sampler, max_tokens=max_tokens,
+                            stop=stop, stop_tokens=stop_tokens, logprobs=logprobs)
             while True:
-                lp = top = ent = None
-                if logprobs is not None:
-                    logp = log_softmax(logits)
-                    ent = entropy(logp)
-                token = sampler.sample(logits, history)
-                if logprobs is not None:
-                    lp = float(logp[token])
-                    k = min(int(logprobs), len(logp))
-                    best = np.argpartition(-logp, k - 1)[:k] if k > 0 else np.empty(0, int)
-                    best = best[np.argsort(-logp[best], kind="stable")]
-                    top = tuple(Alternative(int(i), tok.decode([int(i)]), float(logp[i]))
-                                for i in best)
-                if token in end_ids:
-                    reason = "stop"
-                    break
-                history.append(token)
-                n_generated += 1
-                held += decoder.push(token)
-                released, held, hit = _split_stop(held, stop)
-                yield TokenEvent(token, released, tok.decode([token]), lp, top, ent)
-                if hit:
-                    return "stop"
-                if n_generated >= max_tokens or cache.offset >= cache.max_len:
-                    reason = "length"
-                    break
+                token, events = seq.step(logits, room=cache.offset < cache.max_len)
+                yield from events
+                if token is None:
+                    return seq.finish_reason
                 with self._forward_lock:
                     logits = model.logits(model.hidden(np.asarray([token]), cache))[0]
-            tail, _, _ = _split_stop(held + decoder.flush(), stop, final=True)
-            if tail:  # text held back until the end: released by a token-less event
-                yield TokenEvent(None, tail, "")
-            return reason
         finally:
             self._busy.__exit__()
             if owns_shared:
                 self._cache_lock.release()
+
+
+class _Decoding:
+    """One sequence being generated: picks its tokens from logits and turns them into
+    events (sampling, logprobs, end tokens, stop strings, streamed UTF-8 text)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], sampler: Sampler, *,
+                 max_tokens: int, stop: list[str], stop_tokens: frozenset[int],
+                 logprobs: int | None):
+        self.tok = tokenizer
+        self.sampler = sampler
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self.end_ids = tokenizer.eot_ids | stop_tokens
+        self.logprobs = logprobs
+        self.history = list(prompt_ids)
+        self.decoder = StreamDecoder(tokenizer)
+        self.held = ""  # released text that might still turn out to start a stop string
+        self.n_generated = 0
+        self.finish_reason: str | None = None
+
+    def step(self, logits: np.ndarray, room: bool) -> tuple[int | None, list[TokenEvent]]:
+        """Choose the next token from `logits` (n_vocab,); `room`: whether the KV cache can
+        take one more token. Returns the token to feed back to the model, or None once
+        the sequence is finished (`finish_reason` set), and the events to emit."""
+        tok, logprobs = self.tok, self.logprobs
+        lp = top = ent = None
+        if logprobs is not None:
+            logp = log_softmax(logits)
+            ent = entropy(logp)
+        token = self.sampler.sample(logits, self.history)
+        if logprobs is not None:
+            lp = float(logp[token])
+            k = min(int(logprobs), len(logp))
+            best = np.argpartition(-logp, k - 1)[:k] if k > 0 else np.empty(0, int)
+            best = best[np.argsort(-logp[best], kind="stable")]
+            top = tuple(Alternative(int(i), tok.decode([int(i)]), float(logp[i])) for i in best)
+        if token in self.end_ids:
+            return None, self._finish("stop")
+        self.history.append(token)
+        self.n_generated += 1
+        self.held += self.decoder.push(token)
+        released, self.held, hit = _split_stop(self.held, self.stop)
+        events = [TokenEvent(token, released, tok.decode([token]), lp, top, ent)]
+        if hit:
+            self.finish_reason = "stop"
+            return None, events
+        if self.n_generated >= self.max_tokens or not room:
+            return None, events + self._finish("length")
+        return token, events
+
+    def _finish(self, reason: str) -> list[TokenEvent]:
+        """End the sequence; text held back until the end goes out in a token-less event."""
+        self.finish_reason = reason
+        tail, _, _ = _split_stop(self.held + self.decoder.flush(), self.stop, final=True)
+        return [TokenEvent(None, tail, "")] if tail else []
+
+
+def _replay(events: list[TokenEvent], finish_reason: str) -> Generator[TokenEvent, None, str]:
+    """The events of a finished generation, as `Completion` consumes them."""
+    yield from events
+    return finish_reason
 
 
 def _split_stop(text: str, stops: list[str], final: bool = False) -> tuple[str, str, bool]:

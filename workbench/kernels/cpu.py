@@ -392,9 +392,9 @@ def _row_q4_0(w, r, f16, out, n):
         o = b * 18
         d = _h(w, r, o, f16)
         for j in range(n):
-            q = np.int64(w[r, o + 2 + j])
-            out[b * 32 + j] = d * np.float32((q & 15) - 8)
-            out[b * 32 + 16 + j] = d * np.float32((q >> 4) - 8)
+            lo, hi = _split(np.float32(w[r, o + 2 + j]))
+            out[b * 32 + j] = d * (lo - np.float32(8.0))
+            out[b * 32 + 16 + j] = d * (hi - np.float32(8.0))
 
 
 @njit(inline="always")
@@ -404,9 +404,9 @@ def _row_q4_1(w, r, f16, out, n):
         d = _h(w, r, o, f16)
         m = _h(w, r, o + 2, f16)
         for j in range(n):
-            q = np.int64(w[r, o + 4 + j])
-            out[b * 32 + j] = d * np.float32(q & 15) + m
-            out[b * 32 + 16 + j] = d * np.float32(q >> 4) + m
+            lo, hi = _split(np.float32(w[r, o + 4 + j]))
+            out[b * 32 + j] = d * lo + m
+            out[b * 32 + 16 + j] = d * hi + m
 
 
 @njit(inline="always")
@@ -451,9 +451,9 @@ def _row_q4_k(w, r, f16, out, n):
             m1 = dmin * np.float32(_k_min(w, r, o + 4, 2 * c + 1))
             e = b * 256 + 64 * c
             for j in range(2 * n):
-                q = np.int64(w[r, o + 16 + 32 * c + j])
-                out[e + j] = d0 * np.float32(q & 15) - m0
-                out[e + 32 + j] = d1 * np.float32(q >> 4) - m1
+                lo, hi = _split(np.float32(w[r, o + 16 + 32 * c + j]))
+                out[e + j] = d0 * lo - m0
+                out[e + 32 + j] = d1 * hi - m1
 
 
 @njit(inline="always")
@@ -559,11 +559,27 @@ def _dequant_q6_k(w, r0, f16, out, n):
 
 
 @njit(fastmath=_FM, inline="always")
-def _dot(a, x):
-    s = np.float32(0.0)
-    for k in range(x.shape[0]):
-        s += a[k] * x[k]
-    return s
+def _dots(a, x, y, r):
+    """y[t, r] = a . x[t] for every row t of x (T, K). Four rows of x at a time share
+    each load of a (5 loads per 4 multiply-adds instead of 8)."""
+    T, K = x.shape
+    t = 0
+    while t + 4 <= T:
+        s0 = s1 = s2 = s3 = np.float32(0.0)
+        for k in range(K):
+            v = a[k]
+            s0 += v * x[t, k]
+            s1 += v * x[t + 1, k]
+            s2 += v * x[t + 2, k]
+            s3 += v * x[t + 3, k]
+        y[t, r], y[t + 1, r], y[t + 2, r], y[t + 3, r] = s0, s1, s2, s3
+        t += 4
+    while t < T:
+        s0 = np.float32(0.0)
+        for k in range(K):
+            s0 += a[k] * x[t, k]
+        y[t, r] = s0
+        t += 1
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -572,8 +588,7 @@ def _gemv2_q8_0(x, w, f16, scratch, y, n):
     for r in prange(w.shape[0]):
         buf = scratch[get_thread_id()]
         _row_q8_0(w, wi, r, f16, buf, n)
-        for t in range(x.shape[0]):
-            y[t, r] = _dot(buf, x[t])
+        _dots(buf, x, y, r)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -581,8 +596,7 @@ def _gemv2_q4_0(x, w, f16, scratch, y, n):
     for r in prange(w.shape[0]):
         buf = scratch[get_thread_id()]
         _row_q4_0(w, r, f16, buf, n)
-        for t in range(x.shape[0]):
-            y[t, r] = _dot(buf, x[t])
+        _dots(buf, x, y, r)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -590,8 +604,7 @@ def _gemv2_q4_1(x, w, f16, scratch, y, n):
     for r in prange(w.shape[0]):
         buf = scratch[get_thread_id()]
         _row_q4_1(w, r, f16, buf, n)
-        for t in range(x.shape[0]):
-            y[t, r] = _dot(buf, x[t])
+        _dots(buf, x, y, r)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -599,8 +612,7 @@ def _gemv2_q5_0(x, w, f16, scratch, y, n):
     for r in prange(w.shape[0]):
         buf = scratch[get_thread_id()]
         _row_q5_0(w, r, f16, buf, n)
-        for t in range(x.shape[0]):
-            y[t, r] = _dot(buf, x[t])
+        _dots(buf, x, y, r)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -608,8 +620,7 @@ def _gemv2_q5_1(x, w, f16, scratch, y, n):
     for r in prange(w.shape[0]):
         buf = scratch[get_thread_id()]
         _row_q5_1(w, r, f16, buf, n)
-        for t in range(x.shape[0]):
-            y[t, r] = _dot(buf, x[t])
+        _dots(buf, x, y, r)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -617,8 +628,7 @@ def _gemv2_q4_k(x, w, f16, scratch, y, n):
     for r in prange(w.shape[0]):
         buf = scratch[get_thread_id()]
         _row_q4_k(w, r, f16, buf, n)
-        for t in range(x.shape[0]):
-            y[t, r] = _dot(buf, x[t])
+        _dots(buf, x, y, r)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -626,8 +636,7 @@ def _gemv2_q5_k(x, w, f16, scratch, y, n):
     for r in prange(w.shape[0]):
         buf = scratch[get_thread_id()]
         _row_q5_k(w, r, f16, buf, n)
-        for t in range(x.shape[0]):
-            y[t, r] = _dot(buf, x[t])
+        _dots(buf, x, y, r)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -636,8 +645,7 @@ def _gemv2_q6_k(x, w, f16, scratch, y, n):
     for r in prange(w.shape[0]):
         buf = scratch[get_thread_id()]
         _row_q6_k(w, wi, r, f16, buf, n)
-        for t in range(x.shape[0]):
-            y[t, r] = _dot(buf, x[t])
+        _dots(buf, x, y, r)
 
 
 # 16-bit floats (F16, BF16): each weight is a lookup in a 65536-entry table
@@ -675,8 +683,7 @@ def _gemv2_f16(x, w, f16, scratch, y, n):
     for r in prange(w.shape[0]):
         buf = scratch[get_thread_id()]
         _row_f16(h, r, f16, buf)
-        for t in range(x.shape[0]):
-            y[t, r] = _dot(buf, x[t])
+        _dots(buf, x, y, r)
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -722,10 +729,10 @@ KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(GEMV_KERNELS)
 # MASK32[j] = 1 << j as int32 (bit 31 wraps to the sign bit): selects bit j of a Q5 qh word.
 MASK32: np.ndarray = (np.int64(1) << np.arange(32)).astype(np.uint32).view(np.int32)
 
-# Largest T for the Numba-only kernels. Measured on Q4_K 4864x1024 (ms):
-# T=2 gemv 0.63 / two-stage 0.78; T=8 two-stage 1.65 / tile+BLAS 2.0;
-# T=16 two-stage 2.8 / tile+BLAS 2.3.
-GEMV_MAX_T = 8
+# Largest T for the Numba-only kernels. Measured on Q4_1 49152x576 (ms), 2 threads:
+# T=8 two-stage 6.0 / tile+BLAS 9.5; T=16 two-stage 12.0 / tile+BLAS 13.0; on
+# Q4_1 1536x576 at T=16: 0.38 / 0.45. Beyond T=16, BLAS wins.
+GEMV_MAX_T = 16
 # Weights dequantized per tile on the BLAS path (1M floats = 4 MiB of fp32);
 # 256K and 4M were 5-40% slower from T=16 to T=512.
 TILE_WEIGHTS = 1 << 20
