@@ -1,4 +1,4 @@
-"""The `workbench` command line: pull, list, chat, generate, lab."""
+"""The `workbench` command line: pull, list, chat, generate, bench, lab."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ LAB_NOTEBOOK = "00_tour.ipynb"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser (argparse cannot forward "--option" arguments)
+        from workbench import bench
+
+        return bench.main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -63,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the text to continue")
     _generation_options(gen)
     gen.set_defaults(func=_generate)
+
+    sub.add_parser("bench", add_help=False,
+                           help="speed and memory against llama.cpp, side by side",
+                           description="See `workbench bench --help`.")
 
     lab = sub.add_parser("lab", help="open the notebooks in JupyterLab",
                          description="Pull the default model, then run JupyterLab on the "

@@ -267,6 +267,14 @@ class LLM:
         with self._busy, self._forward_lock:
             return self._require_model().forward(np.asarray(ids), cache)
 
+    def reset(self) -> None:
+        """Forget the prompt kept in the KV cache: the next call prefills from scratch.
+
+        (Each call reuses the longest prefix it shares with the previous one.)"""
+        with self._cache_lock:
+            self._require_model()
+            self._cache.reset()
+
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 512,
                  stop: str | Sequence[str] | None = None, stop_tokens: Sequence[int] = (),

@@ -582,70 +582,175 @@ def _dots(a, x, y, r):
         t += 1
 
 
+@njit(fastmath=_FM, inline="always")
+def _dots4(a, x, y, r):
+    """y[t, r + i] = a[i] . x[t] for i = 0..3 and every row t of x (T, K): a 4 x 4 block
+    of outputs per pass over K (8 loads per 16 multiply-adds, 16 accumulators)."""
+    T, K = x.shape
+    t = 0
+    while t + 4 <= T:
+        s00 = s01 = s02 = s03 = np.float32(0.0)
+        s10 = s11 = s12 = s13 = np.float32(0.0)
+        s20 = s21 = s22 = s23 = np.float32(0.0)
+        s30 = s31 = s32 = s33 = np.float32(0.0)
+        for k in range(K):
+            x0, x1, x2, x3 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
+            v = a[0, k]
+            s00 += v * x0
+            s01 += v * x1
+            s02 += v * x2
+            s03 += v * x3
+            v = a[1, k]
+            s10 += v * x0
+            s11 += v * x1
+            s12 += v * x2
+            s13 += v * x3
+            v = a[2, k]
+            s20 += v * x0
+            s21 += v * x1
+            s22 += v * x2
+            s23 += v * x3
+            v = a[3, k]
+            s30 += v * x0
+            s31 += v * x1
+            s32 += v * x2
+            s33 += v * x3
+        y[t, r], y[t + 1, r], y[t + 2, r], y[t + 3, r] = s00, s01, s02, s03
+        y[t, r + 1], y[t + 1, r + 1], y[t + 2, r + 1], y[t + 3, r + 1] = s10, s11, s12, s13
+        y[t, r + 2], y[t + 1, r + 2], y[t + 2, r + 2], y[t + 3, r + 2] = s20, s21, s22, s23
+        y[t, r + 3], y[t + 1, r + 3], y[t + 2, r + 3], y[t + 3, r + 3] = s30, s31, s32, s33
+        t += 4
+    while t < T:
+        s00 = s10 = s20 = s30 = np.float32(0.0)
+        for k in range(K):
+            s00 += a[0, k] * x[t, k]
+            s10 += a[1, k] * x[t, k]
+            s20 += a[2, k] * x[t, k]
+            s30 += a[3, k] * x[t, k]
+        y[t, r], y[t, r + 1], y[t, r + 2], y[t, r + 3] = s00, s10, s20, s30
+        t += 1
+
+
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv2_q8_0(x, w, f16, scratch, y, n):
     wi = w.view(np.int8)
-    for r in prange(w.shape[0]):
-        buf = scratch[get_thread_id()]
-        _row_q8_0(w, wi, r, f16, buf, n)
-        _dots(buf, x, y, r)
+    N = w.shape[0]
+    for p in prange((N + 3) // 4):
+        buf = scratch[get_thread_id()]  # (4, K)
+        r = 4 * p
+        for i in range(min(4, N - r)):
+            _row_q8_0(w, wi, r + i, f16, buf[i], n)
+        if r + 4 <= N:
+            _dots4(buf, x, y, r)
+        else:
+            for i in range(N - r):
+                _dots(buf[i], x, y, r + i)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv2_q4_0(x, w, f16, scratch, y, n):
-    for r in prange(w.shape[0]):
-        buf = scratch[get_thread_id()]
-        _row_q4_0(w, r, f16, buf, n)
-        _dots(buf, x, y, r)
+    N = w.shape[0]
+    for p in prange((N + 3) // 4):
+        buf = scratch[get_thread_id()]  # (4, K)
+        r = 4 * p
+        for i in range(min(4, N - r)):
+            _row_q4_0(w, r + i, f16, buf[i], n)
+        if r + 4 <= N:
+            _dots4(buf, x, y, r)
+        else:
+            for i in range(N - r):
+                _dots(buf[i], x, y, r + i)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv2_q4_1(x, w, f16, scratch, y, n):
-    for r in prange(w.shape[0]):
-        buf = scratch[get_thread_id()]
-        _row_q4_1(w, r, f16, buf, n)
-        _dots(buf, x, y, r)
+    N = w.shape[0]
+    for p in prange((N + 3) // 4):
+        buf = scratch[get_thread_id()]  # (4, K)
+        r = 4 * p
+        for i in range(min(4, N - r)):
+            _row_q4_1(w, r + i, f16, buf[i], n)
+        if r + 4 <= N:
+            _dots4(buf, x, y, r)
+        else:
+            for i in range(N - r):
+                _dots(buf[i], x, y, r + i)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv2_q5_0(x, w, f16, scratch, y, n):
-    for r in prange(w.shape[0]):
-        buf = scratch[get_thread_id()]
-        _row_q5_0(w, r, f16, buf, n)
-        _dots(buf, x, y, r)
+    N = w.shape[0]
+    for p in prange((N + 3) // 4):
+        buf = scratch[get_thread_id()]  # (4, K)
+        r = 4 * p
+        for i in range(min(4, N - r)):
+            _row_q5_0(w, r + i, f16, buf[i], n)
+        if r + 4 <= N:
+            _dots4(buf, x, y, r)
+        else:
+            for i in range(N - r):
+                _dots(buf[i], x, y, r + i)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv2_q5_1(x, w, f16, scratch, y, n):
-    for r in prange(w.shape[0]):
-        buf = scratch[get_thread_id()]
-        _row_q5_1(w, r, f16, buf, n)
-        _dots(buf, x, y, r)
+    N = w.shape[0]
+    for p in prange((N + 3) // 4):
+        buf = scratch[get_thread_id()]  # (4, K)
+        r = 4 * p
+        for i in range(min(4, N - r)):
+            _row_q5_1(w, r + i, f16, buf[i], n)
+        if r + 4 <= N:
+            _dots4(buf, x, y, r)
+        else:
+            for i in range(N - r):
+                _dots(buf[i], x, y, r + i)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv2_q4_k(x, w, f16, scratch, y, n):
-    for r in prange(w.shape[0]):
-        buf = scratch[get_thread_id()]
-        _row_q4_k(w, r, f16, buf, n)
-        _dots(buf, x, y, r)
+    N = w.shape[0]
+    for p in prange((N + 3) // 4):
+        buf = scratch[get_thread_id()]  # (4, K)
+        r = 4 * p
+        for i in range(min(4, N - r)):
+            _row_q4_k(w, r + i, f16, buf[i], n)
+        if r + 4 <= N:
+            _dots4(buf, x, y, r)
+        else:
+            for i in range(N - r):
+                _dots(buf[i], x, y, r + i)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv2_q5_k(x, w, f16, scratch, y, n):
-    for r in prange(w.shape[0]):
-        buf = scratch[get_thread_id()]
-        _row_q5_k(w, r, f16, buf, n)
-        _dots(buf, x, y, r)
+    N = w.shape[0]
+    for p in prange((N + 3) // 4):
+        buf = scratch[get_thread_id()]  # (4, K)
+        r = 4 * p
+        for i in range(min(4, N - r)):
+            _row_q5_k(w, r + i, f16, buf[i], n)
+        if r + 4 <= N:
+            _dots4(buf, x, y, r)
+        else:
+            for i in range(N - r):
+                _dots(buf[i], x, y, r + i)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv2_q6_k(x, w, f16, scratch, y, n):
     wi = w.view(np.int8)
-    for r in prange(w.shape[0]):
-        buf = scratch[get_thread_id()]
-        _row_q6_k(w, wi, r, f16, buf, n)
-        _dots(buf, x, y, r)
+    N = w.shape[0]
+    for p in prange((N + 3) // 4):
+        buf = scratch[get_thread_id()]  # (4, K)
+        r = 4 * p
+        for i in range(min(4, N - r)):
+            _row_q6_k(w, wi, r + i, f16, buf[i], n)
+        if r + 4 <= N:
+            _dots4(buf, x, y, r)
+        else:
+            for i in range(N - r):
+                _dots(buf[i], x, y, r + i)
 
 
 # 16-bit floats (F16, BF16): each weight is a lookup in a 65536-entry table
@@ -680,10 +785,17 @@ def _dequant_f16(w, r0, f16, out, n):
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv2_f16(x, w, f16, scratch, y, n):
     h = w.view(np.uint16)
-    for r in prange(w.shape[0]):
-        buf = scratch[get_thread_id()]
-        _row_f16(h, r, f16, buf)
-        _dots(buf, x, y, r)
+    N = w.shape[0]
+    for p in prange((N + 3) // 4):
+        buf = scratch[get_thread_id()]  # (4, K)
+        r = 4 * p
+        for i in range(min(4, N - r)):
+            _row_f16(h, r + i, f16, buf[i])
+        if r + 4 <= N:
+            _dots4(buf, x, y, r)
+        else:
+            for i in range(N - r):
+                _dots(buf[i], x, y, r + i)
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -729,10 +841,10 @@ KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(GEMV_KERNELS)
 # MASK32[j] = 1 << j as int32 (bit 31 wraps to the sign bit): selects bit j of a Q5 qh word.
 MASK32: np.ndarray = (np.int64(1) << np.arange(32)).astype(np.uint32).view(np.int32)
 
-# Largest T for the Numba-only kernels. Measured on Q4_1 49152x576 (ms), 2 threads:
-# T=8 two-stage 6.0 / tile+BLAS 9.5; T=16 two-stage 12.0 / tile+BLAS 13.0; on
-# Q4_1 1536x576 at T=16: 0.38 / 0.45. Beyond T=16, BLAS wins.
-GEMV_MAX_T = 16
+# Largest T for the Numba-only kernels. Measured with 2 threads (ms), two-stage
+# (4 x 4 blocked dots) / tile+BLAS: Q4_1 49152x576 T=8 4.1 / 9.5, T=16 6.4 / 13.0;
+# Q4_1 4864x896 T=32 1.9 / 2.6, T=64 3.2 / 4.9, T=128 6.8 / 7.6, T=512 28.6 / 23.2.
+GEMV_MAX_T = 64
 # Weights dequantized per tile on the BLAS path (1M floats = 4 MiB of fp32);
 # 256K and 4M were 5-40% slower from T=16 to T=512.
 TILE_WEIGHTS = 1 << 20
@@ -792,7 +904,8 @@ def gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
     this is the faster kernel for 3 <= T <= `GEMV_MAX_T`.
     """
     y = _check(x, w, qtype, out)
-    scratch = np.empty((numba.config.NUMBA_NUM_THREADS, x.shape[1]), np.float32)  # (threads, K)
+    # (threads, 4, K): four dequantized rows per thread
+    scratch = np.empty((numba.config.NUMBA_NUM_THREADS, 4, x.shape[1]), np.float32)
     GEMV2_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), scratch, y, _INNER)
     return y
 

@@ -1,0 +1,317 @@
+"""`workbench bench`: our engine against llama.cpp on the same GGUF, side by side.
+
+Runs `LLM` and llama-cpp-python (the Python binding of llama.cpp) on the same
+model file with the same number of threads in one process, warms both up,
+then alternates them round by round and prints the medians and their ratio:
+
+- prefill tokens/s for a `--prompt-tokens` (512) token prompt;
+- decode tokens/s over `--decode-tokens` (128) greedy tokens;
+- time to first token of a short chat prompt (nothing cached);
+- peak resident memory while generating (each engine alone in a child process);
+- aggregate decode tokens/s with N = 1, 4, 8, 16 sequences decoded together
+  (`LLM.generate_batch`; llama.cpp's batch API with one sequence id each).
+
+llama-cpp-python is not a dependency of workbench; install it with
+
+    pip install llama-cpp-python    # builds llama.cpp from source: ~10 minutes on 2 cores
+
+Thread counts are fixed through NUMBA_NUM_THREADS / OMP_NUM_THREADS before
+NumPy and Numba start, so `--threads` must be decided at launch (the command
+line does that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+PARALLEL = (1, 4, 8, 16)
+# Plain-text openings that a small model continues for a long while.
+PROMPTS = [
+    "The history of the printing press begins",
+    "def quicksort(items):",
+    "Once upon a time, in a village by the sea,",
+    "The three laws of thermodynamics are",
+    "Photosynthesis is the process by which",
+    "Dear hiring manager, I am writing to apply",
+    "The recipe calls for flour, sugar and",
+    "In 1969 the first humans landed on",
+]
+# Pause before each measurement: an engine's worker threads keep spinning for a
+# while after a call, which would slow the other engine's next run.
+SETTLE_S = 0.5
+CHAT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+INSTALL_HINT = ("llama-cpp-python is needed for the side-by-side benchmark:\n"
+                "    pip install llama-cpp-python\n"
+                "(it builds llama.cpp from source: about 10 minutes on 2 cores)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="workbench bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None,
+                   help="alias, .gguf path or hf:// URL (default: the default model)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--rounds", type=int, default=3, help="runs per measurement (median)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--parallel", type=int, nargs="*", default=list(PARALLEL),
+                   metavar="N", help="sequence counts for aggregate decode (default 1 4 8 16)")
+    p.add_argument("--no-rss", action="store_true", help="skip the peak-memory child processes")
+    p.add_argument("--rss-child", choices=["workbench", "llama.cpp"], help=argparse.SUPPRESS)
+    return p
+
+
+def set_threads(n: int) -> None:
+    """Fix the thread pools of Numba and BLAS (only effective before they start)."""
+    for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(n)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    set_threads(args.threads)
+    from workbench import registry
+
+    path = registry.resolve(args.model or registry.DEFAULT_MODEL)
+    if args.rss_child:
+        print(json.dumps(_rss_child(args.rss_child, str(path), args)))
+        return 0
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print(INSTALL_HINT, file=sys.stderr)
+        return 1
+    Bench(str(path), args).run()
+    return 0
+
+
+class Bench:
+    def __init__(self, path: str, args: argparse.Namespace):
+        from llama_cpp import Llama
+
+        from workbench import LLM
+
+        self.args = args
+        self.path = path
+        n_ctx = max(args.prompt_tokens + args.decode_tokens + 64, 1024)
+        self.ours = LLM.load(path, kv_cache_size=n_ctx)
+        self.peer = Llama(path, n_ctx=n_ctx, n_batch=512, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False)
+        filler = self.ours.tokenize("The quick brown fox jumps over the lazy dog. " * 200)
+        self.long_ids = filler[: args.prompt_tokens]
+        # no end-of-turn tokens: every run generates exactly the tokens asked for
+        self.no_eos = {int(t): float("-inf") for t in self.ours.tokenizer.eot_ids}
+        self.chat_text = self.ours.apply_chat_template(CHAT)
+
+    # -- single sequence ----------------------------------------------------------------------
+    def ours_prefill(self) -> float:
+        self.ours.reset()
+        t = time.perf_counter()
+        next(iter(self.ours.generate(self.long_ids, max_tokens=1, temperature=0).iter_events()))
+        return len(self.long_ids) / (time.perf_counter() - t)
+
+    def peer_prefill(self) -> float:
+        self.peer.reset()
+        t = time.perf_counter()
+        self.peer.eval(self.long_ids)
+        self.peer.scores[self.peer.n_tokens - 1].argmax()
+        return len(self.long_ids) / (time.perf_counter() - t)
+
+    def ours_decode(self) -> float:
+        self.ours.reset()
+        n = self.args.decode_tokens
+        events = self.ours.generate(PROMPTS[0], max_tokens=n, temperature=0,
+                                    logit_bias=self.no_eos).iter_events()
+        next(events)  # the prompt is prefilled and the first token chosen
+        t = time.perf_counter()
+        k = sum(1 for ev in events if ev.id is not None)
+        return k / (time.perf_counter() - t)
+
+    def peer_decode(self) -> float:
+        peer = self.peer
+        peer.reset()
+        peer.eval(peer.tokenize(PROMPTS[0].encode(), add_bos=False))
+        n = self.args.decode_tokens
+        t = time.perf_counter()
+        for _ in range(n - 1):
+            peer.eval([int(peer.scores[peer.n_tokens - 1].argmax())])
+        return (n - 1) / (time.perf_counter() - t)
+
+    def ours_ttft(self) -> float:
+        self.ours.reset()
+        t = time.perf_counter()
+        next(iter(self.ours.generate(self.chat_text, max_tokens=8, temperature=0)))
+        return (time.perf_counter() - t) * 1e3
+
+    def peer_ttft(self) -> float:
+        self.peer.reset()
+        t = time.perf_counter()
+        stream = self.peer.create_completion(self.chat_text, max_tokens=8, temperature=0,
+                                             stream=True)
+        next(iter(stream))
+        elapsed = (time.perf_counter() - t) * 1e3
+        for _ in stream:
+            pass
+        return elapsed
+
+    # -- N sequences --------------------------------------------------------------------------
+    def ours_parallel(self, n: int) -> float:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+        t = time.perf_counter()
+        outs = self.ours.generate_batch(prompts, max_tokens=self.args.decode_tokens,
+                                        temperature=0, logit_bias=self.no_eos)
+        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+    def peer_parallel(self, n: int) -> float:
+        return _llama_cpp_parallel(self.peer, [PROMPTS[i % len(PROMPTS)] for i in range(n)],
+                                   self.args.decode_tokens, self.args.threads)
+
+    # -- report -------------------------------------------------------------------------------
+    def run(self) -> None:
+        a = self.args
+        rows: list[tuple[str, Callable[[], float], Callable[[], float], str]] = [
+            (f"prefill tok/s ({len(self.long_ids)} tokens)", self.ours_prefill,
+             self.peer_prefill, "higher"),
+            (f"decode tok/s ({a.decode_tokens} tokens)", self.ours_decode, self.peer_decode,
+             "higher"),
+            ("time to first token ms (chat)", self.ours_ttft, self.peer_ttft, "lower"),
+        ]
+        rows += [(f"{n} sequences: aggregate tok/s", lambda n=n: self.ours_parallel(n),
+                  lambda n=n: self.peer_parallel(n), "higher") for n in a.parallel]
+        size_mb = os.path.getsize(self.path) / 1e6
+        print(f"{os.path.basename(self.path)} ({size_mb:.0f} MB), {a.threads} threads, "
+              f"median of {a.rounds} runs after a warm-up")
+        print(f"{'':36}{'workbench':>11}{'llama.cpp':>11}{'ratio':>8}")
+        for name, ours, peer, better in rows:
+            ra, rb = [], []
+            for i in range(a.rounds + 1):  # round 0 warms up (JIT caches, page cache, pools)
+                for fn, results in ((ours, ra), (peer, rb)):
+                    time.sleep(SETTLE_S)
+                    value = fn()
+                    if i:
+                        results.append(value)
+            ma, mb = statistics.median(ra), statistics.median(rb)
+            print(f"{name:<36}{ma:11.1f}{mb:11.1f}{ma / mb:8.2f}   ({better} is better)",
+                  flush=True)
+        if not a.no_rss:
+            ours_mb = self._child_rss("workbench")
+            peer_mb = self._child_rss("llama.cpp")
+            print(f"{'peak RSS MB (generating)':<36}{ours_mb:11.1f}{peer_mb:11.1f}"
+                  f"{ours_mb / peer_mb:8.2f}   (lower is better; target <= 1.5 x file + 300"
+                  f" = {1.5 * size_mb + 300:.0f})")
+        print("ratio = workbench / llama.cpp")
+
+    def _child_rss(self, engine: str) -> float:
+        a = self.args
+        cmd = [sys.executable, "-m", "workbench.bench", "--rss-child", engine, "--model",
+               self.path, "--threads", str(a.threads), "--prompt-tokens", str(a.prompt_tokens),
+               "--decode-tokens", str(a.decode_tokens)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])["peak_rss_mb"]
+
+
+def _llama_cpp_parallel(peer, prompts: list[str], steps: int, threads: int) -> float:
+    """Greedy-decode `steps` tokens for each prompt with llama.cpp's batch API (one sequence
+    id per prompt, one `llama_decode` per step for all of them); aggregate tokens/s,
+    prefill included, as `ours_parallel` measures it."""
+    import llama_cpp
+    import numpy as np
+
+    n = len(prompts)
+    toks = [peer.tokenize(p.encode(), add_bos=False) for p in prompts]
+    params = llama_cpp.llama_context_default_params()
+    params.n_seq_max = n
+    params.n_ctx = n * (max(len(t) for t in toks) + steps + 16)
+    params.n_batch = params.n_ubatch = max(512, sum(len(t) for t in toks))
+    params.n_threads = params.n_threads_batch = threads
+    params.kv_unified = True
+    model = peer._model.model
+    n_vocab = peer.n_vocab()
+    t0 = time.perf_counter()
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, n)
+    try:
+        # prefill: every prompt in one batch, logits at each prompt's last token
+        k = 0
+        last = []
+        for s, ids in enumerate(toks):
+            for p, tok in enumerate(ids):
+                batch.token[k], batch.pos[k], batch.n_seq_id[k] = tok, p, 1
+                batch.seq_id[k][0] = s
+                batch.logits[k] = p == len(ids) - 1
+                k += 1
+            last.append(k - 1)
+        batch.n_tokens = k
+        _decode(ctx, batch)
+        pos = [len(t) for t in toks]
+        generated = 0
+        for _ in range(steps):
+            nxt = [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i),
+                                             shape=(n_vocab,)).argmax()) for i in last]
+            generated += n
+            for s in range(n):
+                batch.token[s], batch.pos[s], batch.n_seq_id[s] = nxt[s], pos[s], 1
+                batch.seq_id[s][0] = s
+                batch.logits[s] = True
+                pos[s] += 1
+            batch.n_tokens = n
+            last = list(range(n))
+            if generated < n * steps:
+                _decode(ctx, batch)
+        return generated / (time.perf_counter() - t0)
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+
+
+def _decode(ctx, batch) -> None:
+    import llama_cpp
+
+    rc = llama_cpp.llama_decode(ctx, batch)
+    if rc != 0:
+        raise RuntimeError(f"llama_decode failed with code {rc}")
+
+
+def _rss_child(engine: str, path: str, args: argparse.Namespace) -> dict:
+    """Load one engine, prefill the long prompt and decode; report this process's peak RSS."""
+    n_ctx = args.prompt_tokens + args.decode_tokens + 64
+    text = "The quick brown fox jumps over the lazy dog. " * 200
+    if engine == "workbench":
+        from workbench import LLM
+
+        m = LLM.load(path, kv_cache_size=n_ctx)
+        ids = m.tokenize(text)[: args.prompt_tokens]
+        m.generate(ids, max_tokens=args.decode_tokens, temperature=0).wait()
+    else:
+        from llama_cpp import Llama
+
+        m = Llama(path, n_ctx=n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                  verbose=False)
+        ids = m.tokenize(text.encode(), add_bos=False)[: args.prompt_tokens]
+        m.create_completion(ids, max_tokens=args.decode_tokens, temperature=0)
+    return {"peak_rss_mb": _peak_rss_mb()}
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory. Linux: VmHWM (ru_maxrss would include the
+    parent's memory at fork, which Linux carries over exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+if __name__ == "__main__":
+    sys.exit(main())
