@@ -78,6 +78,45 @@ def test_matmul_matches_dequantized(qtype, T, monkeypatch):
     assert_close(QuantizedWeight.from_gguf_tensor(raw, qtype, (n, k)).matmul(x), ref)
 
 
+# T values around every switch of `matmul` (gemv, 4-row blocks of the two-stage
+# kernel, its remainder rows, the tiled BLAS path).
+AWKWARD_T = [1, 2, 3, 4, 5, 7, 8, 16, 17, 63, 64, 65]
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_every_output_is_written(qtype, monkeypatch):
+    """Outputs are poisoned with NaN before each call, so an element a kernel skips fails.
+
+    N = 1, 6 and 39 rows (one row; not multiples of the 4-row groups), K = one
+    block and three blocks (33 columns for 16-bit floats), T over AWKWARD_T.
+    """
+    monkeypatch.setattr(cpu, "TILE_WEIGHTS", 16 * 768)  # several tiles, the last partial
+    bs = GGML_QUANT_SIZES[qtype][0]
+    rng = np.random.default_rng(int(qtype) + 101)
+    for k in ([bs, 3 * bs] if bs > 1 else [1, 33]):
+        for n in (1, 6, 39):
+            raw = random_weight(qtype, n, k, rng)
+            full = dequantize(raw, qtype)
+            for T in AWKWARD_T:
+                x = rng.standard_normal((T, k)).astype(np.float32)
+                ref = reference(x, full)
+                kernels = [cpu.matmul, cpu.gemv_dequant_rows] + ([cpu.gemv] if T <= 4 else [])
+                for fn in kernels:
+                    out = np.full((T, n), np.nan, np.float32)
+                    assert fn(x, raw, qtype, out) is out
+                    assert not np.isnan(out).any(), f"{fn.__name__} T={T} N={n} K={k}"
+                    assert_close(out, ref)
+
+
+def test_out_must_match():
+    raw = random_weight(Q.Q8_0, 4, 64, np.random.default_rng(0))
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(ValueError, match=r"out must be .* shape \(2, 4\)"):
+        cpu.matmul(x, raw, Q.Q8_0, np.empty((4, 2), np.float32))
+    with pytest.raises(ValueError, match="out must be"):
+        cpu.gemv(x, raw, Q.Q8_0, np.empty((2, 4), np.float64))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.F16], ids=lambda t: t.name)
 def test_long_prefill(qtype, monkeypatch):
     """T=70 takes the (T, K) @ (K, rows) orientation of the tiled path."""

@@ -222,3 +222,96 @@ def test_busy_across_three_threads(smollm2):
     for t in threads:
         t.join()
     assert not smollm2.busy.get()
+
+
+# -- several sequences at once -------------------------------------------------------------
+
+BATCH_PROMPTS = [PROMPT, "Once upon a time", "def fibonacci(n):", "1, 2, 3,", PROMPT]
+
+
+def test_generate_batch_equals_generate(smollm2):
+    """Greedy batched decoding gives each prompt exactly the tokens it gets alone, whatever
+    its length and its neighbours; stop strings end sequences at different steps."""
+    for opts in (dict(max_tokens=12), dict(max_tokens=30, stop=["."]),
+                 dict(max_tokens=6, logprobs=2, include_prompt=True)):
+        alone = [smollm2.generate(p, **opts, **GREEDY) for p in BATCH_PROMPTS]
+        batch = smollm2.generate_batch(BATCH_PROMPTS, **opts, **GREEDY)
+        assert [c.token_ids for c in batch] == [c.token_ids for c in alone]
+        assert [c.text for c in batch] == [c.text for c in alone]
+        assert [c.finish_reason for c in batch] == [c.finish_reason for c in alone]
+        assert [c.usage for c in batch] == [c.usage for c in alone]
+        if "logprobs" in opts:
+            for a, b in zip(alone, batch):
+                for ea, eb in zip(a.events, b.events):
+                    assert [t.id for t in ea.top] == [t.id for t in eb.top]
+                    assert ea.logprob == pytest.approx(eb.logprob, abs=1e-4)
+    reasons = {c.finish_reason for c in smollm2.generate_batch(BATCH_PROMPTS, max_tokens=30,
+                                                                 stop=["."], **GREEDY)}
+    assert reasons == {"stop", "length"}  # some sequences ended early, others ran on
+
+
+def test_generate_batch_seeds(smollm2):
+    """seed=s gives sequence i the sampling of `generate(seed=s + i)`."""
+    opts = dict(max_tokens=10, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    batch = smollm2.generate_batch([PROMPT] * 3, seed=11, **opts)
+    assert [c.text for c in batch] == [smollm2.generate(PROMPT, seed=11 + i, **opts).text
+                                       for i in range(3)]
+    assert len({c.text for c in batch}) > 1
+    explicit = smollm2.generate_batch([PROMPT] * 2, seed=[5, 5], **opts)
+    assert explicit[0].text == explicit[1].text
+
+
+def test_chat_batch_equals_chat(smollm2):
+    convs = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "Answer in one word."},
+              {"role": "user", "content": "Name a colour."}]]
+    batch = smollm2.chat_batch(convs, max_tokens=16, **GREEDY)
+    assert [c.text for c in batch] == [smollm2.chat(m, max_tokens=16, **GREEDY).text
+                                       for m in convs]
+
+
+def test_generate_batch_requests(smollm2):
+    assert smollm2.generate_batch([]) == []
+    out = smollm2.generate_batch([PROMPT, "Hi"], max_tokens=0)
+    assert [(c.text, c.finish_reason) for c in out] == [("", "length")] * 2
+    with pytest.raises(ValueError, match="empty"):
+        smollm2.generate_batch([PROMPT, ""])
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        smollm2.generate_batch([PROMPT] * 3, seed=[1, 2])
+    with pytest.raises(ValueError, match="max_tokens"):
+        smollm2.generate_batch([PROMPT], max_tokens=-1)
+    with pytest.raises(TypeError, match="messages"):
+        smollm2.chat_batch(["just a string"])
+
+
+def test_generate_batch_context_full():
+    from workbench import LLM
+
+    with LLM.load("smollm2-135m", kv_cache_size=12) as m:
+        a, b = m.generate_batch([PROMPT, "Once upon a time there"], max_tokens=100, **GREEDY)
+        assert a.finish_reason == b.finish_reason == "length"
+        assert len(a.token_ids) == 12 - 5 + 1
+        assert a.token_ids == m.generate(PROMPT, max_tokens=100, **GREEDY).token_ids
+
+
+def test_decode_many_equals_decode_one(smollm2):
+    """`LlamaModel.decode` of several sequences at different positions: the same logits
+    as decoding each sequence alone (the batched path only changes the matmul shapes)."""
+    model = smollm2.model
+    prompts = [smollm2.tokenize(p) for p in BATCH_PROMPTS[:4]]
+    pool = model.new_pool(4, 64)
+    caches = pool.caches()
+    singles = []
+    for ids, cache in zip(prompts, caches):
+        model.hidden(np.asarray(ids), cache)
+        alone = model.new_cache(64)
+        model.hidden(np.asarray(ids), alone)
+        singles.append(model.logits(model.hidden(np.asarray([42]), alone))[0])
+    many = model.logits(model.decode(np.full(4, 42), caches))
+    for row, one in zip(many, singles):
+        np.testing.assert_allclose(row, one, rtol=0, atol=1e-4 * np.abs(one).max())
+    assert [c.offset for c in caches] == [len(p) + 1 for p in prompts]
+    with pytest.raises(ValueError, match="one KVPool"):
+        model.decode(np.array([1, 2]), [caches[0], model.new_cache(8)])
+    with pytest.raises(ValueError, match="own KV-pool slot"):
+        model.decode(np.array([1, 2]), [caches[0], caches[0]])

@@ -54,7 +54,9 @@ INSTALL_HINT = ("llama-cpp-python is needed for the side-by-side benchmark:\n"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="workbench bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="workbench bench", description=__doc__.split("\n\n")[1],
+                                epilog=INSTALL_HINT,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help="alias, .gguf path or hf:// URL (default: the default model)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -79,16 +81,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_threads(args.threads)
     from workbench import registry
 
-    path = registry.resolve(args.model or registry.DEFAULT_MODEL)
+    if not args.rss_child:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print(INSTALL_HINT, file=sys.stderr)
+            return 1
+    path = str(registry.resolve(args.model or registry.DEFAULT_MODEL))
     if args.rss_child:
-        print(json.dumps(_rss_child(args.rss_child, str(path), args)))
+        print(json.dumps(_rss_child(args.rss_child, path, args)))
         return 0
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print(INSTALL_HINT, file=sys.stderr)
-        return 1
-    Bench(str(path), args).run()
+    Bench(path, args).run()
     return 0
 
 
