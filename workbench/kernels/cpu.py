@@ -7,8 +7,10 @@ rows of x:
 - `_gemv_<type>`, T <= 2 (decode): dot products on the packed blocks, one
   output row per `prange` iteration, fp32 accumulation, nothing materialized.
   The unpacking is redone for every row of x.
-- `_gemv2_<type>`, 3 <= T <= `GEMV_MAX_T`: each row of W is dequantized once
-  into a per-thread fp32 buffer, then dotted with the T rows of x.
+- `_gemv2_<type>`, 3 <= T <= `GEMV_MAX_T` (batched decode, short prompts):
+  four rows of W at a time are dequantized into a per-thread fp32 buffer,
+  then multiplied with the T rows of x in 4 x 4 blocks of outputs (16
+  accumulators: each load of W or x feeds four multiply-adds).
 - `_dequant_<type>`, T > `GEMV_MAX_T` (prefill) and `dequantize_rows`: rows of
   W to float32, bit-identical to `gguf.quants.dequantize` (same float32 ops in
   the same order, no fastmath). `matmul` dequantizes one tile of rows at a
@@ -22,12 +24,17 @@ one specialization, compiled once and cached on disk by `cache=True`):
 - `f16`: `F16_TO_F32` (or `BF16_TO_F32`), 65536-entry tables from 16-bit
   patterns to float32: a lookup is exact and cheaper than decoding the bits.
 - `mask`: `MASK32`, int32 `1 << j`, to test the 5th bits of Q5_0/Q5_1.
-- `xs`: (T, K // 16) float32 sums of x over runs of 16: block offsets
-  (`q - 8`, `q - 32`) and additive mins (`d * q + m`) are applied once per
-  block as `offset * sum(x)` instead of once per weight.
+- `xs` (computed inside the gemv kernels): (T, K // 16) float32 sums of x
+  over runs of 16: block offsets (`q - 8`, `q - 32`) and additive mins
+  (`d * q + m`) are applied once per block as `offset * sum(x)` instead of
+  once per weight.
 - `n`: the literal 16, passed at run time on purpose: with a compile-time
   trip count LLVM fully unrolls the per-block inner loop and vectorizes across
-  blocks with gathers instead (measured ~4x slower on Q8_0).
+  blocks with gathers instead (measured ~4x slower on Q8_0). (With `n` at run
+  time, LLVM's main vector loop wants 64 iterations, so the 16-iteration block
+  loops run in its 8-lane remainder loop: the T=1 kernels reach ~7 GB/s of
+  Q4_1 on 2 threads, about half the memory bandwidth. Forcing no interleave
+  (an LLVM option), 4-row variants and early-exit tricks were all slower.)
 
 The dot kernels use `fastmath={"reassoc", "contract"}`: LLVM may reorder sums
 (to vectorize them) and fuse multiply-adds; results differ from
