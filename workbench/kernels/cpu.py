@@ -49,6 +49,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_thread_id, njit, prange
 
+from workbench.kernels.simd import nib16, nib16_hb, stack_f32x16
+
 Q = GGMLQuantizationType
 
 # fp16 bit pattern -> float32, exact (NumPy's own conversion).
@@ -127,6 +129,15 @@ def _split(v):
 
 
 @njit(fastmath=_FM, inline="always")
+def _total(a0, a1):
+    """Sum of two 16-lane accumulators."""
+    s = np.float32(0.0)
+    for j in range(16):
+        s += a0[j] + a1[j]
+    return s
+
+
+@njit(fastmath=_FM, inline="always")
 def _dot_q8_0(w, wi, r, x, f16, n):
     nb = x.shape[0] // 32
     s = np.float32(0.0)
@@ -141,34 +152,44 @@ def _dot_q8_0(w, wi, r, x, f16, n):
 
 
 @njit(fastmath=_FM, inline="always")
+def _blk_q4_0(acc, w, r, x, xs, f16, b):
+    """Block b of a Q4_0 row into acc (vector part); returns the scalar part."""
+    o = b * 18
+    d = _h(w, r, o, f16)
+    nib16(acc, w[r], o + 2, x, b * 32, b * 32 + 16, d, d)
+    return -np.float32(8.0) * d * (xs[2 * b] + xs[2 * b + 1])
+
+
+@njit(fastmath=_FM, inline="always")
 def _dot_q4_0(w, r, x, xs, f16, n):
+    # Two accumulators, even and odd blocks: independent add chains.
     nb = x.shape[0] // 32
+    a0, a1 = stack_f32x16(), stack_f32x16()
     s = np.float32(0.0)
-    for b in range(nb):
-        o = b * 18
-        xo = b * 32
-        t = np.float32(0.0)
-        for j in range(n):
-            lo, hi = _split(np.float32(w[r, o + 2 + j]))
-            t += lo * x[xo + j] + hi * x[xo + 16 + j]
-        s += _h(w, r, o, f16) * (t - np.float32(8.0) * (xs[2 * b] + xs[2 * b + 1]))
-    return s
+    for b in range(0, nb, 2):
+        s += _blk_q4_0(a0, w, r, x, xs, f16, b)
+        if b + 1 < nb:
+            s += _blk_q4_0(a1, w, r, x, xs, f16, b + 1)
+    return s + _total(a0, a1)
+
+@njit(fastmath=_FM, inline="always")
+def _blk_q4_1(acc, w, r, x, xs, f16, b):
+    o = b * 20
+    d = _h(w, r, o, f16)
+    nib16(acc, w[r], o + 4, x, b * 32, b * 32 + 16, d, d)
+    return _h(w, r, o + 2, f16) * (xs[2 * b] + xs[2 * b + 1])
 
 
 @njit(fastmath=_FM, inline="always")
 def _dot_q4_1(w, r, x, xs, f16, n):
     nb = x.shape[0] // 32
+    a0, a1 = stack_f32x16(), stack_f32x16()
     s = np.float32(0.0)
-    for b in range(nb):
-        o = b * 20
-        xo = b * 32
-        t = np.float32(0.0)
-        for j in range(n):
-            lo, hi = _split(np.float32(w[r, o + 4 + j]))
-            t += lo * x[xo + j] + hi * x[xo + 16 + j]
-        s += _h(w, r, o, f16) * t + _h(w, r, o + 2, f16) * (xs[2 * b] + xs[2 * b + 1])
-    return s
-
+    for b in range(0, nb, 2):
+        s += _blk_q4_1(a0, w, r, x, xs, f16, b)
+        if b + 1 < nb:
+            s += _blk_q4_1(a1, w, r, x, xs, f16, b + 1)
+    return s + _total(a0, a1)
 
 @njit(fastmath=_FM, inline="always")
 def _bit(bits, mask, value):
@@ -177,46 +198,48 @@ def _bit(bits, mask, value):
 
 
 @njit(fastmath=_FM, inline="always")
+def _blk_q5_0(acc, w, r, x, xs, f16, b):
+    o = b * 22
+    d = _h(w, r, o, f16)
+    nib16_hb(acc, w[r], o + 6, x, b * 32, b * 32 + 16, d, np.int32(_u32(w, r, o + 2)))
+    return -np.float32(16.0) * d * (xs[2 * b] + xs[2 * b + 1])
+
+
+@njit(fastmath=_FM, inline="always")
 def _dot_q5_0(w, r, x, xs, f16, mask, n):
-    # The 5th bit of weight j is bit j of qh: a select on `qh & mask[j]` with an
-    # int32 mask table stays 32-bit (shifting qh by j would be 64-bit; 1.8x slower).
     nb = x.shape[0] // 32
+    a0, a1 = stack_f32x16(), stack_f32x16()
     s = np.float32(0.0)
-    for b in range(nb):
-        o = b * 22
-        xo = b * 32
-        qh = np.int32(_u32(w, r, o + 2))
-        t = np.float32(0.0)
-        for j in range(n):
-            lo, hi = _split(np.float32(w[r, o + 6 + j]))
-            lo += _bit(qh, mask[j], np.float32(16.0))
-            hi += _bit(qh, mask[j + 16], np.float32(16.0))
-            t += lo * x[xo + j] + hi * x[xo + 16 + j]
-        s += _h(w, r, o, f16) * (t - np.float32(16.0) * (xs[2 * b] + xs[2 * b + 1]))
-    return s
+    for b in range(0, nb, 2):
+        s += _blk_q5_0(a0, w, r, x, xs, f16, b)
+        if b + 1 < nb:
+            s += _blk_q5_0(a1, w, r, x, xs, f16, b + 1)
+    return s + _total(a0, a1)
+
+@njit(fastmath=_FM, inline="always")
+def _blk_q5_1(acc, w, r, x, xs, f16, b):
+    o = b * 24
+    nib16_hb(acc, w[r], o + 8, x, b * 32, b * 32 + 16, _h(w, r, o, f16),
+             np.int32(_u32(w, r, o + 4)))
+    return _h(w, r, o + 2, f16) * (xs[2 * b] + xs[2 * b + 1])
 
 
 @njit(fastmath=_FM, inline="always")
 def _dot_q5_1(w, r, x, xs, f16, mask, n):
     nb = x.shape[0] // 32
+    a0, a1 = stack_f32x16(), stack_f32x16()
     s = np.float32(0.0)
-    for b in range(nb):
-        o = b * 24
-        xo = b * 32
-        qh = np.int32(_u32(w, r, o + 4))
-        t = np.float32(0.0)
-        for j in range(n):
-            lo, hi = _split(np.float32(w[r, o + 8 + j]))
-            lo += _bit(qh, mask[j], np.float32(16.0))
-            hi += _bit(qh, mask[j + 16], np.float32(16.0))
-            t += lo * x[xo + j] + hi * x[xo + 16 + j]
-        s += _h(w, r, o, f16) * t + _h(w, r, o + 2, f16) * (xs[2 * b] + xs[2 * b + 1])
-    return s
-
+    for b in range(0, nb, 2):
+        s += _blk_q5_1(a0, w, r, x, xs, f16, b)
+        if b + 1 < nb:
+            s += _blk_q5_1(a1, w, r, x, xs, f16, b + 1)
+    return s + _total(a0, a1)
 
 @njit(fastmath=_FM, inline="always")
 def _dot_q4_k(w, r, x, xs, f16, n):
     nb = x.shape[0] // 256
+    wr = w[r]
+    a0, a1 = stack_f32x16(), stack_f32x16()
     s = np.float32(0.0)
     for b in range(nb):
         o = b * 144
@@ -226,19 +249,14 @@ def _dot_q4_k(w, r, x, xs, f16, n):
         for c in range(4):  # pairs of 32-weight sub-blocks sharing 32 bytes
             qo = o + 16 + 32 * c
             x0 = xo + 64 * c
-            t0 = np.float32(0.0)
-            t1 = np.float32(0.0)
-            for j in range(2 * n):
-                lo, hi = _split(np.float32(w[r, qo + j]))
-                t0 += lo * x[x0 + j]
-                t1 += hi * x[x0 + 32 + j]
-            g = (xo + 64 * c) // 16  # first 16-group of sub-block 2c
-            s += (d * np.float32(_k_scale(w, r, o + 4, 2 * c))) * t0
-            s += (d * np.float32(_k_scale(w, r, o + 4, 2 * c + 1))) * t1
+            d0 = d * np.float32(_k_scale(w, r, o + 4, 2 * c))
+            d1 = d * np.float32(_k_scale(w, r, o + 4, 2 * c + 1))
+            nib16(a0, wr, qo, x, x0, x0 + 32, d0, d1)  # bytes 0-15 of the pair
+            nib16(a1, wr, qo + 16, x, x0 + 16, x0 + 48, d0, d1)  # bytes 16-31
+            g = x0 // 16  # first 16-group of sub-block 2c
             s -= (dmin * np.float32(_k_min(w, r, o + 4, 2 * c))) * (xs[g] + xs[g + 1])
             s -= (dmin * np.float32(_k_min(w, r, o + 4, 2 * c + 1))) * (xs[g + 2] + xs[g + 3])
-    return s
-
+    return s + _total(a0, a1)
 
 @njit(fastmath=_FM, inline="always")
 def _dot_q5_k(w, r, x, xs, f16, n):

@@ -1,0 +1,131 @@
+"""Explicit 16-lane vector steps for the Numba kernels, written as LLVM IR.
+
+The decode kernels spend their time in one step per quantization block:
+unpack 16 bytes of 4-bit (or 5-bit) weights and multiply them with 32
+activations. Left to LLVM's loop vectorizer, a 16-iteration loop runs in the
+8-lane remainder of a vector loop built for 64 iterations, and each block
+ends with a horizontal sum. These intrinsics (callable only from `@njit` code)
+emit the step as straight vector code on `<16 x float>` values instead, and
+add into a 16-float accumulator that the caller sums once per output row.
+LLVM lowers the vector types to whatever the CPU has (AVX-512, AVX2, SSE,
+NEON), so nothing here depends on an instruction set.
+
+- `stack_f32x16()`: a zeroed 16-float accumulator on the stack (as a 1-D
+  array); LLVM keeps it in a register across the block loop.
+- `nib16(acc, w, off, x, xlo, xhi, dlo, dhi)`: for j in 0..15, with
+  v = w[off + j]: acc[j] += dlo * (v & 15) * x[xlo + j] + dhi * (v >> 4) * x[xhi + j].
+- `nib16_hb(acc, w, off, x, xlo, xhi, d, qh)`: the same with 5-bit weights
+  (Q5_0/Q5_1) and dlo = dhi = d: bit j of `qh` adds 16 to the low nibble of
+  byte j, bit 16 + j to its high nibble.
+
+No bounds are checked: callers pass offsets inside their arrays.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np.numpy_support import carray
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_V16F = ir.VectorType(_F32, 16)
+_V16I8 = ir.VectorType(ir.IntType(8), 16)
+_V16I32 = ir.VectorType(_I32, 16)
+_FAST = ("reassoc", "contract")  # as the kernels' fastmath: reorder, fuse multiply-adds
+
+
+@intrinsic
+def _stack16(typingctx):
+    def codegen(context, builder, signature, args):
+        ptr = cgutils.alloca_once(builder, _F32, size=context.get_constant(types.intp, 16))
+        builder.store(ir.Constant(_V16F, [0.0] * 16), builder.bitcast(ptr, _V16F.as_pointer()))
+        return ptr
+
+    return types.CPointer(types.float32)(), codegen
+
+
+def _element_ptr(context, builder, aryty, ary, index, vec_type):
+    """Pointer to ary[index] (a 1-D contiguous array), cast to a pointer to `vec_type`."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.bitcast(builder.gep(data, [index]), vec_type.as_pointer())
+
+
+def _splat(builder, value):
+    one = builder.insert_element(ir.Constant(_V16F, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(_V16F, ir.Undefined),
+                                  ir.Constant(_V16I32, [0] * 16))
+
+
+def _accumulate(builder, context, sig, args, lo, hi):
+    """acc += dlo * lo * x[xlo:] + dhi * hi * x[xhi:] (lo, hi: <16 x float>)."""
+    acc, _, _, x, xlo, xhi, dlo, dhi = args
+    pacc = _element_ptr(context, builder, sig.args[0], acc, ir.Constant(ir.IntType(64), 0), _V16F)
+    px_lo = _element_ptr(context, builder, sig.args[3], x, xlo, _V16F)
+    px_hi = _element_ptr(context, builder, sig.args[3], x, xhi, _V16F)
+    a = builder.fmul(builder.fmul(lo, builder.load(px_lo, align=4), flags=_FAST),
+                     _splat(builder, dlo), flags=_FAST)
+    b = builder.fmul(builder.fmul(hi, builder.load(px_hi, align=4), flags=_FAST),
+                     _splat(builder, dhi), flags=_FAST)
+    # the add into acc has no fast flags: LLVM then keeps one add on the loop-carried
+    # path instead of chaining both products into it (half the latency per block)
+    builder.store(builder.fadd(builder.load(pacc, align=4), builder.fadd(a, b, flags=_FAST)),
+                  pacc, align=4)
+
+
+def _nibbles(builder, context, sig, w, off):
+    """The 16 bytes w[off:off + 16] as (low nibbles, high nibbles), <16 x i32> each."""
+    q = builder.zext(builder.load(_element_ptr(context, builder, sig.args[1], w, off, _V16I8),
+                                  align=1), _V16I32)
+    return (builder.and_(q, ir.Constant(_V16I32, [15] * 16)),
+            builder.lshr(q, ir.Constant(_V16I32, [4] * 16)))
+
+
+@intrinsic
+def nib16(typingctx, acc, w, off, x, xlo, xhi, dlo, dhi):
+    sig = types.void(acc, w, off, x, xlo, xhi, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        lo, hi = _nibbles(builder, context, signature, args[1], args[2])
+        _accumulate(builder, context, signature, args,
+                    builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# bit j of qh -> lane j (low nibbles), bit 16 + j -> lane j (high nibbles); as signed int32
+_LOW_BITS = ir.Constant(_V16I32, [1 << j for j in range(16)])
+_HIGH_BITS = ir.Constant(_V16I32, [((1 << (16 + j)) + 2**31) % 2**32 - 2**31 for j in range(16)])
+
+
+@intrinsic
+def nib16_hb(typingctx, acc, w, off, x, xlo, xhi, d, qh):
+    sig = types.void(acc, w, off, x, xlo, xhi, types.float32, types.int32)
+
+    def codegen(context, builder, signature, args):
+        lo, hi = _nibbles(builder, context, signature, args[1], args[2])
+        bits = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(_V16I32, ir.Undefined), args[7],
+                                   ir.Constant(_I32, 0)),
+            ir.Constant(_V16I32, ir.Undefined), ir.Constant(_V16I32, [0] * 16))
+        zero = ir.Constant(_V16I32, [0] * 16)
+        sixteen = ir.Constant(_V16I32, [16] * 16)
+        lo = builder.add(lo, builder.select(
+            builder.icmp_unsigned("!=", builder.and_(bits, _LOW_BITS), zero), sixteen, zero))
+        hi = builder.add(hi, builder.select(
+            builder.icmp_unsigned("!=", builder.and_(bits, _HIGH_BITS), zero), sixteen, zero))
+        new_args = list(args[:7]) + [args[6]]  # dlo = dhi = d
+        _accumulate(builder, context, signature, new_args,
+                    builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def stack_f32x16():
+    """A zeroed (16,) float32 accumulator on the stack (only inside @njit code)."""
+    return carray(_stack16(), (16,))
