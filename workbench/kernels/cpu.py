@@ -49,7 +49,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_thread_id, njit, prange
 
-from workbench.kernels.simd import nib16, nib16_hb, stack_f32x16
+from workbench.kernels.simd import nib16, nib16_hb, q6k16, stack_f32x16
 
 Q = GGMLQuantizationType
 
@@ -290,39 +290,27 @@ def _dot_q5_k(w, r, x, xs, f16, n):
 @njit(fastmath=_FM, inline="always")
 def _dot_q6_k(w, wi, r, x, xs, f16, n):
     nb = x.shape[0] // 256
+    wr = w[r]
+    a0, a1 = stack_f32x16(), stack_f32x16()
     s = np.float32(0.0)
     for b in range(nb):
         o = b * 210
         xo = b * 256
         d = _h(w, r, o + 208, f16)
         for h in range(2):  # two halves of 128 weights
-            for half in range(2):  # 16-weight sub-blocks within each run of 32
-                lo = o + 64 * h + 16 * half  # low-nibble bytes of weights 128h + {0, 64} + l
-                ho = o + 128 + 32 * h + 16 * half  # 2-bit pairs of weights 128h + 32s + l
-                x0 = xo + 128 * h + 16 * half
-                t0 = np.float32(0.0)
-                t1 = np.float32(0.0)
-                t2 = np.float32(0.0)
-                t3 = np.float32(0.0)
-                for j in range(n):
-                    a0, a1 = _split(np.float32(w[r, lo + j]))
-                    c0, c1 = _split(np.float32(w[r, lo + 32 + j]))
-                    hb = w[r, ho + j]  # high 2 bits: bits 0-1 of t0, 2-3 t1, 4-5 t2, 6-7 t3
-                    a0 += _bit(hb, 1, np.float32(16.0)) + _bit(hb, 2, np.float32(32.0))
-                    c0 += _bit(hb, 4, np.float32(16.0)) + _bit(hb, 8, np.float32(32.0))
-                    a1 += _bit(hb, 16, np.float32(16.0)) + _bit(hb, 32, np.float32(32.0))
-                    c1 += _bit(hb, 64, np.float32(16.0)) + _bit(hb, 128, np.float32(32.0))
-                    t0 += a0 * x[x0 + j]
-                    t1 += c0 * x[x0 + 32 + j]
-                    t2 += a1 * x[x0 + 64 + j]
-                    t3 += c1 * x[x0 + 96 + j]
-                g = x0 // 16  # 16-group of t0; t1..t3 are 2, 4, 6 groups further
-                so = o + 192 + 8 * h + half  # scale of weights 128h + 32s + 16*half: 8h + 2s + half
-                s += (d * np.float32(wi[r, so])) * (t0 - np.float32(32.0) * xs[g])
-                s += (d * np.float32(wi[r, so + 2])) * (t1 - np.float32(32.0) * xs[g + 2])
-                s += (d * np.float32(wi[r, so + 4])) * (t2 - np.float32(32.0) * xs[g + 4])
-                s += (d * np.float32(wi[r, so + 6])) * (t3 - np.float32(32.0) * xs[g + 6])
-    return s
+            so = o + 192 + 8 * h  # scale of weights 128h + 32s + 16*half: 8h + 2s + half
+            x0 = xo + 128 * h
+            d0, d1 = d * np.float32(wi[r, so]), d * np.float32(wi[r, so + 2])
+            d2, d3 = d * np.float32(wi[r, so + 4]), d * np.float32(wi[r, so + 6])
+            q6k16(a0, wr, o + 64 * h, o + 128 + 32 * h, x, x0, d0, d1, d2, d3)
+            g = x0 // 16  # 16-group of the first run; the others are 2, 4, 6 groups further
+            s -= np.float32(32.0) * (d0 * xs[g] + d1 * xs[g + 2] + d2 * xs[g + 4] + d3 * xs[g + 6])
+            e0, e1 = d * np.float32(wi[r, so + 1]), d * np.float32(wi[r, so + 3])
+            e2, e3 = d * np.float32(wi[r, so + 5]), d * np.float32(wi[r, so + 7])
+            q6k16(a1, wr, o + 64 * h + 16, o + 128 + 32 * h + 16, x, x0 + 16, e0, e1, e2, e3)
+            s -= np.float32(32.0) * (e0 * xs[g + 1] + e1 * xs[g + 3] + e2 * xs[g + 5]
+                                     + e3 * xs[g + 7])
+    return s + _total(a0, a1)
 
 
 # One gemv kernel per format: prange over output rows, loop over the T rows of x.

@@ -17,6 +17,13 @@ NEON), so nothing here depends on an instruction set.
 - `nib16_hb(acc, w, off, x, xlo, xhi, d, qh)`: the same with 5-bit weights
   (Q5_0/Q5_1) and dlo = dhi = d: bit j of `qh` adds 16 to the low nibble of
   byte j, bit 16 + j to its high nibble.
+- `q6k16(acc, w, lo, ho, x, x0, d0, d1, d2, d3)`: 64 weights of a Q6_K
+  super-block, 16 from each of its four 32-weight runs: with a = w[lo + j],
+  c = w[lo + 32 + j], h = w[ho + j], the unsigned 6-bit values
+  (a & 15 | (h & 3) << 4), (c & 15 | (h >> 2 & 3) << 4),
+  (a >> 4 | (h >> 4 & 3) << 4), (c >> 4 | (h >> 6) << 4) times
+  x[x0 + j], x[x0 + 32 + j], x[x0 + 64 + j], x[x0 + 96 + j], scaled by d0..d3.
+  (The -32 offset is the caller's, through sums of x.)
 
 No bounds are checked: callers pass offsets inside their arrays.
 """
@@ -120,6 +127,48 @@ def nib16_hb(typingctx, acc, w, off, x, xlo, xhi, d, qh):
         new_args = list(args[:7]) + [args[6]]  # dlo = dhi = d
         _accumulate(builder, context, signature, new_args,
                     builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def q6k16(typingctx, acc, w, lo, ho, x, x0, d0, d1, d2, d3):
+    sig = types.void(acc, w, lo, ho, x, x0, types.float32, types.float32, types.float32,
+                     types.float32)
+
+    def codegen(context, builder, signature, args):
+        acc_, w_, lo_, ho_, x_, x0_ = args[:6]
+        wty, xty = signature.args[1], signature.args[4]
+
+        def load_bytes(offset):
+            ptr = _element_ptr(context, builder, wty, w_, offset, _V16I8)
+            return builder.zext(builder.load(ptr, align=1), _V16I32)
+
+        def const(v):
+            return ir.Constant(_V16I32, [v] * 16)
+
+        a = load_bytes(lo_)
+        c = load_bytes(builder.add(lo_, ir.Constant(lo_.type, 32)))
+        h = load_bytes(ho_)
+        and_, or_, shl, lshr = builder.and_, builder.or_, builder.shl, builder.lshr
+        quads = [  # the four runs' 6-bit values, each (low 4 bits) | (high 2 bits) << 4
+            or_(and_(a, const(15)), shl(and_(h, const(3)), const(4))),
+            or_(and_(c, const(15)), shl(and_(h, const(12)), const(2))),
+            or_(lshr(a, const(4)), and_(h, const(48))),
+            or_(lshr(c, const(4)), lshr(and_(h, const(192)), const(2))),
+        ]
+        total = None
+        for i, q in enumerate(quads):
+            px = _element_ptr(context, builder, xty, x_,
+                              builder.add(x0_, ir.Constant(x0_.type, 32 * i)), _V16F)
+            term = builder.fmul(builder.fmul(builder.uitofp(q, _V16F), builder.load(px, align=4),
+                                             flags=_FAST), _splat(builder, args[6 + i]),
+                                flags=_FAST)
+            total = term if total is None else builder.fadd(total, term, flags=_FAST)
+        pacc = _element_ptr(context, builder, signature.args[0], acc_,
+                            ir.Constant(ir.IntType(64), 0), _V16F)
+        builder.store(builder.fadd(builder.load(pacc, align=4), total), pacc, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
