@@ -6,7 +6,9 @@ rows of x:
 
 - `_gemv_<type>`, T <= 2 (decode): dot products on the packed blocks, one
   output row per `prange` iteration, fp32 accumulation, nothing materialized.
-  The unpacking is redone for every row of x.
+  The unpacking is redone for every row of x. For Q4_0, Q4_1, Q5_0, Q5_1,
+  Q4_K and Q6_K each block is one explicit 16-lane vector step
+  (`workbench.kernels.simd`) into two alternating accumulators.
 - `_gemv2_<type>`, 3 <= T <= `GEMV_MAX_T` (batched decode, short prompts):
   four rows of W at a time are dequantized into a per-thread fp32 buffer,
   then multiplied with the T rows of x in 4 x 4 blocks of outputs (16
@@ -23,18 +25,17 @@ one specialization, compiled once and cached on disk by `cache=True`):
 - `w`: (N, bytes_per_row) uint8, the raw rows as stored in the file.
 - `f16`: `F16_TO_F32` (or `BF16_TO_F32`), 65536-entry tables from 16-bit
   patterns to float32: a lookup is exact and cheaper than decoding the bits.
-- `mask`: `MASK32`, int32 `1 << j`, to test the 5th bits of Q5_0/Q5_1.
 - `xs` (computed inside the gemv kernels): (T, K // 16) float32 sums of x
   over runs of 16: block offsets (`q - 8`, `q - 32`) and additive mins
   (`d * q + m`) are applied once per block as `offset * sum(x)` instead of
   once per weight.
 - `n`: the literal 16, passed at run time on purpose: with a compile-time
   trip count LLVM fully unrolls the per-block inner loop and vectorizes across
-  blocks with gathers instead (measured ~4x slower on Q8_0). (With `n` at run
-  time, LLVM's main vector loop wants 64 iterations, so the 16-iteration block
-  loops run in its 8-lane remainder loop: the T=1 kernels reach ~7 GB/s of
-  Q4_1 on 2 threads, about half the memory bandwidth. Forcing no interleave
-  (an LLVM option), 4-row variants and early-exit tricks were all slower.)
+  blocks with gathers instead (measured ~4x slower on Q8_0). With `n` at run
+  time, LLVM's main vector loop wants 64 iterations, so 16-iteration block
+  loops run in its 8-lane remainder loop; that is why the hot formats use the
+  `simd` steps (1.3-2x faster on 2 threads; Q8_0 is at memory bandwidth
+  without them).
 
 The dot kernels use `fastmath={"reassoc", "contract"}`: LLVM may reorder sums
 (to vectorize them) and fuse multiply-adds; results differ from
@@ -113,12 +114,13 @@ def _group_sums(x):
 
 # --------------------------------------------------------------------------- dot products
 # One row r of W against one row of activations x (K,), with xs (K//16,) its
-# 16-group sums. Nibbles are unpacked in float32: a byte v (0..255) converts
-# exactly, hi = floor(v / 16), lo = v - 16 * hi. Numba types integer arithmetic
-# as int64, which LLVM vectorizes 8 lanes wide with 64-bit int->float
-# conversions; the float route keeps every op 32-bit (measured 1.2-1.3x faster
-# on Q4_0/Q4_1/Q4_K). Single high bits (Q5_*, Q6_K) are tested with a select
-# (`_bit`), 1.8x faster on Q5_0 than shifting the 32-bit qh word by j.
+# 16-group sums. Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K blocks go through the
+# 16-lane `simd` steps. Q5_K (and the dequantizers below) unpack nibbles in
+# float32: a byte v (0..255) converts exactly, hi = floor(v / 16),
+# lo = v - 16 * hi. Numba types integer arithmetic as int64, which LLVM
+# vectorizes 8 lanes wide with 64-bit int->float conversions; the float route
+# keeps every op 32-bit (measured 1.2-1.3x faster). Q5_K's single high bits
+# are tested with a select (`_bit`).
 
 
 @njit(fastmath=_FM, inline="always")
@@ -172,6 +174,7 @@ def _dot_q4_0(w, r, x, xs, f16, n):
             s += _blk_q4_0(a1, w, r, x, xs, f16, b + 1)
     return s + _total(a0, a1)
 
+
 @njit(fastmath=_FM, inline="always")
 def _blk_q4_1(acc, w, r, x, xs, f16, b):
     o = b * 20
@@ -191,6 +194,7 @@ def _dot_q4_1(w, r, x, xs, f16, n):
             s += _blk_q4_1(a1, w, r, x, xs, f16, b + 1)
     return s + _total(a0, a1)
 
+
 @njit(fastmath=_FM, inline="always")
 def _bit(bits, mask, value):
     """`value` where `bits & mask` is non-zero, else 0.0 (vectorizes to a test and a blend)."""
@@ -206,7 +210,7 @@ def _blk_q5_0(acc, w, r, x, xs, f16, b):
 
 
 @njit(fastmath=_FM, inline="always")
-def _dot_q5_0(w, r, x, xs, f16, mask, n):
+def _dot_q5_0(w, r, x, xs, f16, n):
     nb = x.shape[0] // 32
     a0, a1 = stack_f32x16(), stack_f32x16()
     s = np.float32(0.0)
@@ -215,6 +219,7 @@ def _dot_q5_0(w, r, x, xs, f16, mask, n):
         if b + 1 < nb:
             s += _blk_q5_0(a1, w, r, x, xs, f16, b + 1)
     return s + _total(a0, a1)
+
 
 @njit(fastmath=_FM, inline="always")
 def _blk_q5_1(acc, w, r, x, xs, f16, b):
@@ -225,7 +230,7 @@ def _blk_q5_1(acc, w, r, x, xs, f16, b):
 
 
 @njit(fastmath=_FM, inline="always")
-def _dot_q5_1(w, r, x, xs, f16, mask, n):
+def _dot_q5_1(w, r, x, xs, f16, n):
     nb = x.shape[0] // 32
     a0, a1 = stack_f32x16(), stack_f32x16()
     s = np.float32(0.0)
@@ -234,6 +239,7 @@ def _dot_q5_1(w, r, x, xs, f16, mask, n):
         if b + 1 < nb:
             s += _blk_q5_1(a1, w, r, x, xs, f16, b + 1)
     return s + _total(a0, a1)
+
 
 @njit(fastmath=_FM, inline="always")
 def _dot_q4_k(w, r, x, xs, f16, n):
@@ -257,6 +263,7 @@ def _dot_q4_k(w, r, x, xs, f16, n):
             s -= (dmin * np.float32(_k_min(w, r, o + 4, 2 * c))) * (xs[g] + xs[g + 1])
             s -= (dmin * np.float32(_k_min(w, r, o + 4, 2 * c + 1))) * (xs[g + 2] + xs[g + 3])
     return s + _total(a0, a1)
+
 
 @njit(fastmath=_FM, inline="always")
 def _dot_q5_k(w, r, x, xs, f16, n):
@@ -314,12 +321,12 @@ def _dot_q6_k(w, wi, r, x, xs, f16, n):
 
 
 # One gemv kernel per format: prange over output rows, loop over the T rows of x.
-# All share the signature (x, w, f16, mask, y, n); the 16-group sums of x are
+# All share the signature (x, w, f16, y, n); the 16-group sums of x are
 # computed inside, so one call from Python does everything.
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q8_0(x, w, f16, mask, y, n):
+def _gemv_q8_0(x, w, f16, y, n):
     wi = w.view(np.int8)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
@@ -327,7 +334,7 @@ def _gemv_q8_0(x, w, f16, mask, y, n):
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q4_0(x, w, f16, mask, y, n):
+def _gemv_q4_0(x, w, f16, y, n):
     xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
@@ -335,7 +342,7 @@ def _gemv_q4_0(x, w, f16, mask, y, n):
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q4_1(x, w, f16, mask, y, n):
+def _gemv_q4_1(x, w, f16, y, n):
     xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
@@ -343,23 +350,23 @@ def _gemv_q4_1(x, w, f16, mask, y, n):
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q5_0(x, w, f16, mask, y, n):
+def _gemv_q5_0(x, w, f16, y, n):
     xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
-            y[t, r] = _dot_q5_0(w, r, x[t], xs[t], f16, mask, n)
+            y[t, r] = _dot_q5_0(w, r, x[t], xs[t], f16, n)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q5_1(x, w, f16, mask, y, n):
+def _gemv_q5_1(x, w, f16, y, n):
     xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
-            y[t, r] = _dot_q5_1(w, r, x[t], xs[t], f16, mask, n)
+            y[t, r] = _dot_q5_1(w, r, x[t], xs[t], f16, n)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q4_k(x, w, f16, mask, y, n):
+def _gemv_q4_k(x, w, f16, y, n):
     xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
@@ -367,7 +374,7 @@ def _gemv_q4_k(x, w, f16, mask, y, n):
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q5_k(x, w, f16, mask, y, n):
+def _gemv_q5_k(x, w, f16, y, n):
     xs = _group_sums(x)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
@@ -375,7 +382,7 @@ def _gemv_q5_k(x, w, f16, mask, y, n):
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_q6_k(x, w, f16, mask, y, n):
+def _gemv_q6_k(x, w, f16, y, n):
     xs = _group_sums(x)
     wi = w.view(np.int8)
     for r in prange(w.shape[0]):
@@ -772,7 +779,7 @@ def _gemv2_q6_k(x, w, f16, scratch, y, n):
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_f16(x, w, f16, mask, y, n):
+def _gemv_f16(x, w, f16, y, n):
     h = w.view(np.uint16)
     for r in prange(w.shape[0]):
         for t in range(x.shape[0]):
@@ -851,8 +858,6 @@ GEMV2_KERNELS = {
 }
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(GEMV_KERNELS)
 
-# MASK32[j] = 1 << j as int32 (bit 31 wraps to the sign bit): selects bit j of a Q5 qh word.
-MASK32: np.ndarray = (np.int64(1) << np.arange(32)).astype(np.uint32).view(np.int32)
 
 # Largest T for the Numba-only kernels. Measured with 2 threads (ms), two-stage
 # (4 x 4 blocked dots) / tile+BLAS: Q4_1 49152x576 T=8 4.1 / 9.5, T=16 6.4 / 13.0;
@@ -905,7 +910,7 @@ def gemv(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
     fastest kernel for T = 1.
     """
     y = _check(x, w, qtype, out)
-    GEMV_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), MASK32, y, _INNER)
+    GEMV_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), y, _INNER)
     return y
 
 
@@ -970,7 +975,7 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
     y = _check(x, w, qtype, out)
     T, K = x.shape
     if T <= 2:
-        GEMV_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), MASK32, y, _INNER)
+        GEMV_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), y, _INNER)
         return y
     if T <= GEMV_MAX_T:
         return gemv_dequant_rows(x, w, qtype, y)

@@ -26,6 +26,9 @@ NEON), so nothing here depends on an instruction set.
   (The -32 offset is the caller's, through sums of x.)
 
 No bounds are checked: callers pass offsets inside their arrays.
+
+Numba's on-disk cache of a kernel is invalidated by changes to the kernel's own
+file only: after editing this module, clear `__pycache__` (or touch `cpu.py`).
 """
 
 from __future__ import annotations
@@ -82,9 +85,10 @@ def _accumulate(builder, context, sig, args, lo, hi):
                   pacc, align=4)
 
 
-def _nibbles(builder, context, sig, w, off):
-    """The 16 bytes w[off:off + 16] as (low nibbles, high nibbles), <16 x i32> each."""
-    q = builder.zext(builder.load(_element_ptr(context, builder, sig.args[1], w, off, _V16I8),
+def _nibbles(builder, context, wty, w, off):
+    """The 16 bytes w[off:off + 16] (w of Numba type wty) as (low nibbles, high nibbles),
+    <16 x i32> each."""
+    q = builder.zext(builder.load(_element_ptr(context, builder, wty, w, off, _V16I8),
                                   align=1), _V16I32)
     return (builder.and_(q, ir.Constant(_V16I32, [15] * 16)),
             builder.lshr(q, ir.Constant(_V16I32, [4] * 16)))
@@ -95,7 +99,7 @@ def nib16(typingctx, acc, w, off, x, xlo, xhi, dlo, dhi):
     sig = types.void(acc, w, off, x, xlo, xhi, types.float32, types.float32)
 
     def codegen(context, builder, signature, args):
-        lo, hi = _nibbles(builder, context, signature, args[1], args[2])
+        lo, hi = _nibbles(builder, context, signature.args[1], args[1], args[2])
         _accumulate(builder, context, signature, args,
                     builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F))
         return context.get_dummy_value()
@@ -113,7 +117,7 @@ def nib16_hb(typingctx, acc, w, off, x, xlo, xhi, d, qh):
     sig = types.void(acc, w, off, x, xlo, xhi, types.float32, types.int32)
 
     def codegen(context, builder, signature, args):
-        lo, hi = _nibbles(builder, context, signature, args[1], args[2])
+        lo, hi = _nibbles(builder, context, signature.args[1], args[1], args[2])
         bits = builder.shuffle_vector(
             builder.insert_element(ir.Constant(_V16I32, ir.Undefined), args[7],
                                    ir.Constant(_I32, 0)),

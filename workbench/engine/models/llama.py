@@ -144,8 +144,12 @@ class Attention:
         self.cfg, self.rope = cfg, rope
         self.wqkv = _fused(g, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
         self.wo = _linear(g, p + "attn_output.weight")
+        widths = [cfg.n_head * cfg.head_dim] + [cfg.n_head_kv * cfg.head_dim] * 2
         biases = [_vector(g, p + f"attn_{n}.bias", optional=True) for n in "qkv"]
-        self.bqkv = None if biases[0] is None else np.concatenate(biases)
+        self.bqkv = None  # Q, K, V biases side by side (a missing one counts as zeros)
+        if any(b is not None for b in biases):
+            self.bqkv = np.concatenate([np.zeros(n, np.float32) if b is None else b
+                                        for b, n in zip(biases, widths)])
         self.q_norm = _vector(g, p + "attn_q_norm.weight", optional=not cfg.qk_norm)
         self.k_norm = _vector(g, p + "attn_k_norm.weight", optional=not cfg.qk_norm)
 
