@@ -909,9 +909,7 @@ def gemv(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
     every block once per row of x, so its cost grows linearly in T: the
     fastest kernel for T = 1.
     """
-    y = _check(x, w, qtype, out)
-    GEMV_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), y, _INNER)
-    return y
+    return _gemv(x, w, qtype, _check(x, w, qtype, out))
 
 
 def gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
@@ -921,7 +919,21 @@ def gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
     Same contract as `gemv`; the unpacking is shared by the T rows of x, so
     this is the faster kernel for 3 <= T <= `GEMV_MAX_T`.
     """
-    y = _check(x, w, qtype, out)
+    return _gemv_dequant_rows(x, w, qtype, _check(x, w, qtype, out))
+
+
+# The unchecked kernel calls behind `gemv`, `gemv_dequant_rows` and `matmul`
+# (which checks its arguments once and then picks one of them).
+
+
+def _gemv(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType, y: np.ndarray
+          ) -> np.ndarray:
+    GEMV_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), y, _INNER)
+    return y
+
+
+def _gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
+                       y: np.ndarray) -> np.ndarray:
     # (threads, 4, K): four dequantized rows per thread
     scratch = np.empty((numba.config.NUMBA_NUM_THREADS, 4, x.shape[1]), np.float32)
     GEMV2_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), scratch, y, _INNER)
@@ -975,10 +987,9 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
     y = _check(x, w, qtype, out)
     T, K = x.shape
     if T <= 2:
-        GEMV_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), y, _INNER)
-        return y
+        return _gemv(x, w, qtype, y)
     if T <= GEMV_MAX_T:
-        return gemv_dequant_rows(x, w, qtype, y)
+        return _gemv_dequant_rows(x, w, qtype, y)
     w = _frozen(w)
     N = w.shape[0]
     rows = max(16, min(N, TILE_WEIGHTS // K))
