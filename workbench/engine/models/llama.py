@@ -268,12 +268,11 @@ class LlamaModel:
         ids = self._check_ids(ids)
         if ids.size == 1:
             return self.decode(ids, [cache])
-        start = cache.offset
-        end = cache.check_room(ids.size)
+        start = cache.offset  # layer 0 raises ContextFullError before any write if T won't fit
         x = self.embed.rows(ids)  # (T, n_embd)
         for block, layer_cache in zip(self.blocks, cache.layers):
             x = block(x, layer_cache, start)
-        cache.offset = end
+        cache.offset = start + ids.size
         cache.tokens.extend(int(i) for i in ids)
         return rms_norm(x, self.norm, self.config.norm_eps)
 
