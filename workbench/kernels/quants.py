@@ -165,24 +165,25 @@ def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _deq_q4_k(b: np.ndarray) -> np.ndarray:
-    n = b.shape[0]
+def _k_sub_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K blocks (n, type_size) -> the 8 sub-block scales d * sc and mins
+    dmin * m, each (n, 8, 1) float32."""
     d = _fp16(b[:, 0], b[:, 1])[:, None]
     dmin = _fp16(b[:, 2], b[:, 3])[:, None]
     sc, mn = _k_scale_min(b[:, 4:16])
-    dl = (d * sc.astype(np.float32))[:, :, None]  # (n, 8, 1)
-    ml = (dmin * mn.astype(np.float32))[:, :, None]
+    return (d * sc.astype(np.float32))[:, :, None], (dmin * mn.astype(np.float32))[:, :, None]
+
+
+def _deq_q4_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    dl, ml = _k_sub_scales(b)
     q = _nibbles(b[:, 16:144], 32).astype(np.float32).reshape(n, 8, 32)
     return (dl * q - ml).reshape(n, QK_K)
 
 
 def _deq_q5_k(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
-    d = _fp16(b[:, 0], b[:, 1])[:, None]
-    dmin = _fp16(b[:, 2], b[:, 3])[:, None]
-    sc, mn = _k_scale_min(b[:, 4:16])
-    dl = (d * sc.astype(np.float32))[:, :, None]  # (n, 8, 1)
-    ml = (dmin * mn.astype(np.float32))[:, :, None]
+    dl, ml = _k_sub_scales(b)
     q = _nibbles(b[:, 48:176], 32) | (_bitplanes(b[:, 16:48]) << np.uint8(4))
     q = q.astype(np.float32).reshape(n, 8, 32)
     return (dl * q - ml).reshape(n, QK_K)
