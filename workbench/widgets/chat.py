@@ -28,6 +28,7 @@ import traitlets
 from markdown_it import MarkdownIt
 
 from workbench.signals import bind
+from workbench.widgets.worker import Worker
 
 if TYPE_CHECKING:
     from workbench.engine.llm import LLM
@@ -45,7 +46,7 @@ def render_markdown(text: str) -> str:
         return _markdown.render(text)
 
 
-class ChatCell(anywidget.AnyWidget):
+class ChatCell(Worker, anywidget.AnyWidget):
     """A chat with `model`: system prompt, sampling controls, a Markdown message log,
     an input box, Send / Stop / Regenerate / Clear, token statistics and a busy badge.
 
@@ -67,7 +68,6 @@ class ChatCell(anywidget.AnyWidget):
     stats = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
 
-    _thread: threading.Thread | None = None
     _unbind_busy = None
 
     def __init__(self, model: LLM, system: str = "You are helpful and concise.",
@@ -147,14 +147,6 @@ class ChatCell(anywidget.AnyWidget):
         self.stats = ""
         self.error = ""
         self._push_log()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the running generation to end; True when none runs any more."""
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            return not thread.is_alive()
-        return True
 
     @property
     def log_html(self) -> str:

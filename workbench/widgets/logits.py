@@ -28,6 +28,8 @@ import ipywidgets
 import traitlets
 from matplotlib.figure import Figure
 
+from workbench.widgets.worker import Worker
+
 if TYPE_CHECKING:
     from workbench.engine.llm import LLM, TokenEvent
 
@@ -69,7 +71,7 @@ class TokenView(anywidget.AnyWidget):
     error = traitlets.Unicode("").tag(sync=True)
 
 
-class LogitsCell(ipywidgets.VBox):
+class LogitsCell(Worker, ipywidgets.VBox):
     """Generate from `prompt` with `logprobs=top_k` and explore the choices made.
 
     A `VBox` holding a `TokenView` (`.view`) and an `ipywidgets.Output`
@@ -79,7 +81,6 @@ class LogitsCell(ipywidgets.VBox):
     `model.generate` (e.g. `seed`, `top_p`).
     """
 
-    _thread: threading.Thread | None = None
 
     def __init__(self, model: LLM, prompt: str = "The capital of France is",
                  max_tokens: int = 32, top_k: int = 5, color_by: str = "probability",
@@ -177,14 +178,6 @@ class LogitsCell(ipywidgets.VBox):
         thread = self._start(prefix, ids, remaining)
         self.view.selected = index
         return thread
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the running generation; True when none runs any more."""
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            return not thread.is_alive()
-        return True
 
     def entropy_figure(self) -> Figure:
         """Entropy of the next-token distribution (bits) and the surprisal of the token

@@ -136,17 +136,16 @@ function render({ model, el: host }) {
   paintState();
   paintStats();
   paintError();
-  model.on("change:log", paintLog);
-  model.on("change:generating", paintState);
-  model.on("change:busy", paintState);
-  model.on("change:stats", paintStats);
-  model.on("change:error", paintError);
+  const listeners = [
+    ["change:log", paintLog],
+    ["change:generating", paintState],
+    ["change:busy", paintState],
+    ["change:stats", paintStats],
+    ["change:error", paintError],
+  ];
+  for (const [event, fn] of listeners) model.on(event, fn);
   return () => {
-    model.off("change:log", paintLog);
-    model.off("change:generating", paintState);
-    model.off("change:busy", paintState);
-    model.off("change:stats", paintStats);
-    model.off("change:error", paintError);
+    for (const [event, fn] of listeners) model.off(event, fn);
   };
 }
 

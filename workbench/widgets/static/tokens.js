@@ -143,20 +143,18 @@ function render({ model, el }) {
   paintTokens();
   paintError();
   const onMode = () => { paintLegend(); paintTokens(); };
-  model.on("change:color_by", onMode);
-  model.on("change:tokens", paintTokens);
-  model.on("change:prompt", paintTokens);
-  model.on("change:selected", paintTokens);
-  model.on("change:running", paintTokens);
-  model.on("change:error", paintError);
+  const listeners = [
+    ["change:color_by", onMode],
+    ["change:tokens", paintTokens],
+    ["change:prompt", paintTokens],
+    ["change:selected", paintTokens],
+    ["change:running", paintTokens],
+    ["change:error", paintError],
+  ];
+  for (const [event, fn] of listeners) model.on(event, fn);
   return () => {
     document.removeEventListener("click", unpin);
-    model.off("change:color_by", onMode);
-    model.off("change:tokens", paintTokens);
-    model.off("change:prompt", paintTokens);
-    model.off("change:selected", paintTokens);
-    model.off("change:running", paintTokens);
-    model.off("change:error", paintError);
+    for (const [event, fn] of listeners) model.off(event, fn);
   };
 }
 
