@@ -10,9 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "Completion", "TokenEvent", "__version__"]
+__all__ = ["LLM", "Completion", "TokenEvent", "Grammar", "parse_gbnf", "compile_schema",
+           "UnsupportedSchemaError", "__version__"]
+_GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
 
 if TYPE_CHECKING:
+    from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
     from workbench.engine.llm import LLM, Completion, TokenEvent
 
 
@@ -23,4 +26,8 @@ def __getattr__(name: str):
         from workbench.engine import llm
 
         return getattr(llm, name)
+    if name in _GRAMMAR:
+        from workbench.engine import grammar
+
+        return getattr(grammar, name)
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")

@@ -15,6 +15,7 @@ the entropy of the distribution it was drawn from (with `logprobs=k`).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
@@ -28,6 +29,7 @@ from workbench import registry
 from workbench.engine import chat_template
 from workbench.engine.backend import resolve_device
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
+from workbench.engine.grammar import Grammar, GrammarMatcher, resolve_grammar
 from workbench.engine.kv_cache import KVCache
 from workbench.engine.models import llama
 from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
@@ -58,7 +60,8 @@ class TokenEvent:
     generation may have `id=None`: it carries text held back until the end
     and stands for no token. `logprob`, `top` and `entropy`
     (nats) describe the model's distribution at this position before sampling
-    filters; they are None unless the call asked for `logprobs`.
+    filters and the grammar mask; they are None unless the call asked for
+    `logprobs`. `mask_ms` is set when a grammar constrained the step.
     """
 
     id: int | None
@@ -67,6 +70,7 @@ class TokenEvent:
     logprob: float | None = None
     top: tuple[Alternative, ...] | None = None
     entropy: float | None = None
+    mask_ms: float | None = None  # time the grammar took to compute this step's mask
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,11 @@ async def _aiter(it: Iterator[str]) -> AsyncIterator[str]:
         yield piece
 
 
+class IncompleteOutputError(RuntimeError):
+    """Generation ended (max_tokens, a stop string, a full context) before the constrained
+    output was complete."""
+
+
 class LLM:
     """A GGUF decoder model (llama, qwen2, qwen3) ready to chat, complete and embed."""
 
@@ -282,7 +291,8 @@ class LLM:
                  logprobs: int | None = None, temperature: float = 0.8, top_k: int = 40,
                  top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 64, seed: int | None = None,
-                 logit_bias: Mapping[int, float] | None = None) -> Completion:
+                 logit_bias: Mapping[int, float] | None = None,
+                 grammar: Grammar | str | None = None, schema: Any = None) -> Completion:
         """Continue `prompt` (text, or token ids) without a chat template.
 
         Stops at the model's end-of-generation tokens, any of `stop_tokens`, any
@@ -290,18 +300,20 @@ class LLM:
         `logprobs=k` records each token's log-probability, its k best
         alternatives and the entropy in the events. `include_prompt` puts the
         prompt text in front of the output.
+
+        `grammar` (a `Grammar`, or GBNF text) or `schema` (a JSON Schema dict or
+        pydantic model class) constrains the output: before every token the
+        grammar's mask removes what cannot follow, end tokens are allowed only
+        once the output is complete, and generation stops when nothing more can
+        be added.
         """
         ids, prompt_text = self._prompt_ids(prompt, add_bos, include_prompt)
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                                seed=seed, logit_bias=dict(logit_bias or {}))
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-        events = self._generate_events(
-            ids, Sampler(params, self.config.n_vocab), max_tokens=max_tokens, stop=stops,
-            stop_tokens=frozenset(int(t) for t in stop_tokens), logprobs=logprobs)
-        return Completion(events, ids, prompt_text)
+        options = dict(max_tokens=max_tokens, stop=stop, stop_tokens=stop_tokens,
+                       logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
+                       min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                       logit_bias=logit_bias)
+        seq = self._decoding(ids, resolve_grammar(grammar, schema), seed, **options)
+        return Completion(self._generate_events(ids, seq), ids, prompt_text)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
              **options) -> Completion:
@@ -314,6 +326,43 @@ class LLM:
         ids = self._chat_ids(messages, tools)
         return self.generate(ids, **options)
 
+    def chat_json(self, messages: Sequence[Mapping[str, Any]], schema: Any, *,
+                  schema_in_prompt: bool = True, **options) -> Any:
+        """Answer with JSON that validates against `schema` and return it parsed.
+
+        `schema` is a JSON Schema (dict or text), a `Grammar` from one, or a
+        pydantic model class (then the answer is an instance of it). The
+        grammar guarantees the form; with `schema_in_prompt` the model is also
+        shown the schema (in the system message, as OpenAI's structured outputs
+        do), which keeps small models from rambling inside free-form fields.
+        Options are those of `chat`. Raises `IncompleteOutputError` when
+        generation ends before the JSON is complete (raise `max_tokens`).
+        """
+        if isinstance(schema, Grammar) and schema.kind != "json_schema":
+            raise ValueError(f"chat_json needs a JSON Schema, got a {schema.kind} grammar")
+        grammar = resolve_grammar(schema=schema)
+        messages = [dict(m) for m in messages]
+        if schema_in_prompt:
+            instruction = ("Answer with a JSON object that follows this JSON Schema:\n"
+                           + json.dumps(grammar.schema, ensure_ascii=False))
+            if messages and messages[0].get("role") == "system":
+                messages[0]["content"] = f"{messages[0].get('content') or ''}\n\n{instruction}"
+            else:
+                messages.insert(0, {"role": "system", "content": instruction})
+        completion = self.chat(messages, schema=grammar, **options)
+        text = completion.text
+        if completion.finish_reason != "stop":
+            raise IncompleteOutputError(
+                f"generation ended ({completion.finish_reason}) after "
+                f"{completion.usage.completion_tokens} tokens, before the JSON was complete: "
+                f"{text[:200]!r}; raise max_tokens")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:  # a stop string cut it short
+            raise IncompleteOutputError(f"the output is not complete JSON ({e}): "
+                                        f"{text[:200]!r}") from None
+        return grammar.model.model_validate(value) if grammar.model is not None else value
+
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, max_tokens: int = 512,
                        stop: str | Sequence[str] | None = None,
                        stop_tokens: Sequence[int] = (), include_prompt: bool = False,
@@ -321,21 +370,22 @@ class LLM:
                        temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
                        min_p: float = 0.05, repeat_penalty: float = 1.0,
                        repeat_last_n: int = 64, seed: int | Sequence[int] | None = None,
-                       logit_bias: Mapping[int, float] | None = None) -> list[Completion]:
+                       logit_bias: Mapping[int, float] | None = None,
+                       grammar: Grammar | str | None = None, schema: Any = None
+                       ) -> list[Completion]:
         """Continue several prompts at once; returns their finished `Completion`s, in order.
 
         Each prompt is prefilled into its own rows of one KV pool; then every
         step runs one forward pass for all unfinished sequences together
         (matmuls with one row per sequence, which costs little more than one
-        sequence's), each with its own sampler and stop conditions. Options
-        are those of `generate`. With `seed=s`, sequence i samples with seed
-        s + i (pass a list for explicit seeds); greedy results equal `generate`'s.
+        sequence's), each with its own sampler, grammar matcher and stop
+        conditions. Options are those of `generate`. With `seed=s`, sequence i
+        samples with seed s + i (pass a list for explicit seeds); greedy results
+        equal `generate`'s.
         """
         prompts = list(prompts)
         if not prompts:
             return []
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         if seed is None or isinstance(seed, int):
             seeds = [None if seed is None else seed + i for i in range(len(prompts))]
         else:
@@ -343,16 +393,13 @@ class LLM:
             if len(seeds) != len(prompts):
                 raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         requests = [self._prompt_ids(p, add_bos, include_prompt) for p in prompts]
-        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-        seqs = [
-            _Decoding(self.tokenizer, ids, Sampler(SamplingParams(
-                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=sd,
-                logit_bias=dict(logit_bias or {})), self.config.n_vocab),
-                max_tokens=max_tokens, stop=stops,
-                stop_tokens=frozenset(int(t) for t in stop_tokens), logprobs=logprobs)
-            for (ids, _), sd in zip(requests, seeds)
-        ]
+        options = dict(max_tokens=max_tokens, stop=stop, stop_tokens=stop_tokens,
+                       logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
+                       min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                       logit_bias=logit_bias)
+        constraint = resolve_grammar(grammar, schema)
+        seqs = [self._decoding(ids, constraint, sd, **options)
+                for (ids, _), sd in zip(requests, seeds)]
         events: list[list[TokenEvent]] = [[] for _ in prompts]
         if max_tokens > 0:
             with self._busy:
@@ -451,8 +498,25 @@ class LLM:
         with self._forward_lock:
             return model.logits(hidden[-1:])[0]
 
-    def _generate_events(self, prompt_ids: list[int], sampler: Sampler, *, max_tokens: int,
-                         stop: list[str], stop_tokens: frozenset[int], logprobs: int | None
+    def _decoding(self, prompt_ids: list[int], grammar: Grammar | None, seed: int | None, *,
+                  max_tokens: int, stop: str | Sequence[str] | None, stop_tokens: Sequence[int],
+                  logprobs: int | None, logit_bias: Mapping[int, float] | None,
+                  **sampling) -> _Decoding:
+        """The checked state of one sequence about to be generated."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        n_vocab = self.config.n_vocab
+        stop_ids = frozenset(int(t) for t in stop_tokens)
+        if any(not 0 <= t < n_vocab for t in stop_ids):
+            raise ValueError(f"stop_tokens must lie in [0, {n_vocab})")
+        params = SamplingParams(seed=seed, logit_bias=dict(logit_bias or {}), **sampling)
+        matcher = grammar.matcher(self.tokenizer, n_vocab) if grammar is not None else None
+        return _Decoding(self.tokenizer, prompt_ids, Sampler(params, n_vocab),
+                         max_tokens=max_tokens,
+                         stop=[stop] if isinstance(stop, str) else [s for s in stop or [] if s],
+                         stop_tokens=stop_ids, logprobs=logprobs, matcher=matcher)
+
+    def _generate_events(self, prompt_ids: list[int], seq: _Decoding
                          ) -> Generator[TokenEvent, None, str]:
         """Yield the events of one generation; return its finish reason."""
         model = self._require_model()
@@ -462,13 +526,11 @@ class LLM:
         cache = self._cache if owns_shared else model.new_cache()
         self._busy.__enter__()
         try:
-            if max_tokens == 0:
+            if seq.max_tokens == 0:
                 return "length"
             reuse = min(cache.common_prefix(prompt_ids), len(prompt_ids) - 1)
             cache.trim(reuse)
             logits = self._prefill(prompt_ids[reuse:], cache)
-            seq = _Decoding(self.tokenizer, prompt_ids, sampler, max_tokens=max_tokens,
-                            stop=stop, stop_tokens=stop_tokens, logprobs=logprobs)
             while True:
                 token, events = seq.step(logits, room=cache.offset < cache.max_len)
                 yield from events
@@ -488,12 +550,14 @@ class _Decoding:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], sampler: Sampler, *,
                  max_tokens: int, stop: list[str], stop_tokens: frozenset[int],
-                 logprobs: int | None):
+                 logprobs: int | None, matcher: GrammarMatcher | None = None):
         self.tok = tokenizer
         self.sampler = sampler
+        self.matcher = matcher
         self.max_tokens = max_tokens
         self.stop = stop
         self.end_ids = tokenizer.eot_ids | stop_tokens
+        self._end_array = np.fromiter(self.end_ids, dtype=np.int64)
         self.logprobs = logprobs
         self.history = list(prompt_ids)
         self.decoder = StreamDecoder(tokenizer)
@@ -505,12 +569,16 @@ class _Decoding:
         """Choose the next token from `logits` (n_vocab,); `room`: whether the KV cache can
         take one more token. Returns the token to feed back to the model, or None once
         the sequence is finished (`finish_reason` set), and the events to emit."""
-        tok, logprobs = self.tok, self.logprobs
-        lp = top = ent = None
+        tok, logprobs, matcher = self.tok, self.logprobs, self.matcher
+        lp = top = ent = allowed = mask_ms = None
         if logprobs is not None:
             logp = log_softmax(logits)
             ent = entropy(logp)
-        token = self.sampler.sample(logits, self.history)
+        if matcher is not None:
+            allowed = matcher.mask()
+            mask_ms = matcher.mask_times[-1] * 1e3
+            allowed[self._end_array] = matcher.is_accepting  # end only a complete output
+        token = self.sampler.sample(logits, self.history, allowed)
         if logprobs is not None:
             lp = float(logp[token])
             k = min(int(logprobs), len(logp))
@@ -519,14 +587,18 @@ class _Decoding:
             top = tuple(Alternative(int(i), tok.decode([int(i)]), float(logp[i])) for i in best)
         if token in self.end_ids:
             return None, self._finish("stop")
+        if matcher is not None:
+            matcher.consume(token)
         self.history.append(token)
         self.n_generated += 1
         self.held += self.decoder.push(token)
         released, self.held, hit = _split_stop(self.held, self.stop)
-        events = [TokenEvent(token, released, tok.decode([token]), lp, top, ent)]
+        events = [TokenEvent(token, released, tok.decode([token]), lp, top, ent, mask_ms)]
         if hit:
             self.finish_reason = "stop"
             return None, events
+        if matcher is not None and matcher.is_finished:  # nothing more can follow
+            return None, events + self._finish("stop")
         if self.n_generated >= self.max_tokens or not room:
             return None, events + self._finish("length")
         return token, events

@@ -69,16 +69,27 @@ class Sampler:
             out[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
         return out
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """Pick the next token id from raw logits (n_vocab,)."""
+    def sample(self, logits: np.ndarray, history: Sequence[int] = (),
+               allowed: np.ndarray | None = None) -> int:
+        """Pick the next token id from raw logits (n_vocab,).
+
+        `allowed` (bool, n_vocab) is a grammar's mask: the other tokens are removed
+        after the bias and penalty and before top-k, so every filter and the
+        temperature act on the allowed tokens only.
+        """
         p = self.params
         logits = self.process(logits, history)
+        if allowed is not None:
+            if not allowed.any():
+                raise ValueError("the grammar allows no token here")
+            logits[~allowed] = -np.inf
         if p.temperature == 0:
             return int(np.argmax(logits))
         # candidates: top-k (or all), sorted by descending logit
         n = logits.shape[0]
         if 0 < p.top_k < n:
             ids = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
+            ids = ids[np.isfinite(logits[ids])]
         else:
             ids = np.flatnonzero(np.isfinite(logits))
         ids = ids[np.argsort(-logits[ids], kind="stable")]

@@ -3,12 +3,15 @@
 - `BusyBadge`, `DeviceBadge`: badges following a model's `busy` / `device` signals.
 - `ChatCell`: a chat with a model, streaming on a worker thread.
 - `TokenView`, `LogitsCell`: tokens coloured by probability, alternatives, branching.
+- `JSONCell`: schema- or grammar-constrained generation shown as a JSON tree.
 """
 
 from __future__ import annotations
 
 from workbench.widgets.badges import BusyBadge, DeviceBadge
 from workbench.widgets.chat import ChatCell, render_markdown
+from workbench.widgets.json_cell import JSONCell
 from workbench.widgets.logits import LogitsCell, TokenView
 
-__all__ = ["BusyBadge", "ChatCell", "DeviceBadge", "LogitsCell", "TokenView", "render_markdown"]
+__all__ = ["BusyBadge", "ChatCell", "DeviceBadge", "JSONCell", "LogitsCell", "TokenView",
+           "render_markdown"]

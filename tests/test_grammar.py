@@ -1,0 +1,445 @@
+"""Grammar-constrained decoding: GBNF, JSON Schema and regex grammars, their errors, the
+JSONSchemaBench sample, and constrained generation with SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+import jsonschema
+import numpy as np
+import pytest
+
+from tests.conftest import SHARED, shared_file
+from workbench.engine.grammar import (
+    Grammar,
+    GrammarError,
+    SchemaError,
+    UnsupportedSchemaError,
+    compile_schema,
+    parse_gbnf,
+)
+
+GBNF = SHARED / "data" / "grammar" / "gbnf"
+SCHEMAS = SHARED / "data" / "grammar" / "schemas"
+TOOL_SCHEMA = {
+    "type": "object",
+    "properties": {"tool": {"type": "string", "enum": ["setLight", "playMusic", "reply"]},
+                   "args": {"type": "object"}},
+    "required": ["tool", "args"],
+}
+
+
+def gbnf(name: str) -> str:
+    return shared_file("data", "grammar", "gbnf", name).read_text()
+
+
+def schema_files() -> list:
+    files = sorted(SCHEMAS.glob("*.json"))
+    if len(files) < 40:
+        pytest.fail(f"expected the 40 JSONSchemaBench samples in {SCHEMAS}")
+    return files
+
+
+# -- GBNF -------------------------------------------------------------------------------------
+def test_every_gbnf_parses():
+    files = sorted(GBNF.glob("*.gbnf"))
+    assert len(files) >= 9, f"expected llama.cpp's grammars in {GBNF}"
+    for path in files:
+        g = parse_gbnf(path.read_text())
+        assert g.kind == "gbnf" and g.spec
+
+
+@pytest.mark.parametrize("text, line, column, words", [
+    ('root ::= ("a" | "b"\n', 1, 10, "'(' is never closed"),
+    ('root ::= "a" )\n', 1, 14, "')' without a matching '('"),
+    ('root ::= item\nitem ::= "x" | (thing)\n', 2, 17, "'thing' is used but never defined"),
+    ('root ::= "a"\nother ::= [a-', 2, 14, "end of input"),
+    ('root ::= "unterminated\n', 2, 1, "end of input"),
+])
+def test_malformed_gbnf_names_line_and_column(text, line, column, words):
+    with pytest.raises(GrammarError) as err:
+        parse_gbnf(text)
+    assert (err.value.line, err.value.column) == (line, column)
+    assert words.lower() in str(err.value).lower()
+    assert str(err.value).startswith(f"line {line}, column {column}")
+
+
+@pytest.mark.parametrize("text", ["", "   \n", "# only a comment\n"])
+def test_empty_gbnf_is_an_error(text):
+    with pytest.raises(GrammarError, match="empty"):
+        parse_gbnf(text)
+
+
+def test_gbnf_without_root_is_an_error():
+    with pytest.raises(GrammarError, match="root"):
+        parse_gbnf('start ::= "a"\n')
+
+
+def test_gbnf_keeps_llama_cpp_meaning_where_greedy_lexing_would_not(smollm2):
+    # arithmetic.gbnf: `num ::= [0-9]+ ws` with `ws ::= [ \t\n]*`, then "\n". With
+    # greedy lexemes the final newline would always be taken by ws and no line could end.
+    m = Grammar.from_gbnf(gbnf("arithmetic.gbnf")).matcher(smollm2.tokenizer)
+    ids = smollm2.tokenize("2 +3 = 5\n(x) = y\n", add_bos=False)
+    assert m.accepts(ids) == len(ids)
+    assert m.is_accepting
+    m = Grammar.from_gbnf(gbnf("arithmetic.gbnf")).matcher(smollm2.tokenizer)
+    ids = smollm2.tokenize("2 + = 5\n", add_bos=False)
+    assert m.accepts(ids) < len(ids)
+
+
+# -- JSON Schema: errors and rewrites ---------------------------------------------------------
+@pytest.mark.parametrize("schema, keyword", [
+    ({"not": {"type": "string"}}, "not"),
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if"),
+    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+])
+def test_unsupported_schema_keyword_is_refused_by_name(schema, keyword):
+    with pytest.raises(UnsupportedSchemaError) as err:
+        compile_schema(schema)
+    assert err.value.keyword == keyword
+    assert keyword in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "foo"}, "type"),
+    ({"type": "integer", "minimum": "a"}, "minimum"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/defs/x"}}}, None),
+    ({"type": "string", "pattern": "(unclosed"}, None),
+])
+def test_invalid_schema_is_a_clear_error(schema, keyword):
+    with pytest.raises(SchemaError) as err:
+        compile_schema(schema)
+    assert not isinstance(err.value, UnsupportedSchemaError)
+    assert err.value.keyword == keyword
+
+
+def test_schema_text_that_is_not_json_names_line_and_column():
+    with pytest.raises(SchemaError) as err:
+        compile_schema('{\n  "type": "object",\n  "properties": {\n}')
+    assert err.value.line == 4
+
+
+def test_unknown_format_is_an_annotation_with_a_warning(smollm2):
+    with pytest.warns(UserWarning, match="textarea"):
+        g = compile_schema({"type": "string", "format": "textarea"})
+    assert g.warnings
+    m = g.matcher(smollm2.tokenizer)
+    ids = smollm2.tokenize('"any text"', add_bos=False)
+    assert m.accepts(ids) == len(ids) and m.is_accepting
+
+
+def matches(grammar: Grammar, tokenizer, value) -> bool:
+    """Whether the grammar accepts `value` serialized as JSON, fed token by token."""
+    m = grammar.matcher(tokenizer)
+    ids = tokenizer.encode(json.dumps(value, ensure_ascii=False), add_bos=False)
+    return m.accepts(ids) == len(ids) and m.is_accepting
+
+
+@pytest.mark.parametrize("schema, instances", [
+    ({"type": "object", "properties": {"a": {}, "b": {}, "c": {}},
+      "dependencies": {"a": ["b"]}},
+     [{"a": 1, "b": 2}, {"a": 1}, {"b": 2}, {"c": 3}, {"a": 1, "c": 3}]),
+    ({"type": "object", "properties": {"a": {}, "b": {"type": "integer"}},
+      "dependencies": {"a": {"required": ["b"], "properties": {"b": {"minimum": 5}}}}},
+     [{"a": 1, "b": 7}, {"a": 1, "b": 2}, {"b": 2}, {"a": 1}]),
+    ({"type": "object", "properties": {"a": {}, "b": {"type": "integer"}},
+      "dependentSchemas": {"a": {"required": ["b"], "properties": {"b": {"minimum": 5}}}},
+      "$schema": "https://json-schema.org/draft/2020-12/schema"},
+     [{"a": 1, "b": 7}, {"a": 1, "b": 2}, {"b": 2}, {"a": 1}]),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"b": ["a"]},
+      "$schema": "https://json-schema.org/draft/2020-12/schema"},
+     [{"a": 1, "b": 2}, {"b": 2}, {"a": 1}, {}]),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "not": {"required": ["a"]}},
+     [{"a": 1}, {"b": 1}, {}, {"a": 1, "b": 2}]),
+    ({"type": "object", "not": {"not": {"required": ["a"]}}, "properties": {"a": {}}},
+     [{"a": 1}, {}]),
+])
+def test_schema_rewrites_keep_the_meaning(smollm2, schema, instances):
+    g = compile_schema(schema)
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)(
+        schema)
+    for value in instances:
+        assert matches(g, smollm2.tokenizer, value) == validator.is_valid(value), value
+
+
+def test_pydantic_model_class(smollm2):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Light(pydantic.BaseModel):
+        room: str
+        on: bool
+
+    g = compile_schema(Light)
+    assert g.model is Light and g.schema["required"] == ["room", "on"]
+    assert matches(g, smollm2.tokenizer, {"room": "kitchen", "on": True})
+    assert not matches(g, smollm2.tokenizer, {"room": "kitchen", "on": "yes"})
+
+
+def test_regex_grammar(smollm2):
+    g = Grammar.from_regex(r"[0-9]{3}-[A-Z]{2}")
+    tok = smollm2.tokenizer
+    m = g.matcher(tok)
+    ids = smollm2.tokenize("123-AB", add_bos=False)
+    assert m.accepts(ids) == len(ids) and m.is_accepting and m.is_finished
+    with pytest.raises(GrammarError):
+        Grammar.from_regex("(unclosed")
+
+
+# -- the JSONSchemaBench sample ---------------------------------------------------------------
+def in_schema_order(value, schema, root=None):
+    """`value` with object keys in the order the schema declares them.
+
+    llguidance, like OpenAI's structured outputs, emits properties in schema
+    order; reordering keys does not change what a JSON value means, so each
+    instance is fed in that order ($ref and the combinators are followed to
+    find the declared names; undeclared keys go last)."""
+    root = schema if root is None else root
+    if isinstance(value, dict):
+        order = list(dict.fromkeys(_declared(schema, root, set())))
+        keys = [k for k in order if k in value] + [k for k in value if k not in order]
+        return {k: in_schema_order(value[k], _property(schema, root, k), root) for k in keys}
+    if isinstance(value, list):
+        return [in_schema_order(v, _items(schema, root), root) for v in value]
+    return value
+
+
+def _resolve(s, root):
+    while isinstance(s, dict) and isinstance(s.get("$ref"), str) and s["$ref"].startswith("#"):
+        target = root
+        for part in s["$ref"][1:].split("/")[1:]:
+            target = target.get(part.replace("~1", "/").replace("~0", "~"), {})
+        s = target
+    return s if isinstance(s, dict) else {}
+
+
+def _parts(s):
+    return [sub for k in ("allOf", "anyOf", "oneOf") for sub in s.get(k, [])]
+
+
+def _declared(schema, root, seen):
+    s = _resolve(schema, root)
+    if id(s) in seen:
+        return []
+    seen.add(id(s))
+    return ([n for sub in _parts(s) for n in _declared(sub, root, seen)]
+            + list(s.get("properties", {})))
+
+
+def _property(schema, root, key):
+    s = _resolve(schema, root)
+    parts = [_property(sub, root, key) for sub in _parts(s)]
+    if key in s.get("properties", {}):
+        parts.append(s["properties"][key])
+    elif isinstance(s.get("additionalProperties"), dict):
+        parts.append(s["additionalProperties"])
+    return {"allOf": parts}
+
+
+def _items(schema, root):
+    s = _resolve(schema, root)
+    parts = [_items(sub, root) for sub in _parts(s)]
+    if isinstance(s.get("items"), dict):
+        parts.append(s["items"])
+    return {"allOf": parts}
+
+
+def compiled_sample():
+    """(file, schema, grammar) for each schema of the sample that compiles, and the
+    (file, reason) of each that does not."""
+    ok, refused = [], []
+    for path in schema_files():
+        schema = json.loads(path.read_text())["schema"]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ok.append((path, schema, compile_schema(schema)))
+        except SchemaError as e:
+            refused.append((path.name, str(e)))
+    return ok, refused
+
+
+def test_schema_sample_compiles_but_for_fewer_than_15_percent():
+    ok, refused = compiled_sample()
+    for name, reason in refused:
+        print(f"does not compile: {name}: {reason}")
+    assert len(refused) < 0.15 * (len(ok) + len(refused)), refused
+
+
+def test_schema_sample_instances_are_accepted_or_rejected(smollm2):
+    ok, _ = compiled_sample()
+    n_valid = n_invalid = 0
+    for path, schema, grammar in ok:
+        for test in json.loads(path.read_text())["tests"]:
+            value = in_schema_order(test["data"], schema)
+            assert matches(grammar, smollm2.tokenizer, value) == test["valid"], (
+                f"{path.name}: {test['description']}")
+            n_valid += test["valid"]
+            n_invalid += not test["valid"]
+    assert n_valid >= 40 and n_invalid >= 60
+
+
+@pytest.mark.slow
+def test_schema_sample_greedy_and_sampled_generations_validate(smollm2):
+    ok, _ = compiled_sample()
+    failures = []
+    for path, schema, grammar in ok:
+        what = (schema.get("title") or schema.get("description") or path.stem.split("---")[-1])
+        messages = [{"role": "user", "content": f"Write a short JSON example of: {what[:200]}"}]
+        for options in (dict(temperature=0), dict(temperature=0.8, seed=0)):
+            c = smollm2.chat(messages, schema=grammar, max_tokens=1024, repeat_penalty=1.1,
+                             **options)
+            try:
+                jsonschema.validate(json.loads(c.text), schema)
+            except (ValueError, jsonschema.ValidationError) as e:
+                failures.append(f"{path.name} {options}: {c.finish_reason}: {e}"[:300])
+    assert not failures, "\n".join(failures)
+
+
+# -- constrained generation with SmolLM2 ------------------------------------------------------
+PROMPTS = {
+    "json.gbnf": "Describe a cat as a JSON object.",
+    "arithmetic.gbnf": "Write one arithmetic equation, like x = 2 + 3.",
+    "list.gbnf": "List three fruits as a bulleted list.",
+    "chess.gbnf": "Write the first two moves of a chess game in PGN, like 1. e4 e5",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_sampled_generations_are_accepted_by_the_grammar(smollm2, name):
+    """20 generations at temperature 1.0: every token is one the grammar allows (an
+    independent matcher re-checks the output); a generation the model ended is a complete
+    sentence of the grammar. Grammars with an open-ended root (a list of lines) are often
+    cut by max_tokens: those are checked as prefixes, like llama.cpp's own runs."""
+    g = parse_gbnf(gbnf(name))
+    convo = [{"role": "user", "content": PROMPTS[name]}]
+    outputs = smollm2.chat_batch([convo] * 20, grammar=g, temperature=1.0, seed=0,
+                                 max_tokens=512 if name == "json.gbnf" else 96,
+                                 repeat_penalty=1.1)
+    assert len({c.text for c in outputs}) > 10  # really sampled
+    for c in outputs:
+        m = g.matcher(smollm2.tokenizer)
+        assert m.accepts(c.token_ids) == len(c.token_ids), c.text
+        if c.finish_reason == "stop":
+            assert m.is_accepting, c.text
+        if name == "json.gbnf":
+            assert c.finish_reason == "stop", c.text
+            assert isinstance(json.loads(c.text), dict)
+        if name == "list.gbnf":
+            assert re.fullmatch(r"(- [^\r\n\x0b\x0c\x85\u2028\u2029]+\n)*"
+                                r"(- [^\r\n\x0b\x0c\x85\u2028\u2029]*)?", c.text), c.text
+    if name == "list.gbnf":  # the model ends lists; the others it rarely ends
+        assert sum(c.finish_reason == "stop" for c in outputs) >= 15
+
+
+@pytest.mark.slow
+def test_chat_json_tool_call_ten_seeds(smollm2):
+    for seed in range(10):
+        call = smollm2.chat_json([{"role": "user", "content": "turn the kitchen light on"}],
+                                 schema=TOOL_SCHEMA, seed=seed)
+        assert isinstance(call, dict) and list(call) == ["tool", "args"], call
+        assert call["tool"] in ("setLight", "playMusic", "reply")
+        jsonschema.validate(call, TOOL_SCHEMA)
+
+
+def test_chat_json_returns_a_pydantic_instance(smollm2):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Light(pydantic.BaseModel):
+        room: str
+        on: bool
+
+    light = smollm2.chat_json([{"role": "user", "content": "Turn on the kitchen light."}],
+                              Light, temperature=0)
+    assert isinstance(light, Light)
+
+
+def test_chat_json_too_few_tokens_is_an_error(smollm2):
+    from workbench.engine.llm import IncompleteOutputError
+
+    with pytest.raises(IncompleteOutputError, match="max_tokens"):
+        smollm2.chat_json([{"role": "user", "content": "hi"}], TOOL_SCHEMA, max_tokens=3)
+
+
+def test_grammar_and_schema_are_exclusive(smollm2):
+    with pytest.raises(ValueError, match="not both"):
+        smollm2.chat([{"role": "user", "content": "hi"}], grammar='root ::= "a"',
+                     schema=TOOL_SCHEMA)
+
+
+def test_mask_applies_before_sampling_so_filters_see_allowed_tokens_only(smollm2):
+    """A grammar allowing only tokens outside the model's top 40: sampling with top_k=40
+    must still pick one of them (a sample-then-check design would fail or resample)."""
+    prompt = smollm2.tokenize("The capital of France is")
+    logits = smollm2.forward(prompt, smollm2.new_cache())[-1]
+    rare = [int(i) for i in np.argsort(logits)[:2000]
+            if re.fullmatch(r"[a-z]{4,}", smollm2.detokenize([int(i)]))][:3]
+    assert len(rare) == 3
+    words = [smollm2.detokenize([i]) for i in rare]
+    g = Grammar.from_gbnf("root ::= " + " | ".join(json.dumps(w) for w in words))
+    for seed in range(5):
+        c = smollm2.generate(prompt, grammar=g, temperature=0.8, top_k=40, seed=seed)
+        assert c.text in words and c.finish_reason == "stop"
+    greedy = smollm2.generate(prompt, grammar=g, temperature=0)
+    allowed = g.matcher(smollm2.tokenizer).mask()
+    assert greedy.text in words
+    assert greedy.token_ids[0] == np.flatnonzero(allowed)[np.argmax(logits[allowed])]
+
+
+def test_logit_bias_acts_within_the_allowed_set(smollm2):
+    g = Grammar.from_gbnf('root ::= "yes" | "no"')
+    yes = smollm2.tokenize("yes", add_bos=False)
+    no = smollm2.tokenize("no", add_bos=False)
+    assert len(yes) == len(no) == 1
+    for word, ids in (("yes", yes), ("no", no)):
+        # a large bias on a token outside the grammar changes nothing
+        c = smollm2.generate("Answer:", grammar=g, temperature=0,
+                             logit_bias={ids[0]: 30.0, smollm2.tokenize(" maybe")[-1]: 60.0})
+        assert c.text == word and c.token_ids == ids
+
+
+def test_end_token_only_when_complete_and_stop_when_finished(smollm2):
+    g = Grammar.from_gbnf('root ::= "a" [0-9] [0-9] [0-9]')
+    c = smollm2.generate("Code:", grammar=g, temperature=0,
+                         logit_bias={t: 50.0 for t in smollm2.tokenizer.eot_ids})
+    assert re.fullmatch(r"a[0-9]{3}", c.text) and c.finish_reason == "stop"
+
+
+def test_mask_time_is_recorded_per_token(smollm2):
+    c = smollm2.generate("Code:", grammar=Grammar.from_regex("[a-z]{5}"), temperature=0)
+    assert len(c.text) == 5
+    assert all(ev.mask_ms is not None and 0 <= ev.mask_ms < 1000 for ev in c.events
+               if ev.id is not None)
+    plain = smollm2.generate("Code:", temperature=0, max_tokens=2)
+    assert all(ev.mask_ms is None for ev in plain.events)
+
+
+def test_batched_sequences_each_follow_the_grammar(smollm2):
+    g = Grammar.from_json_schema({"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+        "additionalProperties": False})
+    outs = smollm2.generate_batch(["A number:", "Another:", "JSON:"], schema=g,
+                                  temperature=1.0, seed=3, max_tokens=64)
+    for c in outs:
+        value = json.loads(c.text)
+        assert 0 <= value["n"] <= 9
+    greedy = smollm2.generate_batch(["JSON:"], schema=g, temperature=0, max_tokens=64)
+    assert greedy[0].text == smollm2.generate("JSON:", schema=g, temperature=0,
+                                              max_tokens=64).text
+
+
+def test_matcher_clone_is_independent(smollm2):
+    g = Grammar.from_regex("(ab|ac)d")
+    tok = smollm2.tokenizer
+    m = g.matcher(tok)
+    m.accepts(smollm2.tokenize("a", add_bos=False))
+    twin = m.clone()
+    bd, cd = smollm2.tokenize("bd", add_bos=False), smollm2.tokenize("cd", add_bos=False)
+    assert m.accepts(bd) == len(bd) and m.is_accepting
+    assert not twin.is_accepting
+    assert twin.accepts(cd) == len(cd) and twin.is_accepting
+    assert m.clone().accepts(cd) == 0
