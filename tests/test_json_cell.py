@@ -10,7 +10,7 @@ import pytest
 
 from workbench.engine.grammar import GrammarError, SchemaError
 from workbench.widgets import JSONCell
-from workbench.widgets.json_cell import EXAMPLE_GRAMMARS, _NOTHING, close_partial_json
+from workbench.widgets.json_cell import _NOTHING, EXAMPLE_GRAMMARS, close_partial_json
 
 
 def frontend(widget, content):

@@ -1,0 +1,130 @@
+"""Grammar overhead: mask time per token, and constrained against unconstrained decoding.
+
+    python bench/grammar.py [--model smollm2-135m] [--rounds 3] [--tokens 96]
+
+1. Mask time. For every schema of the JSONSchemaBench sample in
+   ../shared/data/grammar/schemas/ that compiles, each valid instance is fed to a
+   fresh matcher token by token (SmolLM2's vocabulary) and the mask before every
+   token is timed: mean, p50 and p99 over all steps, and per schema group.
+2. Decode speed. For a few prompts with a schema each, the same model decodes
+   `--tokens` tokens constrained by the schema and unconstrained (end tokens banned so
+   both run the full length), alternating round by round; the medians of decode
+   tokens/s (first token to last, prefill excluded) and their ratio are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from workbench import LLM, Grammar
+from workbench.engine.grammar import SchemaError
+
+SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "data" / "grammar" / "schemas"
+# (prompt, schema) pairs whose answers run long enough to time the decode loop
+DECODE_CASES = [
+    ("Describe three people as JSON.", {"type": "array", "items": {
+        "type": "object", "properties": {"name": {"type": "string"},
+                                         "age": {"type": "integer"},
+                                         "city": {"type": "string"}},
+        "required": ["name", "age", "city"]}}),
+    ("Write a JSON recipe for pancakes.", {"type": "object", "properties": {
+        "title": {"type": "string"}, "ingredients": {"type": "array", "items": {
+            "type": "string"}}, "steps": {"type": "array", "items": {"type": "string"}}},
+        "required": ["title", "ingredients", "steps"]}),
+    ("List some facts about the moon in JSON.", {"type": "object",
+                                                 "additionalProperties": {"type": "string"}}),
+]
+
+
+def mask_times(model: LLM) -> None:
+    if not SCHEMAS.is_dir():
+        sys.exit(f"missing {SCHEMAS}: the benchmark expects ../shared beside the repository")
+    tok = model.tokenizer
+    all_steps: list[float] = []
+    groups: dict[str, list[float]] = {}
+    refused = []
+    for path in sorted(SCHEMAS.glob("*.json")):
+        data = json.loads(path.read_text())
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                grammar = Grammar.from_json_schema(data["schema"])
+        except SchemaError as e:
+            refused.append(f"{path.name}: {e}")
+            continue
+        for test in data["tests"]:
+            if not test["valid"]:
+                continue
+            m = grammar.matcher(tok, model.config.n_vocab)
+            for token in tok.encode(json.dumps(test["data"]), add_bos=False):
+                m.mask()
+                if m.accepts([token]) != 1:
+                    break  # keys in another order than the schema's: timed up to here
+            group = path.name.split("---")[0].split("_")[0]
+            groups.setdefault(group, []).extend(m.mask_times)
+            all_steps.extend(m.mask_times)
+    ms = np.asarray(all_steps) * 1e3
+    print(f"mask time per token, {len(ms)} steps over "
+          f"{len(list(SCHEMAS.glob('*.json'))) - len(refused)} schemas "
+          f"(vocabulary {model.config.n_vocab}):")
+    print(f"  mean {ms.mean():.3f} ms   p50 {np.median(ms):.3f} ms   "
+          f"p99 {np.percentile(ms, 99):.3f} ms   max {ms.max():.3f} ms")
+    for group, times in sorted(groups.items()):
+        g = np.asarray(times) * 1e3
+        print(f"  {group:<16} {len(g):>6} steps   p50 {np.median(g):.3f} ms   "
+              f"p99 {np.percentile(g, 99):.3f} ms")
+    for line in refused:
+        print(f"  not compiled: {line}")
+
+
+def decode_rate(model: LLM, prompt: str, tokens: int, schema=None) -> tuple[float, int]:
+    """Decode tokens/s from the first generated token to the last, and the token count."""
+    ban = {t: -float("inf") for t in model.tokenizer.eot_ids}
+    c = model.chat([{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0,
+                   schema=schema, logit_bias=None if schema is not None else ban)
+    stamps = [time.perf_counter() for ev in c.iter_events() if ev.id is not None]
+    n = len(stamps)
+    return ((n - 1) / (stamps[-1] - stamps[0]) if n > 1 else float("nan")), n
+
+
+def decode_speed(model: LLM, rounds: int, tokens: int) -> None:
+    print(f"\ndecode tokens/s, greedy, up to {tokens} tokens, median of {rounds} rounds:")
+    print(f"  {'prompt':<42} {'tokens':>6} {'constrained':>12} {'free':>8} {'ratio':>6}")
+    ratios = []
+    for prompt, schema in DECODE_CASES:
+        grammar = Grammar.from_json_schema(schema)
+        decode_rate(model, prompt, 8, grammar)  # warm up both paths
+        decode_rate(model, prompt, 8)
+        constrained, free, n = [], [], 0
+        for _ in range(rounds):
+            rate, n = decode_rate(model, prompt, tokens, grammar)
+            constrained.append(rate)
+            free.append(decode_rate(model, prompt, n)[0])  # the same number of tokens
+        c, f = statistics.median(constrained), statistics.median(free)
+        ratios.append(c / f)
+        print(f"  {prompt[:42]:<42} {n:>6} {c:>12.1f} {f:>8.1f} {c / f:>6.2f}")
+    print(f"  median ratio constrained / free: {statistics.median(ratios):.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=96)
+    args = parser.parse_args(argv)
+    model = LLM.load(args.model)
+    mask_times(model)
+    decode_speed(model, args.rounds, args.tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
