@@ -27,8 +27,7 @@ import anywidget
 import traitlets
 from markdown_it import MarkdownIt
 
-from workbench.signals import bind
-from workbench.widgets.worker import Worker
+from workbench.widgets.worker import StoppableWorker
 
 if TYPE_CHECKING:
     from workbench.engine.llm import LLM
@@ -46,7 +45,7 @@ def render_markdown(text: str) -> str:
         return _markdown.render(text)
 
 
-class ChatCell(Worker, anywidget.AnyWidget):
+class ChatCell(StoppableWorker, anywidget.AnyWidget):
     """A chat with `model`: system prompt, sampling controls, a Markdown message log,
     an input box, Send / Stop / Regenerate / Clear, token statistics and a busy badge.
 
@@ -68,7 +67,6 @@ class ChatCell(Worker, anywidget.AnyWidget):
     stats = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
 
-    _unbind_busy = None
 
     def __init__(self, model: LLM, system: str = "You are helpful and concise.",
                  temperature: float = 0.7, top_p: float = 0.95, max_tokens: int = 256,
@@ -82,9 +80,8 @@ class ChatCell(Worker, anywidget.AnyWidget):
         self._history: list[dict[str, str]] = []
         self._rendered: list[dict[str, Any]] = []  # rendered history, cached per message
         self._state_lock = threading.Lock()
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._unbind_busy = bind(model.busy, self, "busy", direction="to_widget")
+        self._follow(model)
         self.on_msg(self._on_frontend_msg)
 
     # -- public API --------------------------------------------------------------------------
@@ -120,10 +117,6 @@ class ChatCell(Worker, anywidget.AnyWidget):
         self._push_log()
         return self._start()
 
-    def stop(self) -> None:
-        """Stop the running generation after the current token (no-op when idle)."""
-        self._stop.set()
-
     def regenerate(self) -> threading.Thread:
         """Drop the last answer and generate a new one for the same conversation."""
         self._require_idle()
@@ -153,16 +146,6 @@ class ChatCell(Worker, anywidget.AnyWidget):
         """The message log's HTML as the browser shows it (for inspection and tests)."""
         return "".join(
             f'<div class="wb-msg wb-msg-{m["role"]}">{m["html"]}</div>' for m in self.log)
-
-    def close(self) -> None:
-        """Stop generating, unbind the busy signal and close the widget."""
-        if hasattr(self, "_stop"):
-            self.stop()
-            self.wait()
-        if self._unbind_busy is not None:
-            self._unbind_busy()
-            self._unbind_busy = None
-        super().close()
 
     # -- internals ---------------------------------------------------------------------------
     def _require_idle(self) -> None:

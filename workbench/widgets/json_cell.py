@@ -26,9 +26,8 @@ import numpy as np
 import traitlets
 
 from workbench.engine.grammar import Grammar
-from workbench.signals import bind
 from workbench.widgets.chat import STATIC, UPDATE_INTERVAL
-from workbench.widgets.worker import Worker
+from workbench.widgets.worker import StoppableWorker
 
 if TYPE_CHECKING:
     from workbench.engine.llm import LLM
@@ -50,7 +49,7 @@ DEFAULT_SCHEMA = {
 }
 
 
-class JSONCell(Worker, anywidget.AnyWidget):
+class JSONCell(StoppableWorker, anywidget.AnyWidget):
     """Grammar-constrained generation for `model`: a JSON Schema (or GBNF) editor, a
     prompt, Generate / Stop, the answer as a JSON tree, a validation badge and the
     per-token mask time.
@@ -81,7 +80,6 @@ class JSONCell(Worker, anywidget.AnyWidget):
     stats = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
 
-    _unbind_busy = None
 
     def __init__(self, model: LLM, schema: dict | str | type | None = None, *,
                  prompt: str = "Describe a person who likes the sea.", gbnf: str | None = None,
@@ -104,9 +102,8 @@ class JSONCell(Worker, anywidget.AnyWidget):
         self.mask_times: list[float] = []  # seconds per token, of the last run
         self._pydantic = (pydantic_model, schema_text) if pydantic_model is not None else None
         self._value: Any = None
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._unbind_busy = bind(model.busy, self, "busy", direction="to_widget")
+        self._follow(model)
         self.on_msg(self._on_frontend_msg)
 
     # -- public API --------------------------------------------------------------------------
@@ -146,20 +143,6 @@ class JSONCell(Worker, anywidget.AnyWidget):
         self._thread = thread
         thread.start()
         return thread
-
-    def stop(self) -> None:
-        """Stop the running generation after the current token (no-op when idle)."""
-        self._stop.set()
-
-    def close(self) -> None:
-        """Stop generating, unbind the busy signal and close the widget."""
-        if hasattr(self, "_stop"):
-            self.stop()
-            self.wait()
-        if self._unbind_busy is not None:
-            self._unbind_busy()
-            self._unbind_busy = None
-        super().close()
 
     # -- internals ---------------------------------------------------------------------------
     def _pydantic_model(self) -> type | None:

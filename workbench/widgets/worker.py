@@ -2,11 +2,16 @@
 
 Generation runs off the kernel's main thread so that Stop and other widget
 messages are handled while tokens stream; `wait` joins that thread.
+`StoppableWorker` adds Stop, a `busy` trait following the model's busy signal,
+and a `close` that ends both.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
+
+from workbench.signals import bind
 
 
 class Worker:
@@ -21,3 +26,29 @@ class Worker:
             thread.join(timeout)
             return not thread.is_alive()
         return True
+
+
+class StoppableWorker(Worker):
+    """Mixin for a widget with a `busy` trait whose worker checks `self._stop` between
+    tokens; call `_follow(model)` from `__init__`."""
+
+    _stop: threading.Event | None = None
+    _unbind_busy = None
+
+    def _follow(self, model: Any) -> None:
+        self._stop = threading.Event()
+        self._unbind_busy = bind(model.busy, self, "busy", direction="to_widget")
+
+    def stop(self) -> None:
+        """Stop the running generation after the current token (no-op when idle)."""
+        if self._stop is not None:
+            self._stop.set()
+
+    def close(self) -> None:
+        """Stop generating, unbind the busy signal and close the widget."""
+        self.stop()
+        self.wait()
+        if self._unbind_busy is not None:
+            self._unbind_busy()
+            self._unbind_busy = None
+        super().close()
