@@ -294,18 +294,22 @@ def _vocabulary(tokenizer: Tokenizer, n_vocab: int) -> _Vocabulary:
 
 
 class _TokenSource:
-    """The object `llguidance.TokenizerWrapper` reads a vocabulary from."""
+    """The object `llguidance.TokenizerWrapper` reads a vocabulary from. It refers to the
+    tokenizer weakly: the vocabulary is cached under the tokenizer as a weak key, and a
+    strong reference from the value would keep both alive for good."""
 
     def __init__(self, tokenizer: Tokenizer, tokens: list[bytes], special: list[int], eos: int):
         self.tokens = tokens
         self.special_token_ids = special
         self.eos_token_id = eos
         self.bos_token_id = tokenizer.bos_id
-        self._tokenizer = tokenizer
+        self._tokenizer = weakref.ref(tokenizer)
 
     def __call__(self, data: bytes) -> list[int]:
-        return self._tokenizer.encode(data.decode("utf-8", "replace"), add_bos=False,
-                                      special=False)
+        tokenizer = self._tokenizer()
+        if tokenizer is None:
+            raise RuntimeError("the tokenizer of this grammar vocabulary is gone")
+        return tokenizer.encode(data.decode("utf-8", "replace"), add_bos=False, special=False)
 
 
 # -- checks and error messages ----------------------------------------------------------------
