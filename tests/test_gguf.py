@@ -101,7 +101,7 @@ def test_small_file_metadata(tmp_path):
 
 def test_unsupported_tensor_type_names_the_tensor(tmp_path):
     from workbench.engine.gguf import UnsupportedTensorTypeError
-    from workbench.engine.models.llama import _linear
+    from workbench.engine.models.weights import linear
 
     path = tmp_path / "iq4.gguf"
     w = GGUFWriter(str(path), "llama")
@@ -115,4 +115,4 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path):
     g = open_gguf(path)
     assert g.tensor("blk.0.attn_q.weight").shape == (2, 64)
     with pytest.raises(UnsupportedTensorTypeError, match="'blk.0.attn_q.weight'.*IQ4_NL"):
-        _linear(g, "blk.0.attn_q.weight")
+        linear(g, "blk.0.attn_q.weight")

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.engine.gguf import GGUFError, GGUFFile, UnsupportedTensorTypeError
+from workbench.engine.gguf import GGUFError, GGUFFile
 from workbench.engine.kv_cache import KVCache, KVPool, LayerKVCache
+from workbench.engine.models.weights import fused, linear, vector
 from workbench.kernels import layers
-from workbench.kernels.linear import QuantizedWeight
-from workbench.kernels.quants import UnsupportedQuantError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -142,16 +141,16 @@ class Attention:
     def __init__(self, cfg: LlamaConfig, g: GGUFFile, i: int, rope: Rope):
         p = f"blk.{i}."
         self.cfg, self.rope = cfg, rope
-        self.wqkv = _fused(g, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
-        self.wo = _linear(g, p + "attn_output.weight")
+        self.wqkv = fused(g, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
+        self.wo = linear(g, p + "attn_output.weight")
         widths = [cfg.n_head * cfg.head_dim] + [cfg.n_head_kv * cfg.head_dim] * 2
-        biases = [_vector(g, p + f"attn_{n}.bias", optional=True) for n in "qkv"]
+        biases = [vector(g, p + f"attn_{n}.bias", optional=True) for n in "qkv"]
         self.bqkv = None  # Q, K, V biases side by side (a missing one counts as zeros)
         if any(b is not None for b in biases):
             self.bqkv = np.concatenate([np.zeros(n, np.float32) if b is None else b
                                         for b, n in zip(biases, widths)])
-        self.q_norm = _vector(g, p + "attn_q_norm.weight", optional=not cfg.qk_norm)
-        self.k_norm = _vector(g, p + "attn_k_norm.weight", optional=not cfg.qk_norm)
+        self.q_norm = vector(g, p + "attn_q_norm.weight", optional=not cfg.qk_norm)
+        self.k_norm = vector(g, p + "attn_k_norm.weight", optional=not cfg.qk_norm)
 
     def qkv(self, x: np.ndarray) -> np.ndarray:
         """(T, n_embd) -> (T, (n_head + 2 n_kv) head_dim): Q, K, V side by side, biases added."""
@@ -210,8 +209,8 @@ class FeedForward:
 
     def __init__(self, g: GGUFFile, i: int):
         p = f"blk.{i}."
-        self.gate_up = _fused(g, [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        self.down = _linear(g, p + "ffn_down.weight")
+        self.gate_up = fused(g, [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        self.down = linear(g, p + "ffn_down.weight")
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         gu = self.gate_up.matmul(x)  # (T, 2 n_ff): gate, then up
@@ -223,8 +222,8 @@ class FeedForward:
 class Block:
     def __init__(self, cfg: LlamaConfig, g: GGUFFile, i: int, rope: Rope):
         self.eps = cfg.norm_eps
-        self.attn_norm = _vector(g, f"blk.{i}.attn_norm.weight")
-        self.ffn_norm = _vector(g, f"blk.{i}.ffn_norm.weight")
+        self.attn_norm = vector(g, f"blk.{i}.attn_norm.weight")
+        self.ffn_norm = vector(g, f"blk.{i}.ffn_norm.weight")
         self.attn = Attention(cfg, g, i, rope)
         self.ffn = FeedForward(g, i)
 
@@ -239,12 +238,12 @@ class LlamaModel:
     def __init__(self, g: GGUFFile, max_len: int):
         self.config = cfg = LlamaConfig.from_gguf(g)
         self.max_len = max_len
-        freq_factors = _vector(g, "rope_freqs.weight", optional=True)
+        freq_factors = vector(g, "rope_freqs.weight", optional=True)
         rope = Rope(cfg, max(max_len, 1), freq_factors)
-        self.embed = _linear(g, "token_embd.weight")
+        self.embed = linear(g, "token_embd.weight")
         self.blocks = [Block(cfg, g, i, rope) for i in range(cfg.n_layer)]
-        self.norm = _vector(g, "output_norm.weight")
-        self.output = _linear(g, "output.weight") if "output.weight" in g.tensors else self.embed
+        self.norm = vector(g, "output_norm.weight")
+        self.output = linear(g, "output.weight") if "output.weight" in g.tensors else self.embed
 
     def new_pool(self, n_slots: int, max_len: int | None = None) -> KVPool:
         """KV-cache room for `n_slots` sequences of up to `max_len` positions each."""
@@ -321,42 +320,3 @@ class LlamaModel:
 
 
 _NONE = np.zeros(0, np.float32)  # "no per-head norm" for `layers.attend`
-
-
-def _fused(g: GGUFFile, names: list[str]) -> QuantizedWeight:
-    """The matrices `names` stacked row-wise into one weight, (sum of N, K), when they share
-    a format and K: a private copy read from the file (the mapped pages stay untouched).
-    Otherwise a `_Stacked` that runs them one by one and joins the outputs."""
-    infos = [g.tensor(n) for n in names]
-    if len({(t.qtype, t.shape[1:]) for t in infos}) > 1 or any(len(t.shape) != 2 for t in infos):
-        return _Stacked([_linear(g, n) for n in names])
-    n_rows = sum(t.shape[0] for t in infos)
-    raw = np.concatenate([t.read(g.path) for t in infos])
-    try:
-        return QuantizedWeight.from_gguf_tensor(raw, infos[0].qtype, (n_rows, infos[0].shape[1]))
-    except UnsupportedQuantError as exc:
-        raise UnsupportedTensorTypeError(f"{g.path.name}: tensor {names[0]!r}: {exc}") from None
-
-
-class _Stacked:
-    """Weights of different formats standing in for one stacked matrix."""
-
-    def __init__(self, parts: list[QuantizedWeight]):
-        self.parts = parts
-
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        return np.concatenate([w.matmul(x) for w in self.parts], axis=-1)
-
-
-def _linear(g: GGUFFile, name: str) -> QuantizedWeight:
-    t = g.tensor(name)
-    try:
-        return QuantizedWeight.from_gguf_tensor(t.data, t.qtype, t.shape)
-    except UnsupportedQuantError as exc:
-        raise UnsupportedTensorTypeError(f"{g.path.name}: tensor {name!r}: {exc}") from None
-
-
-def _vector(g: GGUFFile, name: str, optional: bool = False) -> np.ndarray | None:
-    if optional and name not in g.tensors:
-        return None
-    return np.asarray(g.tensor(name).data, dtype=np.float32).reshape(-1)
