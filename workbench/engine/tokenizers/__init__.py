@@ -6,7 +6,9 @@ returns a `Tokenizer`:
 - `BPETokenizer` for `tokenizer.ggml.model == "gpt2"`: byte-level BPE with the
   pre-tokenizer regexes llama.cpp picks from `tokenizer.ggml.pre`;
 - `SPMTokenizer` for `tokenizer.ggml.model == "llama"`: SentencePiece-style
-  score-ordered merges with byte fallback.
+  score-ordered merges with byte fallback;
+- `WordPieceTokenizer` for `tokenizer.ggml.model == "bert"`: BERT's normalizer,
+  punctuation split and greedy longest-match WordPiece.
 
 What both share lives here, and follows llama.cpp's `llama_vocab`:
 
@@ -389,21 +391,25 @@ def load_tokenizer(md: Mapping[str, Any]) -> Tokenizer:
     """The tokenizer that GGUF metadata `md` describes.
 
     Dispatches on `tokenizer.ggml.model`: "gpt2" -> `BPETokenizer`,
-    "llama" -> `SPMTokenizer`; anything else raises `UnsupportedTokenizerError`.
+    "llama" -> `SPMTokenizer`, "bert" -> `WordPieceTokenizer`; anything else
+    raises `UnsupportedTokenizerError`.
     """
     model = md.get("tokenizer.ggml.model")
     if model == "gpt2":
         return BPETokenizer(md)
     if model == "llama":
         return SPMTokenizer(md)
+    if model == "bert":
+        return WordPieceTokenizer(md)
     raise UnsupportedTokenizerError(
-        f"tokenizer model {model!r} is not supported; supported: 'gpt2' (byte-level BPE) "
-        f"and 'llama' (SentencePiece)")
+        f"tokenizer model {model!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+        f"'llama' (SentencePiece) and 'bert' (WordPiece)")
 
 
 # The implementations import `Tokenizer` from this module, so they come last.
 from workbench.engine.tokenizers.bpe import BPETokenizer  # noqa: E402
 from workbench.engine.tokenizers.spm import SPMTokenizer  # noqa: E402
+from workbench.engine.tokenizers.wordpiece import WordPieceTokenizer  # noqa: E402
 
 __all__ = ["BPETokenizer", "SPMTokenizer", "TokenAttr", "Tokenizer", "UnsupportedTokenizerError",
-           "clean_up_tokenization_spaces", "load_tokenizer"]
+           "WordPieceTokenizer", "clean_up_tokenization_spaces", "load_tokenizer"]
