@@ -3,6 +3,10 @@
     from workbench import LLM
     m = LLM.load("smollm2-135m")
     print(m.chat([{"role": "user", "content": "Hello!"}], temperature=0).text)
+
+    from workbench import Encoder
+    enc = Encoder.load("minilm-l6")
+    print(enc.similarity("A man is eating food.", "Someone is having a meal."))
 """
 
 from __future__ import annotations
@@ -10,11 +14,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "Completion", "TokenEvent", "Grammar", "parse_gbnf", "compile_schema",
+__all__ = ["LLM", "Completion", "TokenEvent", "Encoder", "Grammar", "parse_gbnf", "compile_schema",
            "UnsupportedSchemaError", "__version__"]
 _GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
 
 if TYPE_CHECKING:
+    from workbench.engine.encoder import Encoder
     from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
     from workbench.engine.llm import LLM, Completion, TokenEvent
 
@@ -26,6 +31,10 @@ def __getattr__(name: str):
         from workbench.engine import llm
 
         return getattr(llm, name)
+    if name == "Encoder":
+        from workbench.engine.encoder import Encoder
+
+        return Encoder
     if name in _GRAMMAR:
         from workbench.engine import grammar
 

@@ -438,19 +438,46 @@ class LLM:
                     hidden = model.decode(np.asarray(feed), [caches[i] for i in active])
                     logits = model.logits(hidden)
 
-    def embed(self, text: str | Sequence[int], *, normalize: bool = True) -> np.ndarray:
-        """The final hidden state (after the output norm) of the last token of `text`,
-        float32 of shape (n_embd,); L2-normalized unless `normalize=False`."""
+    def embed(self, text: str | Sequence[int], *, pool: str = "last", normalize: bool = True
+              ) -> np.ndarray:
+        """One vector for `text`: float32 of shape (n_embd,), from the final hidden states
+        (after the output norm).
+
+        pool: "last" (the last token's state, the default) or "mean" (the average over
+        all tokens). normalize: scale to unit length (the default). The same signature
+        as `Encoder.embed`, so either model can feed the similarity cell and the server.
+        """
+        if pool not in ("last", "mean"):
+            raise ValueError(f"pool must be 'last' or 'mean' for a decoder, not {pool!r}")
         ids = self.tokenize(text) if isinstance(text, str) else [int(i) for i in text]
         if not ids:
             raise ValueError("cannot embed an empty text")
+        if len(ids) > self.kv_cache_size:
+            raise ValueError(f"{len(ids)} tokens exceed the context of {self.kv_cache_size}")
         model = self._require_model()
         cache = model.new_cache(len(ids))
         with self._busy, self._forward_lock:
-            h = model.hidden(np.asarray(ids), cache)[-1]
+            states = model.hidden(np.asarray(ids), cache)  # (T, n_embd)
+        h = states[-1] if pool == "last" else states.mean(axis=0)
         if normalize:
             h = h / max(float(np.linalg.norm(h)), 1e-12)
         return h.astype(np.float32)
+
+    def embed_batch(self, texts: Sequence[str], *, batch_size: int = 32, pool: str = "last",
+                    normalize: bool = True) -> np.ndarray:
+        """`embed` for each text: float32 of shape (len(texts), n_embd), in input order.
+
+        (`batch_size` is accepted for the `Encoder` signature; a decoder embeds one text
+        per forward pass.)"""
+        if isinstance(texts, str):
+            raise TypeError("embed_batch takes a list of texts; use embed for one text")
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        out = np.empty((len(texts), self.config.n_embd), np.float32)
+        with self._busy:
+            for i, text in enumerate(texts):
+                out[i] = self.embed(text, pool=pool, normalize=normalize)
+        return out
 
     # -- internals ---------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int], add_bos: bool | None,

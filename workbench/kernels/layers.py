@@ -1,4 +1,4 @@
-"""Numba CPU kernels for the per-token work of a decoder layer besides the matmuls.
+"""Numba CPU kernels for the work of a transformer layer besides the matmuls.
 
 Decoding runs one token per sequence through ~30 layers; done with NumPy,
 each layer costs dozens of small array operations whose Python overhead
@@ -15,10 +15,23 @@ exceeds their arithmetic. These kernels do each step in one call:
 
 The NumPy code of `workbench.engine.models.llama` (used for prefill) is their
 reference; the tests compare token-by-token decoding through these kernels
-with a single prefill pass. All are compiled once and cached on disk.
+with a single prefill pass.
+
+For encoders (BERT), whose layers see a whole padded batch at once:
+
+- `add_layer_norm(x, h, bias, weight, norm_bias, eps)`: post-LN residual,
+  `x = LayerNorm(x + h + bias)` in place;
+- `bias_gelu(x, bias)`: `x = gelu(x + bias)` in place, the exact (erf) GELU;
+- `encoder_attend(qkv, lengths, n_head, out)`: bidirectional attention of each
+  sequence over its own first `lengths[b]` tokens (padding is never attended).
+
+Transformers' BERT (checked to 1e-4 in the tests) is their reference. All
+kernels are compiled once and cached on disk.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import njit, prange
@@ -186,3 +199,78 @@ def attend(qkv: np.ndarray, n_head: int, n_kv: int, slots: np.ndarray, pos: np.n
     heads = _heads_parallel if macs >= PARALLEL_ATTENTION_MACS else _heads_serial
     heads(qkv, n_head, n_head // n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
           keys, values, out)
+
+
+# -- encoder layers -------------------------------------------------------------------------
+
+_SQRT_HALF = np.float32(1.0 / math.sqrt(2.0))
+
+@njit(fastmath=_FM, cache=True, parallel=True)
+def add_layer_norm(x, h, bias, weight, norm_bias, eps):
+    """x[t] = LayerNorm(x[t] + h[t] + bias) * weight + norm_bias, in place. x, h: (T, D)."""
+    T, D = x.shape
+    for t in prange(T):
+        mean = np.float32(0.0)
+        for i in range(D):
+            v = x[t, i] + h[t, i] + bias[i]
+            x[t, i] = v
+            mean += v
+        mean /= np.float32(D)
+        var = np.float32(0.0)
+        for i in range(D):
+            d = x[t, i] - mean
+            var += d * d
+        r = np.float32(1.0) / np.sqrt(var / np.float32(D) + np.float32(eps))
+        for i in range(D):
+            x[t, i] = (x[t, i] - mean) * r * weight[i] + norm_bias[i]
+
+
+@njit(fastmath=_FM, cache=True, parallel=True)
+def bias_gelu(x, bias):
+    """x = gelu(x + bias) in place, gelu(v) = v/2 (1 + erf(v / sqrt 2)). x: (T, F)."""
+    T, F = x.shape
+    for t in prange(T):
+        for i in range(F):
+            v = x[t, i] + bias[i]
+            x[t, i] = np.float32(0.5) * v * (np.float32(1.0) + math.erf(v * _SQRT_HALF))
+
+
+@njit(fastmath=_FM, cache=True, parallel=True)
+def encoder_attend(qkv, lengths, n_head, out):
+    """Bidirectional multi-head attention within each padded sequence.
+
+    qkv: (B, T, 3 D) float32, Q, K, V projections side by side (biases added).
+    lengths: (B,) int64, the real tokens of each sequence; rows past them are padding,
+        never attended to, and their output rows are left as they are.
+    out: (B, T, D) the attention output (before the output projection).
+    """
+    B, T, D3 = qkv.shape
+    D = D3 // 3
+    hd = D // n_head
+    scale = np.float32(1.0 / np.sqrt(hd))
+    for job in prange(B * n_head):
+        b, h = job // n_head, job % n_head
+        n = lengths[b]
+        q0, k0, v0 = h * hd, D + h * hd, 2 * D + h * hd
+        scores = np.empty(n, np.float32)
+        for t in range(n):
+            top = np.float32(-np.inf)
+            for s in range(n):
+                acc = np.float32(0.0)
+                for i in range(hd):
+                    acc += qkv[b, t, q0 + i] * qkv[b, s, k0 + i]
+                acc *= scale
+                scores[s] = acc
+                top = max(top, acc)
+            total = np.float32(0.0)
+            for s in range(n):
+                e = np.exp(scores[s] - top)
+                scores[s] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for i in range(hd):
+                out[b, t, h * hd + i] = 0.0
+            for s in range(n):
+                p = scores[s] * inv
+                for i in range(hd):
+                    out[b, t, h * hd + i] += p * qkv[b, s, v0 + i]

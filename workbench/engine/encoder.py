@@ -1,0 +1,250 @@
+"""`Encoder`: sentence embeddings from a BERT-style GGUF (MiniLM, BGE, E5 ...).
+
+    >>> from workbench import Encoder
+    >>> enc = Encoder.load("minilm-l6")
+    >>> v = enc.embed("A man is eating food.")          # (384,) float32, unit length
+    >>> m = enc.embed_batch(["a", "b", "c"])            # (3, 384)
+    >>> enc.similarity("A man is eating.", "Someone eats.")
+
+The vectors are sentence-transformers' vectors for the same model: the text is
+tokenized with `[CLS]` and `[SEP]` and cut at the model's maximum length (with
+a `TruncationWarning`), the last hidden states are pooled the way the model
+was trained (mean over the tokens, the `[CLS]` state or the last token, as the
+GGUF's `bert.pooling_type` says; `pool=` overrides it) and L2-normalized
+unless `normalize=False`.
+
+`LLM.embed` / `LLM.embed_batch` have the same signature, so the server and the
+widgets take either (anything with `.embed`, see `Embedder`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from workbench import registry
+from workbench.engine.backend import resolve_device
+from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
+from workbench.engine.models import bert
+from workbench.engine.tokenizers import Tokenizer, load_tokenizer
+from workbench.signals import BusyCounter, Signal
+
+DEFAULT_ENCODER = "minilm-l6"
+POOLS = ("mean", "cls", "last")
+
+
+class TruncationWarning(UserWarning):
+    """A text was longer than the model's maximum length and was cut."""
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """What the widgets and the server need of a model that embeds text."""
+
+    busy: Signal[bool]
+    device: Signal[str]
+
+    def embed(self, text: str, *, normalize: bool = True) -> np.ndarray: ...
+
+    def embed_batch(self, texts: Sequence[str], *, batch_size: int = 32,
+                    normalize: bool = True) -> np.ndarray: ...
+
+
+def cosine_similarity(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of the rows of a (n, d) and b (m, d): (n, m) float32."""
+    a = np.atleast_2d(np.asarray(a, dtype=np.float32))
+    b = np.atleast_2d(np.asarray(b, dtype=np.float32))
+    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+    return a @ b.T
+
+
+def _l2_normalize(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+class Encoder:
+    """A BERT-style sentence encoder loaded from a GGUF file."""
+
+    def __init__(self, gguf: GGUFFile, *, device: str = "auto"):
+        arch = gguf.architecture
+        if arch not in bert.ARCHITECTURES:
+            hint = " (a decoder model: load it with workbench.LLM)" if arch in (
+                "llama", "qwen2", "qwen3", "gemma3", "phi3") else ""
+            raise UnsupportedArchitectureError(
+                f"{gguf.path.name}: architecture {arch!r} is not an encoder this engine runs; "
+                f"supported: {', '.join(bert.ARCHITECTURES)}{hint}")
+        self.device: Signal[str] = Signal(resolve_device(device), name="device")
+        self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
+        self._busy = BusyCounter(self.busy)
+        self.path: Path = gguf.path
+        self.metadata = gguf.metadata
+        self.model: bert.BertModel | None = bert.BertModel(gguf)
+        self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
+        self.config = self.model.config
+        if self.config.pooling == "none":  # the file does not say: sentence-transformers' default
+            self.pooling = "mean"
+        else:
+            self.pooling = self.config.pooling
+        self.max_length: int = self.config.n_ctx_train
+        self._gguf = gguf
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, source: str | os.PathLike = DEFAULT_ENCODER, *, device: str = "auto"
+             ) -> Encoder:
+        """Load an encoder from an alias (`minilm-l6`), a .gguf path or `hf://repo/file`.
+
+        Aliases are downloaded (and converted) on first use.
+        """
+        return cls(open_gguf(registry.resolve(source)), device=device)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the weights (the file's memory map goes with them)."""
+        self.model = None
+        self._gguf = None
+
+    def __enter__(self) -> Encoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Encoder({self.path.name!r}, dim={self.dim}, pooling={self.pooling!r}, "
+                f"max_length={self.max_length}, device={self.device.peek()!r})")
+
+    @property
+    def dim(self) -> int:
+        """The embedding size."""
+        return self.config.n_embd
+
+    # -- tokens ------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text` with `[CLS]` and `[SEP]`, cut at `max_length` (with a warning)."""
+        ids, cut = self._ids(text)
+        if cut:
+            _warn_truncated([cut], self.max_length)
+        return ids
+
+    def _ids(self, text: str) -> tuple[list[int], int]:
+        """(ids, original length when truncated else 0)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, not {type(text).__name__}")
+        ids = self.tokenizer.encode(text)
+        if len(ids) <= self.max_length:
+            return ids, 0
+        tok = self.tokenizer
+        tail = [tok.eos_id] if tok.add_eos else []
+        return ids[: self.max_length - len(tail)] + tail, len(ids)
+
+    # -- embeddings --------------------------------------------------------------------------
+    def token_embeddings(self, text: str) -> np.ndarray:
+        """The last hidden state of every token of `text` (with `[CLS]` and `[SEP]`):
+        float32 of shape (n_tokens, dim)."""
+        ids = self.tokenize(text)
+        return self._hidden([ids])[0][: len(ids)].copy()
+
+    def embed(self, text: str, *, pool: str | None = None, normalize: bool = True
+              ) -> np.ndarray:
+        """One vector for `text`: float32 of shape (dim,).
+
+        pool: "mean", "cls" or "last" (default: the model's own pooling).
+        normalize: scale to unit length (the default).
+        """
+        return self.embed_batch([text], batch_size=1, pool=pool, normalize=normalize)[0]
+
+    def embed_batch(self, texts: Sequence[str], *, batch_size: int = 32,
+                    pool: str | None = None, normalize: bool = True,
+                    progress: bool = False) -> np.ndarray:
+        """Vectors for many texts: float32 of shape (len(texts), dim), in input order.
+
+        Texts are sorted by length and run `batch_size` at a time, each batch
+        padded to its longest text. `progress=True` shows a progress bar.
+        """
+        if isinstance(texts, str):
+            raise TypeError("embed_batch takes a list of texts; use embed for one text")
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        pool = self._pool(pool)
+        encoded = [self._ids(t) for t in texts]
+        cut = [n for _, n in encoded if n]
+        if cut:
+            _warn_truncated(cut, self.max_length)
+        ids = [i for i, _ in encoded]
+        out = np.empty((len(ids), self.dim), np.float32)
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        starts = range(0, len(order), batch_size)
+        with self._busy:
+            for s in tqdm(starts, desc="embed", unit="batch", disable=not progress):
+                chunk = order[s : s + batch_size]
+                batch = [ids[i] for i in chunk]
+                out[chunk] = _pool(self._hidden(batch), [len(b) for b in batch], pool)
+        return _l2_normalize(out) if normalize else out
+
+    def similarity(self, a: Any, b: Any) -> float | np.ndarray:
+        """Cosine similarity of `a` and `b`: each a text, a list of texts, a vector or a
+        (n, dim) matrix. A float for two single items, else an (n, m) array."""
+        single = _is_single(a) and _is_single(b)
+        sims = cosine_similarity(self._vectors(a), self._vectors(b))
+        return float(sims[0, 0]) if single else sims
+
+    # -- internals ---------------------------------------------------------------------------
+    def _pool(self, pool: str | None) -> str:
+        pool = self.pooling if pool is None else pool
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {', '.join(POOLS)}, not {pool!r}")
+        return pool
+
+    def _vectors(self, x: Any) -> np.ndarray:
+        if isinstance(x, str):
+            return self.embed(x)[None]
+        if isinstance(x, np.ndarray):
+            return np.atleast_2d(x)
+        items = list(x)
+        if items and all(isinstance(t, str) for t in items):
+            return self.embed_batch(items)
+        return np.atleast_2d(np.asarray(items, dtype=np.float32))
+
+    def _hidden(self, batch: list[list[int]]) -> np.ndarray:
+        """Last hidden states (B, T, dim) of a batch of id lists, padded to the longest."""
+        model = self.model
+        if model is None:
+            raise RuntimeError("this Encoder has been closed")
+        lengths = np.array([len(b) for b in batch], dtype=np.int64)
+        ids = np.zeros((len(batch), int(lengths.max())), dtype=np.int64)  # padding: never attended
+        for row, b in zip(ids, batch):
+            row[: len(b)] = b
+        with self._busy, self._lock:
+            return model.hidden(ids, lengths)
+
+
+def _pool(hidden: np.ndarray, lengths: list[int], pool: str) -> np.ndarray:
+    """One vector per sequence of hidden (B, T, D), whose rows hold `lengths` real tokens."""
+    if pool == "cls":
+        return hidden[:, 0]
+    if pool == "last":
+        return hidden[np.arange(len(lengths)), np.asarray(lengths) - 1]
+    mask = np.arange(hidden.shape[1])[None, :] < np.asarray(lengths)[:, None]  # (B, T)
+    summed = np.einsum("bt,btd->bd", mask.astype(np.float32), hidden)
+    return summed / np.asarray(lengths, dtype=np.float32)[:, None]
+
+
+def _is_single(x: Any) -> bool:
+    return isinstance(x, str) or (isinstance(x, np.ndarray) and x.ndim == 1)
+
+
+def _warn_truncated(lengths: list[int], limit: int) -> None:
+    n = len(lengths)
+    what = f"a text of {lengths[0]} tokens was" if n == 1 else \
+        f"{n} texts (up to {max(lengths)} tokens) were"
+    warnings.warn(f"{what} cut to the model's maximum of {limit} tokens", TruncationWarning,
+                  stacklevel=3)

@@ -1,0 +1,152 @@
+"""BERT encoders (`general.architecture == "bert"`): MiniLM, BGE, E5 and kin.
+
+A padded batch of token ids goes through
+
+- embeddings: word + absolute position + token type 0, then LayerNorm;
+- `n_layer` post-LN blocks: bidirectional multi-head attention over each
+  sequence's own tokens (padding masked out), output projection, residual,
+  LayerNorm; then up-projection, exact GELU, down-projection, residual,
+  LayerNorm.
+
+The result is the last hidden state of every token; pooling it into one vector
+per text is the `Encoder`'s job. Tensor and metadata names are llama.cpp's
+(`token_embd`, `blk.N.attn_q`, `bert.pooling_type` ...), so GGUFs made by
+llama.cpp's converter load here as well as those of `workbench convert`.
+Weights stay in the file's format (F32, F16, Q8_0 or any type the kernels run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from workbench.engine.gguf import GGUFError, GGUFFile
+from workbench.engine.models.weights import fused, linear, vector
+from workbench.kernels import layers
+
+ARCHITECTURES = ("bert",)
+
+# `bert.pooling_type` values (llama.cpp's enum llama_pooling_type)
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    arch: str
+    n_layer: int
+    n_embd: int  # model width
+    n_ff: int  # feed-forward width
+    n_head: int
+    n_vocab: int
+    n_ctx_train: int  # longest input, in tokens, counting [CLS] and [SEP]
+    n_positions: int  # rows of the position embedding table
+    norm_eps: float
+    pooling: str  # "mean", "cls", "last" or "none" (the file did not say)
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile) -> BertConfig:
+        arch = g.architecture
+        if arch not in ARCHITECTURES:
+            raise GGUFError(f"{arch!r} is not a BERT architecture")
+
+        def key(name: str, default=None):
+            value = g.get(f"{arch}.{name}", default)
+            if value is None:
+                raise GGUFError(f"{g.path.name} lacks the metadata key {arch}.{name}")
+            return value
+
+        if g.get(f"{arch}.attention.causal", False):
+            raise GGUFError(f"{g.path.name}: a causal BERT is not an encoder this engine runs")
+        pooling_id = int(key("pooling_type", 0))
+        pooling = POOLING_TYPES.get(pooling_id)
+        if pooling is None or pooling == "rank":
+            raise GGUFError(f"{g.path.name}: pooling type {pooling_id} ({pooling or 'unknown'}) "
+                            "is not supported (mean, cls and last are)")
+        n_positions = g.tensor("position_embd.weight").shape[0]
+        return cls(
+            arch=arch,
+            n_layer=int(key("block_count")),
+            n_embd=int(key("embedding_length")),
+            n_ff=int(key("feed_forward_length")),
+            n_head=int(key("attention.head_count")),
+            n_vocab=len(g.require("tokenizer.ggml.tokens")),
+            n_ctx_train=min(int(key("context_length")), n_positions),
+            n_positions=n_positions,
+            norm_eps=float(key("attention.layer_norm_epsilon")),
+            pooling=pooling,
+        )
+
+
+class BertLayer:
+    """One post-LN transformer block."""
+
+    def __init__(self, cfg: BertConfig, g: GGUFFile, i: int):
+        p = f"blk.{i}."
+        self.n_head = cfg.n_head
+        self.eps = cfg.norm_eps
+        self.wqkv = fused(g, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
+        self.bqkv = np.concatenate([vector(g, p + f"attn_{n}.bias") for n in "qkv"])
+        self.wo, self.bo = linear(g, p + "attn_output.weight"), vector(g, p + "attn_output.bias")
+        self.attn_norm = (vector(g, p + "attn_output_norm.weight"),
+                          vector(g, p + "attn_output_norm.bias"))
+        self.up, self.b_up = linear(g, p + "ffn_up.weight"), vector(g, p + "ffn_up.bias")
+        self.down, self.b_down = linear(g, p + "ffn_down.weight"), vector(g, p + "ffn_down.bias")
+        self.out_norm = (vector(g, p + "layer_output_norm.weight"),
+                         vector(g, p + "layer_output_norm.bias"))
+
+    def __call__(self, x: np.ndarray, lengths: np.ndarray) -> None:
+        """Update x (B, T, D) in place."""
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)  # a view: the kernels below write through to x
+        qkv = self.wqkv.matmul(flat)  # (B*T, 3D)
+        qkv += self.bqkv
+        attn = np.zeros((B, T, D), np.float32)
+        layers.encoder_attend(qkv.reshape(B, T, 3 * D), lengths, self.n_head, attn)
+        layers.add_layer_norm(flat, self.wo.matmul(attn.reshape(B * T, D)), self.bo,
+                              *self.attn_norm, self.eps)
+        h = self.up.matmul(flat)  # (B*T, F)
+        layers.bias_gelu(h, self.b_up)
+        layers.add_layer_norm(flat, self.down.matmul(h), self.b_down, *self.out_norm, self.eps)
+
+
+class BertModel:
+    """The BERT stack of a GGUF file: token ids in, last hidden states out."""
+
+    def __init__(self, g: GGUFFile):
+        cfg = self.config = BertConfig.from_gguf(g)
+        self.embed = linear(g, "token_embd.weight")
+        if self.embed.shape != (cfg.n_vocab, cfg.n_embd):
+            raise GGUFError(f"{g.path.name}: token_embd.weight has shape {self.embed.shape}, "
+                            f"expected ({cfg.n_vocab}, {cfg.n_embd})")
+        self.positions = linear(g, "position_embd.weight").rows(np.arange(cfg.n_ctx_train))
+        # token type 0 for every token ("sentence A"); a file without the table adds nothing
+        self.token_type = (linear(g, "token_types.weight").rows([0])[0]
+                           if "token_types.weight" in g.tensors
+                           else np.zeros(cfg.n_embd, np.float32))
+        self.embed_norm = (vector(g, "token_embd_norm.weight"), vector(g, "token_embd_norm.bias"))
+        self.layers = [BertLayer(cfg, g, i) for i in range(cfg.n_layer)]
+
+    def hidden(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Last hidden states (B, T, D) float32 of a padded batch.
+
+        ids: (B, T) token ids; row b holds `lengths[b]` real tokens, then padding
+        (any valid id). Hidden states at padded positions are meaningless.
+        """
+        cfg = self.config
+        ids = np.asarray(ids, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        B, T = ids.shape
+        if T > cfg.n_ctx_train:
+            raise ValueError(f"{T} tokens exceed the model's {cfg.n_ctx_train}")
+        if lengths.shape != (B,) or lengths.min(initial=1) < 1 or lengths.max(initial=0) > T:
+            raise ValueError(f"lengths {lengths.tolist()} do not fit a batch of shape {ids.shape}")
+        x = self.embed.rows(ids.reshape(-1)).reshape(B, T, cfg.n_embd)
+        x += self.positions[:T]
+        x += self.token_type
+        flat = x.reshape(B * T, cfg.n_embd)
+        layers.add_layer_norm(flat, np.zeros_like(flat), np.zeros(cfg.n_embd, np.float32),
+                              *self.embed_norm, cfg.norm_eps)
+        for layer in self.layers:
+            layer(x, lengths)
+        return x
