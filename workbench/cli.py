@@ -1,4 +1,4 @@
-"""The `workbench` command line: pull, list, chat, generate, bench, lab."""
+"""The `workbench` command line: pull, list, chat, generate, embed, convert, bench, lab."""
 
 from __future__ import annotations
 
@@ -69,6 +69,31 @@ def _parser() -> argparse.ArgumentParser:
     _generation_options(gen)
     gen.set_defaults(func=_generate)
 
+    emb = sub.add_parser("embed", help="sentence embeddings (one JSON vector per line)",
+                         description="Embed each TEXT with an encoder (or a decoder model) and "
+                         "print one JSON array per line, or with --similarity the matrix of "
+                         "cosine similarities.")
+    emb.add_argument("texts", nargs="+", metavar="TEXT")
+    emb.add_argument("-m", "--model", default="minilm-l6",
+                     help="encoder alias, .gguf path or hf://repo/file (default: minilm-l6); "
+                          "a decoder GGUF embeds with its last hidden state")
+    emb.add_argument("--pool", choices=("mean", "cls", "last"), default=None,
+                     help="pooling (default: the model's own)")
+    emb.add_argument("--no-normalize", action="store_true", help="do not scale to unit length")
+    emb.add_argument("--similarity", action="store_true",
+                     help="print the cosine similarity matrix instead of the vectors")
+    emb.set_defaults(func=_embed)
+
+    conv = sub.add_parser("convert", help="convert a Hugging Face BERT folder to GGUF",
+                          description="Convert a Hugging Face / sentence-transformers BERT "
+                          "checkpoint folder (or the source folder of an alias such as "
+                          "minilm-l6) to a GGUF file the Encoder loads.")
+    conv.add_argument("source", help="checkpoint folder, or a converted alias (minilm-l6)")
+    conv.add_argument("output", help="the .gguf file to write")
+    conv.add_argument("--type", dest="dtype", choices=("f32", "f16", "q8_0"), default="f32",
+                      help="tensor type of the weight matrices (default: f32)")
+    conv.set_defaults(func=_convert)
+
     sub.add_parser("bench", add_help=False,
                            help="speed and memory against llama.cpp, side by side",
                            description="See `workbench bench --help`.")
@@ -136,6 +161,45 @@ def _list(args) -> int:
         default = " (default)" if alias == registry.DEFAULT_MODEL else ""
         print(f" {mark} {alias:<22} {entry.description}{default}")
     print("(* = cached)")
+    return 0
+
+
+def _embed(args) -> int:
+    import json
+
+    from workbench.engine.encoder import Encoder, cosine_similarity
+    from workbench.engine.gguf import open_gguf
+
+    g = open_gguf(registry.resolve(args.model))
+    if g.architecture in ("bert",):
+        model = Encoder(g)
+        vectors = model.embed_batch(args.texts, pool=args.pool,
+                                    normalize=not args.no_normalize)
+    else:
+        from workbench.engine.llm import LLM
+
+        model = LLM(g)
+        vectors = model.embed_batch(args.texts, pool=args.pool or "last",
+                                    normalize=not args.no_normalize)
+    if args.similarity:
+        sims = cosine_similarity(vectors, vectors)
+        width = max(len(t) for t in args.texts[:50])
+        for text, row in zip(args.texts, sims):
+            print(f"{text[:50]:<{min(width, 50)}}  " + " ".join(f"{v:6.3f}" for v in row))
+    else:
+        for v in vectors:
+            print(json.dumps([round(float(x), 6) for x in v]))
+    return 0
+
+
+def _convert(args) -> int:
+    from workbench.engine.convert import hf_bert_to_gguf
+
+    source = args.source
+    if source in registry.MODELS:
+        source = registry.source_folder(source)
+    path = hf_bert_to_gguf(source, args.output, dtype=args.dtype)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.dtype})")
     return 0
 
 

