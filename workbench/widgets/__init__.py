@@ -4,6 +4,7 @@
 - `ChatCell`: a chat with a model, streaming on a worker thread.
 - `TokenView`, `LogitsCell`: tokens coloured by probability, alternatives, branching.
 - `JSONCell`: schema- or grammar-constrained generation shown as a JSON tree.
+- `SimilarityCell`: sentence embeddings as a similarity heatmap, with search.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from workbench.widgets.badges import BusyBadge, DeviceBadge
 from workbench.widgets.chat import ChatCell, render_markdown
 from workbench.widgets.json_cell import JSONCell
 from workbench.widgets.logits import LogitsCell, TokenView
+from workbench.widgets.similarity import SimilarityCell
 
-__all__ = ["BusyBadge", "ChatCell", "DeviceBadge", "JSONCell", "LogitsCell", "TokenView",
-           "render_markdown"]
+__all__ = ["BusyBadge", "ChatCell", "DeviceBadge", "JSONCell", "LogitsCell",
+           "SimilarityCell", "TokenView", "render_markdown"]

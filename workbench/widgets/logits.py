@@ -15,8 +15,6 @@ tokens[:i], puts the chosen one at i and generates the rest again from there.
 
 from __future__ import annotations
 
-import base64
-import io
 import math
 import threading
 import time
@@ -28,6 +26,7 @@ import ipywidgets
 import traitlets
 from matplotlib.figure import Figure
 
+from workbench.widgets.figures import png_output
 from workbench.widgets.worker import Worker
 
 if TYPE_CHECKING:
@@ -313,7 +312,7 @@ class LogitsCell(Worker, ipywidgets.VBox):
             return
         index = self.view.selected if 0 <= self.view.selected < len(tokens) else 0
         figures = [self.entropy_figure(), self.distribution_figure(index)]
-        self.output.outputs = tuple(_png_output(fig) for fig in figures)
+        self.output.outputs = tuple(png_output(fig) for fig in figures)
 
     def _on_selected(self, change: dict) -> None:
         if not self.view.running:
@@ -333,14 +332,3 @@ class LogitsCell(Worker, ipywidgets.VBox):
             self.choose(int(content["index"]), int(content["token_id"]))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             self.view.error = f"{type(exc).__name__}: {exc}"
-
-
-def _png_output(fig: Figure) -> dict[str, Any]:
-    """An Output-widget display_data entry holding `fig` as a PNG; the figure is
-    cleared afterwards (Figure objects made without pyplot need no closing)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    fig.clear()
-    data = base64.b64encode(buf.getvalue()).decode("ascii")
-    return {"output_type": "display_data", "metadata": {},
-            "data": {"image/png": data, "text/plain": "<Figure>"}}
