@@ -391,3 +391,21 @@ def test_decoder_style_gguf_without_bert_tensors_is_an_error(tmp_path):
     w.close()
     with pytest.raises(GGUFError):
         Encoder.load(path)
+
+
+def test_gelu_erf_approximation_is_float32_accurate():
+    """The vectorizable erf in the GELU kernel against math.erf over its whole range."""
+    import math
+
+    from workbench.kernels import layers
+
+    z = np.linspace(-6.0, 6.0, 240_001, dtype=np.float32)
+    ours = np.empty_like(z)
+    layers.erf(z, ours)
+    exact = np.array([math.erf(float(v)) for v in z])
+    assert np.abs(ours - exact).max() <= 5e-7  # four float32 ulps at 1.0
+    x = z[: 2400 * 100].reshape(2400, 100)[::25].copy()  # (96, 100) spread over [-6, 6)
+    bias = np.zeros(x.shape[1], np.float32)
+    expected = 0.5 * x.astype(np.float64) * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    layers.bias_gelu(x, bias)
+    assert np.abs(x - expected).max() <= 1e-6 * np.abs(expected).max()
