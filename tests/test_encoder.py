@@ -89,8 +89,8 @@ def hf_minilm(minilm_folder):
     model = BertModel.from_pretrained(minilm_folder, attn_implementation="eager").eval()
     tok = AutoTokenizer.from_pretrained(minilm_folder)
 
-    def embed(text: str) -> np.ndarray:
-        enc = tok(text, truncation=True, max_length=256, return_tensors="pt")
+    def embed(text: str, max_length: int = 256) -> np.ndarray:
+        enc = tok(text, truncation=True, max_length=max_length, return_tensors="pt")
         with torch.no_grad():
             h = model(**enc).last_hidden_state[0].numpy()
         v = h.mean(0)
@@ -159,6 +159,30 @@ def test_overlong_text_is_truncated_with_a_warning(minilm, hf_minilm):
     assert _cosines(v, hf_embed(text)) >= 0.9999
     with pytest.warns(TruncationWarning, match="2 texts"):
         minilm.embed_batch([text, "short", text])
+    # a longer limit, up to the model's 512 positions, as sentence-transformers' max_seq_length
+    from workbench import Encoder
+
+    with Encoder.load(minilm.path, max_length=512) as longer:
+        with pytest.warns(TruncationWarning, match="maximum of 512 tokens"):
+            assert _cosines(longer.embed(text), hf_embed(text, 512)) >= 0.9999
+    with pytest.raises(ValueError, match=r"max_length must be in \[3, 512\]"):
+        Encoder.load(minilm.path, max_length=513)
+
+
+@pytest.mark.slow
+def test_converted_file_follows_llama_cpp_conventions(minilm):
+    """The keys and shapes llama.cpp checks when it loads a bert GGUF."""
+    from workbench.engine.gguf import open_gguf
+
+    g = open_gguf(minilm.path)
+    md = g.metadata
+    assert md["general.architecture"] == "bert" and md["tokenizer.ggml.model"] == "bert"
+    assert md["bert.context_length"] == g.tensors["position_embd.weight"].shape[0] == 512
+    assert md["sentence_transformers.max_seq_length"] == 256 == minilm.max_length
+    assert md["bert.pooling_type"] == 1 and md["bert.attention.causal"] is False
+    assert md["tokenizer.ggml.bos_token_id"] == 101 and md["tokenizer.ggml.eos_token_id"] == 102
+    tokens = md["tokenizer.ggml.tokens"]
+    assert tokens[101] == "[CLS]" and tokens[7592] == "\u2581hello" and tokens[2015] == "s"
 
 
 @pytest.mark.slow

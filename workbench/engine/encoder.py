@@ -73,7 +73,7 @@ def _l2_normalize(x: np.ndarray) -> np.ndarray:
 class Encoder:
     """A BERT-style sentence encoder loaded from a GGUF file."""
 
-    def __init__(self, gguf: GGUFFile, *, device: str = "auto"):
+    def __init__(self, gguf: GGUFFile, *, device: str = "auto", max_length: int | None = None):
         arch = gguf.architecture
         if arch not in bert.ARCHITECTURES:
             hint = " (a decoder model: load it with workbench.LLM)" if arch in (
@@ -93,18 +93,25 @@ class Encoder:
             self.pooling = "mean"
         else:
             self.pooling = self.config.pooling
-        self.max_length: int = self.config.n_ctx_train
+        limit = self.config.n_ctx_train
+        if max_length is not None and not 2 < max_length <= limit:
+            raise ValueError(f"max_length must be in [3, {limit}] for this model, "
+                             f"not {max_length}")
+        # where inputs are cut: sentence-transformers' limit unless the caller sets one
+        self.max_length: int = max_length or self.config.max_seq_length
         self._gguf = gguf
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, source: str | os.PathLike = DEFAULT_ENCODER, *, device: str = "auto"
-             ) -> Encoder:
+    def load(cls, source: str | os.PathLike = DEFAULT_ENCODER, *, device: str = "auto",
+             max_length: int | None = None) -> Encoder:
         """Load an encoder from an alias (`minilm-l6`), a .gguf path or `hf://repo/file`.
 
-        Aliases are downloaded (and converted) on first use.
+        Aliases are downloaded (and converted) on first use. `max_length` is where
+        inputs are cut, in tokens counting `[CLS]` and `[SEP]` (default: the
+        sentence-transformers limit the file records, else the model's context).
         """
-        return cls(open_gguf(registry.resolve(source)), device=device)
+        return cls(open_gguf(registry.resolve(source)), device=device, max_length=max_length)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -15,9 +15,11 @@ tensor names `token_embd`, `blk.N.attn_q` ...; the vocabulary in "phantom
 space" form (word-initial pieces get a leading U+2581, `##` continuations lose
 their prefix); `[CLS]` as BOS and `[SEP]` as EOS, both added. Two keys of our
 own record the normalization (`tokenizer.ggml.lowercase`,
-`tokenizer.ggml.strip_accents`). `bert.context_length` is sentence-transformers'
-`max_seq_length` when it is set (inputs are truncated there, as
-sentence-transformers does), else `max_position_embeddings`.
+`tokenizer.ggml.strip_accents`), and a third sentence-transformers'
+`max_seq_length` (`sentence_transformers.max_seq_length`: the `Encoder`
+truncates there, as sentence-transformers does). `bert.context_length` is
+`max_position_embeddings`, the rows of the position table, as llama.cpp
+requires.
 
 Tensor types: "f32"; "f16" or "q8_0" for the matrices of the blocks and the
 token embedding, with biases, norms and the position and token-type tables
@@ -92,7 +94,9 @@ def hf_bert_to_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: st
     writer = GGUFWriter(str(partial), "bert")
     writer.add_name(name or src.resolve().name)
     writer.add_file_type(_FILE_TYPES[dtype])
-    writer.add_context_length(int(max_seq_length or config["max_position_embeddings"]))
+    writer.add_context_length(int(config["max_position_embeddings"]))
+    if max_seq_length:
+        writer.add_uint32("sentence_transformers.max_seq_length", max_seq_length)
     writer.add_embedding_length(int(config["hidden_size"]))
     writer.add_feed_forward_length(int(config["intermediate_size"]))
     writer.add_block_count(n_layer)

@@ -39,8 +39,8 @@ class BertConfig:
     n_ff: int  # feed-forward width
     n_head: int
     n_vocab: int
-    n_ctx_train: int  # longest input, in tokens, counting [CLS] and [SEP]
-    n_positions: int  # rows of the position embedding table
+    n_ctx_train: int  # longest input the model takes, in tokens, counting [CLS] and [SEP]
+    max_seq_length: int  # where sentence-transformers truncates (<= n_ctx_train)
     norm_eps: float
     pooling: str  # "mean", "cls", "last" or "none" (the file did not say)
 
@@ -64,6 +64,8 @@ class BertConfig:
             raise GGUFError(f"{g.path.name}: pooling type {pooling_id} ({pooling or 'unknown'}) "
                             "is not supported (mean, cls and last are)")
         n_positions = g.tensor("position_embd.weight").shape[0]
+        n_ctx = min(int(key("context_length")), n_positions)
+        max_seq = int(g.get("sentence_transformers.max_seq_length", n_ctx) or n_ctx)
         return cls(
             arch=arch,
             n_layer=int(key("block_count")),
@@ -71,8 +73,8 @@ class BertConfig:
             n_ff=int(key("feed_forward_length")),
             n_head=int(key("attention.head_count")),
             n_vocab=len(g.require("tokenizer.ggml.tokens")),
-            n_ctx_train=min(int(key("context_length")), n_positions),
-            n_positions=n_positions,
+            n_ctx_train=n_ctx,
+            max_seq_length=min(max_seq, n_ctx),
             norm_eps=float(key("attention.layer_norm_epsilon")),
             pooling=pooling,
         )
