@@ -14,14 +14,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "Completion", "TokenEvent", "Encoder", "Grammar", "parse_gbnf", "compile_schema",
-           "UnsupportedSchemaError", "__version__"]
+__all__ = ["LLM", "Completion", "TokenEvent", "Encoder", "WhisperModel", "Transcript",
+           "Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "__version__"]
 _GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
 
 if TYPE_CHECKING:
     from workbench.engine.encoder import Encoder
     from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
     from workbench.engine.llm import LLM, Completion, TokenEvent
+    from workbench.engine.whisper import Transcript, WhisperModel
 
 
 def __getattr__(name: str):
@@ -31,6 +32,10 @@ def __getattr__(name: str):
         from workbench.engine import llm
 
         return getattr(llm, name)
+    if name in ("WhisperModel", "Transcript"):
+        from workbench.engine import whisper
+
+        return getattr(whisper, name)
     if name == "Encoder":
         from workbench.engine.encoder import Encoder
 

@@ -1,4 +1,5 @@
-"""The `workbench` command line: pull, list, chat, generate, embed, convert, bench, lab."""
+"""The `workbench` command line: pull, list, chat, generate, embed, transcribe, convert, bench,
+lab."""
 
 from __future__ import annotations
 
@@ -84,14 +85,29 @@ def _parser() -> argparse.ArgumentParser:
                      help="print the cosine similarity matrix instead of the vectors")
     emb.set_defaults(func=_embed)
 
-    conv = sub.add_parser("convert", help="convert a Hugging Face BERT folder to GGUF",
+    tr = sub.add_parser("transcribe", help="speech to text with Whisper",
+                        description="Transcribe audio files (anything soundfile or FFmpeg "
+                        "reads; resampled to 16 kHz mono) and print the text.")
+    tr.add_argument("files", nargs="+", metavar="FILE")
+    tr.add_argument("-m", "--model", default="whisper-tiny.en",
+                    help="alias or whisper.cpp .bin path (default: whisper-tiny.en)")
+    tr.add_argument("-l", "--language", default="en",
+                    help='language code, or "auto" to detect it (default: en)')
+    tr.add_argument("--translate", action="store_true", help="translate into English")
+    tr.add_argument("--beam-size", type=int, default=1, help="1 = greedy (default)")
+    tr.add_argument("--timestamps", action="store_true", help="print timed segments")
+    tr.set_defaults(func=_transcribe)
+
+    conv = sub.add_parser("convert", help="convert a BERT or Whisper checkpoint folder",
                           description="Convert a Hugging Face / sentence-transformers BERT "
-                          "checkpoint folder (or the source folder of an alias such as "
-                          "minilm-l6) to a GGUF file the Encoder loads.")
-    conv.add_argument("source", help="checkpoint folder, or a converted alias (minilm-l6)")
-    conv.add_argument("output", help="the .gguf file to write")
-    conv.add_argument("--type", dest="dtype", choices=("f32", "f16", "q8_0"), default="f32",
-                      help="tensor type of the weight matrices (default: f32)")
+                          "folder to a GGUF file the Encoder loads, or a CTranslate2 "
+                          "(faster-whisper) Whisper folder to a whisper.cpp .bin file. "
+                          "SOURCE may also be a converted alias (minilm-l6, whisper-base).")
+    conv.add_argument("source", help="checkpoint folder, or a converted alias")
+    conv.add_argument("output", help="the .gguf (BERT) or .bin (Whisper) file to write")
+    conv.add_argument("--type", dest="dtype", choices=("f32", "f16", "q8_0"), default=None,
+                      help="tensor type of the weight matrices (default: f32 for BERT, "
+                           "f16 for Whisper; q8_0 is BERT only)")
     conv.set_defaults(func=_convert)
 
     sub.add_parser("bench", add_help=False,
@@ -192,14 +208,38 @@ def _embed(args) -> int:
     return 0
 
 
-def _convert(args) -> int:
-    from workbench.engine.convert import hf_bert_to_gguf
+def _transcribe(args) -> int:
+    from workbench.engine.whisper import WhisperModel
 
-    source = args.source
-    if source in registry.MODELS:
-        source = registry.source_folder(source)
-    path = hf_bert_to_gguf(source, args.output, dtype=args.dtype)
-    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.dtype})")
+    model = WhisperModel.load(args.model)
+    for path in args.files:
+        t = model.transcribe(path, language=args.language, beam_size=args.beam_size,
+                             task="translate" if args.translate else "transcribe",
+                             timestamps=args.timestamps)
+        prefix = f"{path}: " if len(args.files) > 1 else ""
+        if args.timestamps:
+            for s in t.segments:
+                print(f"{prefix}[{s.start:7.2f} -> {s.end:7.2f}] {s.text}")
+        else:
+            print(prefix + t)
+    return 0
+
+
+def _convert(args) -> int:
+    from workbench.engine.convert import ct2_whisper_to_bin, hf_bert_to_gguf
+
+    source = Path(args.source)
+    if args.source in registry.MODELS:
+        source = registry.source_folder(args.source)
+    if (source / "model.bin").is_file() and (source / "vocabulary.txt").is_file():
+        if args.dtype == "q8_0":
+            raise ValueError("Whisper folders convert to f16 or f32, not q8_0")
+        dtype = args.dtype or "f16"
+        path = ct2_whisper_to_bin(source, args.output, f16=dtype == "f16")
+    else:
+        dtype = args.dtype or "f32"
+        path = hf_bert_to_gguf(source, args.output, dtype=dtype)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {dtype})")
     return 0
 
 

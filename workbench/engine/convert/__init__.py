@@ -2,9 +2,13 @@
 
 - `hf_bert_to_gguf`: a Hugging Face / sentence-transformers BERT folder to a
   `bert` GGUF (F32, F16 or Q8_0).
+- `ct2_whisper_to_bin`: a CTranslate2 (faster-whisper) Whisper folder to a
+  whisper.cpp `ggml-*.bin` file.
 """
 
 from workbench.engine.convert.bert import ConversionError, hf_bert_to_gguf
 from workbench.engine.convert.checkpoint import CheckpointError
+from workbench.engine.convert.whisper import ct2_whisper_to_bin, mel_filters
 
-__all__ = ["CheckpointError", "ConversionError", "hf_bert_to_gguf"]
+__all__ = ["CheckpointError", "ConversionError", "ct2_whisper_to_bin", "hf_bert_to_gguf",
+           "mel_filters"]

@@ -1,0 +1,314 @@
+"""Whisper: log-mel front end, audio encoder and text decoder (whisper.cpp `.bin` weights).
+
+- Front end: 16 kHz audio, periodic Hann window of 400 samples, hop 160,
+  reflect-padded centred frames, power spectrum through the file's mel
+  filterbank, log10 (floored at 1e-10 and at 8 below the maximum), then
+  (x + 4) / 4. A 30 s chunk is 3000 frames.
+- Encoder: two 3-wide convolutions (the second with stride 2) with GELU, the
+  positional embedding, `n_audio_layer` pre-LN blocks (self-attention, MLP with
+  GELU), a final LayerNorm: (3000 mel frames) -> (1500, n_state).
+- Decoder: token + positional embedding, `n_text_layer` pre-LN blocks (causal
+  self-attention over a KV cache, cross-attention over the encoder output,
+  MLP), a final LayerNorm, logits against the token embedding (tied).
+
+Attention scores are divided by sqrt(head size) (Whisper scales q and k by its
+fourth root each). The key projections have no bias. Weights stay in the
+file's format (F32, F16 or a quantized type) and run on the shared kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from workbench.engine.models.weights import linear, vector
+from workbench.engine.whisper_file import WhisperFile, WhisperFileError, WhisperHParams
+from workbench.kernels import layers
+from workbench.kernels.linear import QuantizedWeight
+
+SAMPLE_RATE = 16_000
+N_FFT = 400
+HOP_LENGTH = 160
+CHUNK_SECONDS = 30
+N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000 samples in a chunk
+N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames in a chunk
+LN_EPS = 1e-5
+
+
+# -- front end ------------------------------------------------------------------------------
+
+def log_mel_spectrogram(audio: np.ndarray, filters: np.ndarray, padding: int = 0) -> np.ndarray:
+    """Whisper's log-mel spectrogram of 16 kHz mono audio: (n_mels, n_frames) float32.
+
+    `padding` zero samples are appended first (Whisper appends a whole chunk,
+    480000, so that the last chunk is complete). n_frames = len(audio) // 160.
+    """
+    audio = np.asarray(audio, dtype=np.float32)
+    if padding:
+        audio = np.concatenate([audio, np.zeros(padding, np.float32)])
+    if len(audio) <= N_FFT // 2:  # reflect padding needs more samples than it adds
+        audio = np.concatenate([audio, np.zeros(N_FFT // 2 + 1 - len(audio), np.float32)])
+    x = np.pad(audio, N_FFT // 2, mode="reflect")  # centred frames
+    n_frames = 1 + (len(x) - N_FFT) // HOP_LENGTH
+    frames = np.lib.stride_tricks.as_strided(
+        x, shape=(n_frames, N_FFT), strides=(x.strides[0] * HOP_LENGTH, x.strides[0]))
+    window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float32)
+    spectrum = np.fft.rfft(frames * window, axis=-1)  # (n_frames, 201)
+    power = (spectrum.real ** 2 + spectrum.imag ** 2)[:-1]  # the last frame is dropped
+    mel = filters.astype(np.float64) @ power.T  # (n_mels, n_frames - 1)
+    log_spec = np.log10(np.maximum(mel, 1e-10))
+    log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
+    return ((log_spec + 4.0) / 4.0).astype(np.float32)
+
+
+# -- configuration --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WhisperConfig:
+    n_vocab: int
+    n_mels: int
+    n_audio_ctx: int
+    n_audio_state: int
+    n_audio_head: int
+    n_audio_layer: int
+    n_text_ctx: int
+    n_text_state: int
+    n_text_head: int
+    n_text_layer: int
+
+    @classmethod
+    def from_hparams(cls, h: WhisperHParams) -> WhisperConfig:
+        if h.n_audio_state % h.n_audio_head or h.n_text_state % h.n_text_head:
+            raise WhisperFileError(f"state sizes {h.n_audio_state}/{h.n_text_state} do not "
+                                   f"split into {h.n_audio_head}/{h.n_text_head} heads")
+        return cls(h.n_vocab, h.n_mels, h.n_audio_ctx, h.n_audio_state, h.n_audio_head,
+                   h.n_audio_layer, h.n_text_ctx, h.n_text_state, h.n_text_head,
+                   h.n_text_layer)
+
+
+# -- building blocks ------------------------------------------------------------------------
+
+class _Norm:
+    def __init__(self, f: WhisperFile, name: str):
+        self.weight, self.bias = vector(f, name + ".weight"), vector(f, name + ".bias")
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = np.empty_like(x)
+        layers.layer_norm(x, self.weight, self.bias, LN_EPS, out)
+        return out
+
+
+class _Linear:
+    def __init__(self, f: WhisperFile, name: str, bias: bool = True):
+        self.w = linear(f, name + ".weight")
+        self.b = vector(f, name + ".bias") if bias else None
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = self.w.matmul(x)
+        if self.b is not None:
+            y += self.b
+        return y
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int,
+               causal_offset: int | None = None) -> np.ndarray:
+    """Multi-head attention of q (B, T, D) over k, v (B, S, D): (B, T, D).
+
+    causal_offset: when set, query t (at position causal_offset + t) sees keys
+    0 .. causal_offset + t only.
+    """
+    B, T, D = q.shape
+    S = k.shape[1]
+    hd = D // n_head
+    qh = q.reshape(B, T, n_head, hd).transpose(0, 2, 1, 3)  # (B, H, T, hd)
+    kh = k.reshape(B, S, n_head, hd).transpose(0, 2, 3, 1)  # (B, H, hd, S)
+    vh = v.reshape(B, S, n_head, hd).transpose(0, 2, 1, 3)  # (B, H, S, hd)
+    scores = np.matmul(qh, kh) * np.float32(1.0 / np.sqrt(hd))  # (B, H, T, S)
+    if causal_offset is not None and T > 1:
+        future = np.arange(S)[None, :] > (causal_offset + np.arange(T))[:, None]  # (T, S)
+        scores[:, :, future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, vh)  # (B, H, T, hd)
+    return np.ascontiguousarray(out.transpose(0, 2, 1, 3)).reshape(B, T, D)
+
+
+class _Block:
+    """A pre-LN transformer block: self-attention, optional cross-attention, MLP."""
+
+    def __init__(self, f: WhisperFile, prefix: str, n_head: int, cross: bool):
+        self.n_head = n_head
+        self.attn_ln = _Norm(f, prefix + "attn_ln")
+        self.q = _Linear(f, prefix + "attn.query")
+        self.k = _Linear(f, prefix + "attn.key", bias=False)
+        self.v = _Linear(f, prefix + "attn.value")
+        self.out = _Linear(f, prefix + "attn.out")
+        if cross:
+            self.cross_ln = _Norm(f, prefix + "cross_attn_ln")
+            self.cq = _Linear(f, prefix + "cross_attn.query")
+            self.ck = _Linear(f, prefix + "cross_attn.key", bias=False)
+            self.cv = _Linear(f, prefix + "cross_attn.value")
+            self.cout = _Linear(f, prefix + "cross_attn.out")
+        self.mlp_ln = _Norm(f, prefix + "mlp_ln")
+        self.up = linear(f, prefix + "mlp.0.weight")
+        self.b_up = vector(f, prefix + "mlp.0.bias")
+        self.down = _Linear(f, prefix + "mlp.2")
+
+    def mlp(self, x: np.ndarray) -> np.ndarray:
+        """x (N, D) -> (N, D): Linear, GELU, Linear."""
+        h = self.up.matmul(self.mlp_ln(x))
+        layers.bias_gelu(h, self.b_up)
+        return self.down(h)
+
+
+# -- the model ------------------------------------------------------------------------------
+
+class DecoderCache:
+    """Self-attention keys and values of B decoding sequences, and the cross-attention
+    keys and values of the encoder output they all share."""
+
+    def __init__(self, cfg: WhisperConfig, batch: int, cross_k: list[np.ndarray],
+                 cross_v: list[np.ndarray]):
+        shape = (cfg.n_text_layer, batch, cfg.n_text_ctx, cfg.n_text_state)
+        self.k = np.zeros(shape, np.float32)
+        self.v = np.zeros(shape, np.float32)
+        self.cross_k, self.cross_v = cross_k, cross_v  # per layer (1, S, D)
+        self.length = 0  # positions filled (the same for every sequence)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def reorder(self, rows: list[int] | np.ndarray) -> None:
+        """Keep sequences `rows` (repeats allowed), in that order: beam search's step."""
+        rows = np.asarray(rows, dtype=np.int64)
+        n = self.length
+        k = np.zeros((self.k.shape[0], len(rows)) + self.k.shape[2:], np.float32)
+        v = np.zeros_like(k)
+        k[:, :, :n] = self.k[:, rows, :n]
+        v[:, :, :n] = self.v[:, rows, :n]
+        self.k, self.v = k, v
+
+
+class Whisper:
+    """The Whisper network of a whisper.cpp file: mel frames in, token logits out."""
+
+    def __init__(self, f: WhisperFile):
+        cfg = self.config = WhisperConfig.from_hparams(f.hparams)
+        if f.mel_filters.shape[0] != cfg.n_mels or f.mel_filters.shape[1] != N_FFT // 2 + 1:
+            raise WhisperFileError(f"{f.path.name}: mel filters of shape "
+                                   f"{f.mel_filters.shape}, expected ({cfg.n_mels}, "
+                                   f"{N_FFT // 2 + 1})")
+        self.mel_filters = f.mel_filters
+        # encoder
+        self.conv1, self.conv1_b = self._conv(f, "encoder.conv1", cfg.n_mels)
+        self.conv2, self.conv2_b = self._conv(f, "encoder.conv2", cfg.n_audio_state)
+        self.audio_pos = np.asarray(f.tensor("encoder.positional_embedding").data,
+                                    dtype=np.float32)
+        if self.audio_pos.shape != (cfg.n_audio_ctx, cfg.n_audio_state):
+            raise WhisperFileError(f"{f.path.name}: encoder.positional_embedding has shape "
+                                   f"{self.audio_pos.shape}")
+        self.encoder_blocks = [_Block(f, f"encoder.blocks.{i}.", cfg.n_audio_head, cross=False)
+                               for i in range(cfg.n_audio_layer)]
+        self.ln_post = _Norm(f, "encoder.ln_post")
+        # decoder
+        self.token_embedding = linear(f, "decoder.token_embedding.weight")
+        if self.token_embedding.shape != (cfg.n_vocab, cfg.n_text_state):
+            raise WhisperFileError(f"{f.path.name}: decoder.token_embedding.weight has shape "
+                                   f"{self.token_embedding.shape}")
+        self.text_pos = np.asarray(f.tensor("decoder.positional_embedding").data,
+                                   dtype=np.float32)
+        self.decoder_blocks = [_Block(f, f"decoder.blocks.{i}.", cfg.n_text_head, cross=True)
+                               for i in range(cfg.n_text_layer)]
+        self.ln = _Norm(f, "decoder.ln")
+
+    @staticmethod
+    def _conv(f: WhisperFile, name: str, c_in: int) -> tuple[QuantizedWeight, np.ndarray]:
+        """A kernel-3 Conv1d as a (c_out, c_in * 3) matrix over im2col columns, and its bias."""
+        t = f.tensor(name + ".weight")
+        if len(t.shape) != 3 or t.shape[1:] != (c_in, 3):
+            raise WhisperFileError(f"{f.path.name}: {name}.weight has shape {t.shape}, "
+                                   f"expected (out, {c_in}, 3)")
+        w = QuantizedWeight.from_gguf_tensor(t.data, t.qtype, (t.shape[0], c_in * 3))
+        return w, vector(f, name + ".bias")  # the bias is stored as (out, 1)
+
+    # -- encoder ---------------------------------------------------------------------------
+    def encode(self, mel: np.ndarray) -> np.ndarray:
+        """Encoder output (n_audio_ctx, n_audio_state) of one chunk of mel frames
+        (n_mels, 2 * n_audio_ctx)."""
+        cfg = self.config
+        if mel.shape != (cfg.n_mels, 2 * cfg.n_audio_ctx):
+            raise ValueError(f"mel of shape {mel.shape}, expected ({cfg.n_mels}, "
+                             f"{2 * cfg.n_audio_ctx})")
+        x = _conv1d(mel, self.conv1, self.conv1_b, stride=1)  # (3000, D)
+        layers.bias_gelu(x, np.zeros(x.shape[1], np.float32))
+        x = _conv1d(np.ascontiguousarray(x.T), self.conv2, self.conv2_b, stride=2)  # (1500, D)
+        layers.bias_gelu(x, np.zeros(x.shape[1], np.float32))
+        x += self.audio_pos
+        for block in self.encoder_blocks:
+            h = block.attn_ln(x)
+            q, k, v = block.q(h), block.k(h), block.v(h)
+            x += block.out(_attention(q[None], k[None], v[None], block.n_head)[0])
+            x += block.mlp(x)
+        return self.ln_post(x)
+
+    # -- decoder ---------------------------------------------------------------------------
+    def new_cache(self, audio_features: np.ndarray, batch: int = 1) -> DecoderCache:
+        """A decoder cache for `batch` sequences over one chunk's encoder output; the
+        cross-attention keys and values are computed here, once."""
+        cross_k = [b.ck(audio_features)[None] for b in self.decoder_blocks]
+        cross_v = [b.cv(audio_features)[None] for b in self.decoder_blocks]
+        return DecoderCache(self.config, batch, cross_k, cross_v)
+
+    def decode(self, tokens: np.ndarray, cache: DecoderCache, all_logits: bool = False
+               ) -> np.ndarray:
+        """Append `tokens` (B, T) to every sequence of `cache`; return the logits of the
+        last position (B, n_vocab), or of every position (B, T, n_vocab)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        B, T = tokens.shape
+        start = cache.length
+        if B != cache.batch:
+            raise ValueError(f"{B} sequences for a cache of {cache.batch}")
+        if start + T > self.config.n_text_ctx:
+            raise ValueError(f"{start + T} tokens exceed the decoder's "
+                             f"{self.config.n_text_ctx} positions")
+        D = self.config.n_text_state
+        x = self.token_embedding.rows(tokens.reshape(-1)).reshape(B, T, D)
+        x += self.text_pos[start : start + T]
+        flat = x.reshape(B * T, D)  # a view of x
+        for layer, block in enumerate(self.decoder_blocks):
+            h = block.attn_ln(flat)
+            cache.k[layer, :, start : start + T] = block.k(h).reshape(B, T, D)
+            cache.v[layer, :, start : start + T] = block.v(h).reshape(B, T, D)
+            q = block.q(h).reshape(B, T, D)
+            attn = _attention(q, cache.k[layer, :, : start + T], cache.v[layer, :, : start + T],
+                              block.n_head, causal_offset=start)
+            flat += block.out(attn.reshape(B * T, D))
+            h = block.cross_ln(flat)
+            q = block.cq(h).reshape(B, T, D)
+            ck = np.broadcast_to(cache.cross_k[layer], (B,) + cache.cross_k[layer].shape[1:])
+            cv = np.broadcast_to(cache.cross_v[layer], (B,) + cache.cross_v[layer].shape[1:])
+            flat += block.cout(_attention(q, ck, cv, block.n_head).reshape(B * T, D))
+            flat += block.mlp(flat)
+        cache.length = start + T
+        if all_logits:
+            return self.token_embedding.matmul(self.ln(flat)).reshape(B, T, -1)
+        last = np.ascontiguousarray(x[:, -1])  # (B, D)
+        return self.token_embedding.matmul(self.ln(last))
+
+
+def _conv1d(x: np.ndarray, w: QuantizedWeight, bias: np.ndarray, stride: int) -> np.ndarray:
+    """Kernel-3, padding-1 Conv1d of x (C_in, L) as im2col + matmul: (L // stride, C_out)."""
+    c_in, length = x.shape
+    padded = np.zeros((c_in, length + 2), np.float32)
+    padded[:, 1:-1] = x
+    n_out = (length + 2 - 3) // stride + 1
+    # cols[t, c, j] = padded[c, t * stride + j]: (n_out, C_in, 3) -> (n_out, C_in * 3)
+    cols = np.lib.stride_tricks.as_strided(
+        padded, shape=(n_out, c_in, 3),
+        strides=(padded.strides[1] * stride, padded.strides[0], padded.strides[1]))
+    y = w.matmul(np.ascontiguousarray(cols).reshape(n_out, c_in * 3))
+    y += bias
+    return y

@@ -1,0 +1,379 @@
+"""`WhisperModel`: speech to text with whisper.cpp `ggml-*.bin` models.
+
+    >>> from workbench import WhisperModel
+    >>> w = WhisperModel.load("whisper-tiny.en")
+    >>> t = w.transcribe("jfk.wav")                  # a Transcript: a str with extras
+    >>> print(t, t.language, t.segments)
+    >>> w.transcribe(pcm, beam_size=5, timestamps=True)
+    >>> w.detect_language("speech.wav")             # ("fr", 0.97) on multilingual models
+
+Audio is decoded and resampled to 16 kHz mono (`workbench.engine.audio`), turned
+into a log-mel spectrogram and cut into 30 s chunks; chunks whose RMS is below
+1e-4 (silence) are skipped. Each chunk is encoded once and decoded greedily
+(`beam_size=1`) or with beam search, under whisper.cpp's token rules: special
+and language tokens never sampled, no blank or end at the start, timestamps in
+increasing pairs (`timestamps=True`) that begin each segment within its first
+second. Whisper's non-speech annotations (`[BLANK_AUDIO]`, `[silent]`,
+`[music]`, `[inaudible]` ...) are removed from the text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from workbench import registry
+from workbench.engine.audio import SAMPLE_RATE, AudioError, load_audio
+from workbench.engine.backend import resolve_device
+from workbench.engine.models import whisper as arch
+from workbench.engine.sampling import log_softmax
+from workbench.engine.tokenizers.whisper import WhisperTokenizer
+from workbench.engine.whisper_file import WhisperFile
+from workbench.signals import BusyCounter, Signal
+
+DEFAULT_WHISPER = "whisper-tiny.en"
+SILENCE_RMS = 1e-4  # chunks quieter than this are not decoded
+MAX_INITIAL_TIMESTAMP = 1.0  # seconds: a chunk's first segment starts within it
+_ANNOTATION = re.compile(
+    r"\s*[\[(]\s*(?:blank_audio|silen(?:t|ce)|music|inaudible|no speech|"
+    r"background noise|applause|laughter|noise)\s*[\])]", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of the transcript: seconds from the start of the audio, and its text."""
+
+    start: float
+    end: float
+    text: str
+    tokens: tuple[int, ...] = ()
+
+
+class Transcript(str):
+    """The transcribed text, with `.language`, `.language_probability`, `.segments`
+    (`Segment` list) and `.tokens` (all decoded token ids, specials included)."""
+
+    language: str
+    language_probability: float
+    segments: list[Segment]
+    tokens: list[int]
+
+    def __new__(cls, text: str, *, language: str, language_probability: float = 1.0,
+                segments: Sequence[Segment] = (), tokens: Sequence[int] = ()) -> Transcript:
+        obj = super().__new__(cls, text)
+        obj.language = language
+        obj.language_probability = language_probability
+        obj.segments = list(segments)
+        obj.tokens = list(tokens)
+        return obj
+
+
+@dataclass
+class _Hypothesis:
+    tokens: list[int]
+    logprob: float = 0.0
+
+
+def clean_text(text: str) -> str:
+    """`text` without Whisper's non-speech annotations, whitespace collapsed."""
+    return re.sub(r"\s+", " ", _ANNOTATION.sub("", text)).strip()
+
+
+class WhisperModel:
+    """A Whisper speech recognizer loaded from a whisper.cpp `.bin` file."""
+
+    def __init__(self, f: WhisperFile, *, device: str = "auto"):
+        self.device: Signal[str] = Signal(resolve_device(device), name="device")
+        self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
+        self._busy = BusyCounter(self.busy)
+        self.path: Path = f.path
+        self.net: arch.Whisper | None = arch.Whisper(f)
+        self.config = self.net.config
+        self.tokenizer = WhisperTokenizer(f.tokens, f.hparams.n_vocab)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, source: str | os.PathLike = DEFAULT_WHISPER, *, device: str = "auto"
+             ) -> WhisperModel:
+        """Load a model from an alias (`whisper-tiny.en`, `whisper-base`) or a `.bin` path.
+
+        Aliases are downloaded (and converted) on first use.
+        """
+        return cls(WhisperFile(registry.resolve(source)), device=device)
+
+    @property
+    def multilingual(self) -> bool:
+        """True when the model knows languages other than English."""
+        return self.tokenizer.multilingual
+
+    def close(self) -> None:
+        """Drop the weights."""
+        self.net = None
+
+    def __enter__(self) -> WhisperModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "multilingual" if self.multilingual else "English-only"
+        return (f"WhisperModel({self.path.name!r}, {kind}, layers={self.config.n_audio_layer}, "
+                f"width={self.config.n_audio_state}, device={self.device.peek()!r})")
+
+    # -- public API ------------------------------------------------------------------------
+    def transcribe(self, audio: str | os.PathLike | bytes | np.ndarray, *,
+                   language: str | None = "en", task: str = "transcribe", beam_size: int = 1,
+                   max_tokens: int = 224, timestamps: bool = False) -> Transcript:
+        """Transcribe `audio`: a file path, encoded bytes, or 16 kHz mono float32 samples.
+
+        language: a code such as "en" or "fr", or "auto" (None) to detect it on
+            the first chunk (English-only models always use "en").
+        task: "transcribe" or "translate" (to English; multilingual models).
+        beam_size: 1 is greedy decoding; more runs beam search.
+        max_tokens: the most tokens decoded per 30 s chunk.
+        timestamps: decode Whisper's timestamp tokens and split each chunk into
+            timed segments (otherwise a chunk is one segment).
+        """
+        pcm = load_audio(audio)
+        return self._transcribe_pcm(pcm, language, task, beam_size, max_tokens, timestamps)
+
+    def transcribe_mel(self, mel: np.ndarray, n_frames: int | None = None, *,
+                       language: str | None = "en", task: str = "transcribe",
+                       beam_size: int = 1, max_tokens: int = 224,
+                       timestamps: bool = False) -> Transcript:
+        """Transcribe a log-mel spectrogram (n_mels, frames), as `log_mel_spectrogram`
+        makes it; `n_frames` of its frames hold audio (default: all)."""
+        mel = np.asarray(mel, dtype=np.float32)
+        if mel.ndim != 2 or mel.shape[0] != self.config.n_mels:
+            raise ValueError(f"mel must be ({self.config.n_mels}, frames), not {mel.shape}")
+        n_frames = mel.shape[1] if n_frames is None else int(n_frames)
+        return self._transcribe(mel, n_frames, None, language, task, beam_size, max_tokens,
+                                timestamps)
+
+    def detect_language(self, audio: str | os.PathLike | bytes | np.ndarray
+                        ) -> tuple[str, float]:
+        """The spoken language of the first 30 s of `audio` (samples, a path, or a log-mel
+        spectrogram of shape (n_mels, frames)) and its probability.
+
+        English-only models answer ("en", 1.0).
+        """
+        if not self.multilingual:
+            return "en", 1.0
+        if isinstance(audio, np.ndarray) and audio.ndim == 2 \
+                and audio.shape[0] == self.config.n_mels:
+            mel = audio
+        else:
+            mel = self.log_mel(load_audio(audio))
+        with self._busy, self._lock:
+            features = self._net().encode(_chunk(mel, 0))
+            probs = self._language_probs(features)
+        best = int(np.argmax(probs))
+        return self.tokenizer.languages[best], float(probs[best])
+
+    def log_mel(self, pcm: np.ndarray, padding: int = arch.N_SAMPLES) -> np.ndarray:
+        """The log-mel spectrogram of 16 kHz samples, with a chunk of silence appended."""
+        return arch.log_mel_spectrogram(pcm, self._net().mel_filters, padding=padding)
+
+    # -- internals -------------------------------------------------------------------------
+    def _net(self) -> arch.Whisper:
+        if self.net is None:
+            raise RuntimeError("this WhisperModel has been closed")
+        return self.net
+
+    def _transcribe_pcm(self, pcm: np.ndarray, language, task, beam_size, max_tokens,
+                        timestamps) -> Transcript:
+        mel = self.log_mel(pcm)
+        return self._transcribe(mel, len(pcm) // arch.HOP_LENGTH, pcm, language, task,
+                                beam_size, max_tokens, timestamps)
+
+    def _transcribe(self, mel: np.ndarray, n_frames: int, pcm: np.ndarray | None,
+                    language: str | None, task: str, beam_size: int, max_tokens: int,
+                    timestamps: bool) -> Transcript:
+        if beam_size < 1:
+            raise ValueError("beam_size must be >= 1")
+        if not 1 <= max_tokens <= self.config.n_text_ctx // 2:
+            raise ValueError(f"max_tokens must be in [1, {self.config.n_text_ctx // 2}]")
+        if task not in ("transcribe", "translate"):
+            raise ValueError(f"task must be 'transcribe' or 'translate', not {task!r}")
+        tok = self.tokenizer
+        auto = language in (None, "auto")
+        if not self.multilingual:
+            language, auto = "en", False
+        elif not auto:
+            tok.language_token(language)  # ValueError for an unknown code, before any work
+        segments: list[Segment] = []
+        all_tokens: list[int] = []
+        language_probability = 1.0
+        with self._busy, self._lock:
+            net = self._net()
+            for seek in range(0, n_frames, arch.N_FRAMES):
+                if pcm is not None:
+                    part = pcm[seek * arch.HOP_LENGTH : (seek + arch.N_FRAMES) * arch.HOP_LENGTH]
+                    if not len(part) or float(np.sqrt(np.mean(part * part))) < SILENCE_RMS:
+                        continue
+                features = net.encode(_chunk(mel, seek))
+                if auto:
+                    probs = self._language_probs(features)
+                    best = int(np.argmax(probs))
+                    language, language_probability = tok.languages[best], float(probs[best])
+                    auto = False
+                prompt = tok.sot_sequence(language, task, timestamps)
+                tokens = self._decode(features, prompt, beam_size, max_tokens, timestamps)
+                all_tokens.extend(prompt + tokens)
+                start = seek / (SAMPLE_RATE / arch.HOP_LENGTH)
+                end = min(seek + arch.N_FRAMES, n_frames) / (SAMPLE_RATE / arch.HOP_LENGTH)
+                segments.extend(self._segments(tokens, start, end, timestamps))
+        text = " ".join(s.text for s in segments if s.text)
+        return Transcript(text, language=language or "en",
+                          language_probability=language_probability,
+                          segments=[s for s in segments if s.text], tokens=all_tokens)
+
+    def _language_probs(self, features: np.ndarray) -> np.ndarray:
+        """Probabilities of the language tokens after `<|startoftranscript|>`."""
+        tok = self.tokenizer
+        cache = self._net().new_cache(features)
+        logits = self._net().decode(np.array([[tok.sot]]), cache)[0]
+        lang = logits[tok.language_ids].astype(np.float64)
+        e = np.exp(lang - lang.max())
+        return e / e.sum()
+
+    def _segments(self, tokens: list[int], start: float, end: float, timestamps: bool
+                  ) -> list[Segment]:
+        tok = self.tokenizer
+        text_ids = [t for t in tokens if t < tok.eot]
+        if not timestamps:
+            return [Segment(start, end, clean_text(tok.decode(text_ids)), tuple(text_ids))]
+        out: list[Segment] = []
+        begin: float | None = None
+        current: list[int] = []
+        for t in tokens:
+            if tok.is_timestamp(t):
+                seconds = start + tok.timestamp_seconds(t)
+                if begin is None:
+                    begin = seconds
+                elif current:
+                    out.append(Segment(begin, seconds, clean_text(tok.decode(current)),
+                                       tuple(current)))
+                    current, begin = [], None
+                else:
+                    begin = seconds
+            elif t < tok.eot:
+                current.append(t)
+        if current:  # text after the last timestamp runs to the chunk's end
+            out.append(Segment(begin if begin is not None else start, end,
+                               clean_text(tok.decode(current)), tuple(current)))
+        return out
+
+    # -- decoding --------------------------------------------------------------------------
+    def _decode(self, features: np.ndarray, prompt: list[int], beam_size: int,
+                max_tokens: int, timestamps: bool) -> list[int]:
+        net = self._net()
+        cache = net.new_cache(features)
+        logits = net.decode(np.array([prompt]), cache)  # (1, V)
+        if beam_size == 1:
+            return self._greedy(cache, logits, max_tokens, timestamps)
+        return self._beam(cache, logits, beam_size, max_tokens, timestamps)
+
+    def _greedy(self, cache: arch.DecoderCache, logits: np.ndarray, max_tokens: int,
+                timestamps: bool) -> list[int]:
+        eot = self.tokenizer.eot
+        out: list[int] = []
+        for _ in range(max_tokens):
+            row = self._filtered(logits[0], out, timestamps)
+            token = int(np.argmax(row))
+            out.append(token)
+            if token == eot or cache.length >= self.config.n_text_ctx:
+                break
+            logits = self._net().decode(np.array([[token]]), cache)
+        return out
+
+    def _beam(self, cache: arch.DecoderCache, logits: np.ndarray, beam_size: int,
+              max_tokens: int, timestamps: bool) -> list[int]:
+        """Beam search: each beam's best `beam_size + 1` continuations compete on
+        cumulative log-probability; going down that ranking until `beam_size` continue,
+        those that end in EOT are set aside as finished. The search stops once
+        `beam_size` are finished; the winner has the best log-probability per token."""
+        eot = self.tokenizer.eot
+        beams = [_Hypothesis([])]
+        finished: list[_Hypothesis] = []
+        for _ in range(max_tokens):
+            candidates = []
+            for b, hyp in enumerate(beams):
+                logprobs = log_softmax(self._filtered(logits[b], hyp.tokens, timestamps))
+                top = np.argpartition(-logprobs, beam_size)[: beam_size + 1]
+                for token in top:
+                    if np.isfinite(logprobs[token]):
+                        candidates.append((hyp.logprob + float(logprobs[token]), b, int(token)))
+            candidates.sort(key=lambda c: -c[0])
+            kept: list[tuple[float, int, int]] = []
+            for score, b, token in candidates:  # best first, until the beam is full
+                if token == eot:
+                    finished.append(_Hypothesis(beams[b].tokens + [token], score))
+                else:
+                    kept.append((score, b, token))
+                    if len(kept) == beam_size:
+                        break
+            if len(finished) >= beam_size or not kept \
+                    or cache.length >= self.config.n_text_ctx:
+                break
+            cache.reorder([b for _, b, _ in kept])
+            beams = [_Hypothesis(beams[b].tokens + [token], score) for score, b, token in kept]
+            logits = self._net().decode(np.array([[t] for _, _, t in kept]), cache)
+        pool = finished or beams
+        # log-probability per token, EOT not counted (Whisper's maximum-likelihood ranking)
+        best = max(pool, key=lambda h: h.logprob / max(1, len([t for t in h.tokens
+                                                                 if t != eot])))
+        return best.tokens
+
+    def _filtered(self, logits: np.ndarray, sampled: list[int], timestamps: bool) -> np.ndarray:
+        """The logits of one step with whisper.cpp's rules applied (a new array)."""
+        tok = self.tokenizer
+        x = logits.astype(np.float32, copy=True)
+        ts = tok.timestamp_begin
+        x[tok.sot : ts] = -np.inf  # sot, languages, task, lm, prev, nospeech, notimestamps
+        if not sampled:  # no blank and no end as the first token
+            x[tok.eot] = -np.inf
+            if tok.space is not None:
+                x[tok.space] = -np.inf
+        if not timestamps:
+            x[ts:] = -np.inf
+            return x
+        last_ts = bool(sampled) and sampled[-1] >= ts
+        penultimate_ts = len(sampled) < 2 or sampled[-2] >= ts
+        if last_ts:
+            if penultimate_ts:  # a pair just closed: text (or the end) comes next
+                x[ts:] = -np.inf
+            else:  # an open timestamp: another one (closing it) or the end
+                x[: tok.eot] = -np.inf
+        stamps = [t for t in sampled if t >= ts]
+        if stamps:  # timestamps never go back
+            floor = stamps[-1] if last_ts and not penultimate_ts else stamps[-1] + 1
+            x[ts:floor] = -np.inf
+        if not sampled:  # a chunk starts with a timestamp within its first second
+            x[:ts] = -np.inf
+            x[ts + int(round(MAX_INITIAL_TIMESTAMP / 0.02)) + 1 :] = -np.inf
+        logprobs = log_softmax(x)
+        stamp_mass = np.logaddexp.reduce(logprobs[ts:])
+        if stamp_mass > logprobs[: tok.eot].max(initial=-np.inf):
+            x[: tok.eot] = -np.inf  # a timestamp is likelier than any text token
+        return x
+
+
+def _chunk(mel: np.ndarray, seek: int) -> np.ndarray:
+    """3000 frames of `mel` from `seek`, zero-padded (in log-mel units) when short."""
+    part = mel[:, seek : seek + arch.N_FRAMES]
+    if part.shape[1] < arch.N_FRAMES:
+        pad = np.full((mel.shape[0], arch.N_FRAMES - part.shape[1]), part.min(initial=-1.5),
+                      np.float32)
+        part = np.concatenate([part, pad], axis=1)
+    return np.ascontiguousarray(part, dtype=np.float32)
+
+
+__all__ = ["AudioError", "Segment", "Transcript", "WhisperModel", "clean_text"]
