@@ -1,0 +1,338 @@
+"""WhisperModel against its references.
+
+- whisper.cpp's header-only test files parse (hyperparameters, mel filters,
+  vocabulary, special-token layout) for the English-only and multilingual vocabularies.
+- A tiny random transformers `WhisperForConditionalGeneration`, written to `.bin` by
+  tests/whisper_to_bin.py: encoder output and decoder logits match transformers to 1e-4
+  relative (max |ours - ref| <= 1e-4 * max |ref|), F32 and F16.
+- The real models, pulled from PyPI and converted from CTranslate2 by our converter:
+  tiny.en transcribes JFK word for word (greedy and beam 5), espeak-ng speech with word
+  error rate <= 0.15, long audio in chunks with silence skipped; base detects English
+  and French. whisper.cpp itself (pywhispercpp) loads the converted file.
+- Bad input: stereo 44.1 kHz files, empty audio, NaN samples, truncated files.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import wave
+
+import numpy as np
+import pytest
+
+from tests.conftest import reference, shared_file
+
+JFK = ("And so, my fellow Americans, ask not what your country can do for you, "
+       "ask what you can do for your country.")
+RTOL = 1e-4
+
+
+def words(text: str) -> list[str]:
+    """Lower-case words without punctuation (hyphens split words)."""
+    return re.sub(r"[^\w\s']", " ", text.lower().replace("-", " ")).split()
+
+
+def wer(hypothesis: str, truth: str) -> float:
+    """Word error rate: word-level edit distance over the reference length."""
+    h, r = words(hypothesis), words(truth)
+    d = np.arange(len(h) + 1)
+    for i, rw in enumerate(r, 1):
+        prev, d[0] = d[0], i
+        for j, hw in enumerate(h, 1):
+            prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (rw != hw))
+    return d[len(h)] / max(1, len(r))
+
+
+def jfk_pcm() -> np.ndarray:
+    from workbench.engine.audio import load_audio
+
+    return load_audio(shared_file("data", "whisper", "jfk.wav"))
+
+
+# -- the file format -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,n_vocab,multilingual", [
+    ("for-tests-ggml-tiny.en.bin", 51864, False), ("for-tests-ggml-tiny.bin", 51865, True)])
+def test_header_only_files_parse(name, n_vocab, multilingual):
+    from workbench.engine.convert import mel_filters
+    from workbench.engine.tokenizers.whisper import WhisperTokenizer
+    from workbench.engine.whisper_file import WhisperFile, WhisperFileError
+
+    f = WhisperFile(shared_file("data", "whisper", name))
+    h = f.hparams
+    assert (h.n_vocab, h.n_audio_ctx, h.n_audio_state, h.n_audio_head, h.n_audio_layer) == \
+        (n_vocab, 1500, 384, 6, 4)
+    assert (h.n_text_ctx, h.n_text_state, h.n_text_head, h.n_text_layer, h.n_mels) == \
+        (448, 384, 6, 4, 80)
+    assert f.multilingual is multilingual and not f.tensors
+    assert f.mel_filters.shape == (80, 201)
+    np.testing.assert_array_equal(f.mel_filters, mel_filters(80))  # bit for bit
+    assert len(f.tokens) == 50257 and f.tokens[:3] == [b"!", b'"', b"#"]
+    tok = WhisperTokenizer(f.tokens, h.n_vocab)
+    if multilingual:
+        assert (tok.eot, tok.sot, tok.transcribe, tok.no_timestamps, tok.timestamp_begin) == \
+            (50257, 50258, 50359, 50363, 50364)
+        assert len(tok.languages) == 99 and tok.language_token("fr") == 50265
+        assert tok.sot_sequence("fr") == [50258, 50265, 50359, 50363]
+    else:
+        assert (tok.eot, tok.sot, tok.no_timestamps, tok.timestamp_begin) == \
+            (50256, 50257, 50362, 50363)
+        assert tok.sot_sequence("en", timestamps=True) == [50257]
+        with pytest.raises(ValueError, match="English-only"):
+            tok.language_token("fr")
+    ids = [f.tokens.index(t) for t in (b"The", b" quick", b" brown")]
+    assert tok.decode(ids + [tok.eot, tok.timestamp_begin]) == "The quick brown"
+    assert tok.token_text(tok.timestamp_begin + 50) == "<|1.00|>"
+    from workbench.engine.whisper import WhisperModel
+
+    with pytest.raises(WhisperFileError, match="holds no tensors"):
+        WhisperModel(f)
+
+
+def test_bad_files_give_clear_errors(tmp_path):
+    from workbench.engine.whisper_file import WhisperFile, WhisperFileError
+
+    data = shared_file("data", "whisper", "for-tests-ggml-tiny.en.bin").read_bytes()
+    (tmp_path / "cut.bin").write_bytes(data[:5000])
+    with pytest.raises(WhisperFileError, match="truncated inside the mel filters"):
+        WhisperFile(tmp_path / "cut.bin")
+    (tmp_path / "cut2.bin").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(WhisperFileError, match="truncated inside the vocabulary"):
+        WhisperFile(tmp_path / "cut2.bin")
+    (tmp_path / "gguf.bin").write_bytes(b"GGUF" + data[4:100])
+    with pytest.raises(WhisperFileError, match="load it with LLM or Encoder"):
+        WhisperFile(tmp_path / "gguf.bin")
+    with pytest.raises(FileNotFoundError):
+        WhisperFile(tmp_path / "missing.bin")
+
+
+# -- a tiny random Whisper from transformers ------------------------------------------------
+
+def _tiny_whisper(f16: bool):
+    import torch
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(vocab_size=120, num_mel_bins=80, d_model=64, encoder_layers=2,
+                        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=1500,
+                        max_target_positions=64, attn_implementation="eager",
+                        decoder_start_token_id=1, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # weights large enough that attention is far from uniform
+        for name, p in model.named_parameters():
+            if "layer_norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("weight")
+                        else 0.1 * torch.randn_like(p))
+            elif "embed_positions" in name:
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.15)
+            if f16 and p.ndim >= 2 and "embed_positions" not in name:
+                p.copy_(p.half().float())  # the reference sees the weights the file stores
+    return model
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
+def test_tiny_whisper_matches_transformers(tmp_path, f16):
+    import torch
+
+    from tests.whisper_to_bin import F16, F32, write_bin
+    from workbench.engine.convert import mel_filters
+    from workbench.engine.models.whisper import Whisper
+    from workbench.engine.whisper_file import WhisperFile
+
+    model = _tiny_whisper(f16)
+    path = write_bin(model, tmp_path / "tiny.bin", mel_filters(80),
+                     [bytes([i]) for i in range(100)], F16 if f16 else F32)
+    net = Whisper(WhisperFile(path))
+    mel = np.random.default_rng(0).standard_normal((80, 3000)).astype(np.float32)
+    tokens = [1, 5, 7, 9, 11, 13, 17, 19]
+    with torch.no_grad():
+        ref_enc = model.model.encoder(torch.from_numpy(mel)[None]).last_hidden_state[0].numpy()
+        ref_logits = model(input_features=torch.from_numpy(mel)[None],
+                           decoder_input_ids=torch.tensor([tokens])).logits[0].numpy()
+    enc = net.encode(mel)
+    assert np.abs(enc - ref_enc).max() <= RTOL * np.abs(ref_enc).max()
+    # the whole sequence in one call
+    logits = net.decode(np.array([tokens]), net.new_cache(enc), all_logits=True)[0]
+    assert np.abs(logits - ref_logits).max() <= RTOL * np.abs(ref_logits).max()
+    # a 3-token prompt, then one token at a time through the KV cache
+    cache = net.new_cache(enc)
+    steps = [net.decode(np.array([tokens[:3]]), cache)[0]]
+    steps += [net.decode(np.array([[t]]), cache)[0] for t in tokens[3:]]
+    assert np.abs(np.stack(steps) - ref_logits[2:]).max() <= RTOL * np.abs(ref_logits).max()
+    # three sequences at once, reordered as beam search does
+    cache = net.new_cache(enc, batch=3)
+    net.decode(np.array([tokens[:4]] * 3), cache)
+    cache.reorder([2, 0, 0])
+    out = net.decode(np.array([[tokens[4]]] * 3), cache)
+    assert np.abs(out - ref_logits[4]).max() <= RTOL * np.abs(ref_logits).max()
+
+
+def test_log_mel_matches_transformers_feature_extractor():
+    from transformers import WhisperFeatureExtractor
+
+    from workbench.engine.convert import mel_filters
+    from workbench.engine.models.whisper import N_SAMPLES, log_mel_spectrogram
+
+    pcm = jfk_pcm()
+    ours = log_mel_spectrogram(pcm, mel_filters(80), padding=N_SAMPLES)[:, :3000]
+    ref = WhisperFeatureExtractor(feature_size=80)(pcm, sampling_rate=16000,
+                                                   return_tensors="np").input_features[0]
+    assert ours.shape == ref.shape == (80, 3000)
+    assert np.abs(ours - ref).max() < 2e-3  # float32 STFT (theirs) against float64 (ours)
+
+
+# -- the real models --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_en():
+    from workbench import WhisperModel
+
+    with WhisperModel.load("whisper-tiny.en") as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def base():
+    from workbench import WhisperModel
+
+    with WhisperModel.load("whisper-base") as w:
+        yield w
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beam_size", [1, 5])
+def test_jfk_word_for_word(tiny_en, beam_size):
+    t = tiny_en.transcribe(shared_file("data", "whisper", "jfk.wav"), beam_size=beam_size)
+    assert wer(t, JFK) == 0, str(t)
+    assert t.language == "en" and len(t.segments) == 1
+    assert t.segments[0].start == 0 and t.segments[0].end == pytest.approx(11.0, abs=0.02)
+    assert t.tokens[0] == tiny_en.tokenizer.sot
+
+
+@pytest.mark.slow
+def test_jfk_timestamps(tiny_en):
+    t = tiny_en.transcribe(jfk_pcm(), timestamps=True)
+    assert wer(t, JFK) == 0
+    assert len(t.segments) >= 2
+    starts = [s.start for s in t.segments]
+    assert starts == sorted(starts) and starts[0] <= 1.0
+    assert all(s.start < s.end <= 11.0 for s in t.segments)
+
+
+def _espeak(text: str, voice: str, tmp_path) -> np.ndarray:
+    """Speech from espeak-ng, as 16 kHz mono (the reference's recipe)."""
+    if not shutil.which("espeak-ng") or not shutil.which("sox"):
+        pytest.fail("espeak-ng and sox are needed (apt-get install espeak-ng sox; "
+                    ".ci/run installs them)")
+    from workbench.engine.audio import load_audio
+
+    (tmp_path / "text.txt").write_text(text)
+    raw, out = tmp_path / f"raw-{voice}.wav", tmp_path / f"out-{voice}.wav"
+    subprocess.run(["espeak-ng", "-v", voice, "-s", "150", "-w", str(raw), "-f",
+                    str(tmp_path / "text.txt")], check=True)
+    subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", "-b", "16", str(out)],
+                   check=True)
+    return load_audio(out)
+
+
+@pytest.mark.slow
+def test_espeak_sentences_beam5(tiny_en, base, tmp_path):
+    text = reference("whisper_tiny_en_faster_whisper.json")["espeak_text"]
+    pcm = _espeak(text, "en-us", tmp_path)
+    t = tiny_en.transcribe(pcm, beam_size=5)
+    assert wer(t, text) <= 0.15, str(t)
+    language, p = base.detect_language(pcm)
+    assert language == "en" and p > 0.5
+    french = _espeak("Bonjour, je voudrais réserver une table pour deux personnes ce soir. "
+                     "Le train pour Paris part à huit heures.", "fr", tmp_path)
+    language, p = base.detect_language(french)
+    assert language == "fr" and p > 0.5
+    t = base.transcribe(french, language="auto")
+    assert t.language == "fr" and "paris" in words(t)
+
+
+@pytest.mark.slow
+def test_long_audio_in_chunks_skips_silence(tiny_en):
+    pcm = jfk_pcm()
+    gap = np.zeros(30 * 16000 - len(pcm), np.float32)
+    audio = np.concatenate([pcm, gap, pcm, gap, np.zeros(5 * 16000, np.float32)])
+    assert len(audio) == 65 * 16000
+    t = tiny_en.transcribe(audio)
+    assert [(s.start, round(s.end)) for s in t.segments] == [(0.0, 30), (30.0, 60)]
+    for segment in t.segments:
+        assert wer(segment.text, JFK) == 0, segment.text
+    assert wer(t, JFK + " " + JFK) == 0
+
+
+@pytest.mark.slow
+def test_bad_audio(tiny_en, tmp_path):
+    import soundfile
+
+    from workbench.engine.audio import AudioError, load_audio
+    from workbench.engine.whisper_file import WhisperFile, WhisperFileError
+
+    # stereo 44.1 kHz: converted, not rejected
+    pcm = jfk_pcm()
+    import soxr
+
+    stereo = soxr.resample(pcm, 16000, 44100)
+    soundfile.write(tmp_path / "stereo.wav", np.stack([stereo, stereo * 0.5], axis=1), 44100)
+    with wave.open(str(tmp_path / "stereo.wav")) as w:
+        assert (w.getnchannels(), w.getframerate()) == (2, 44100)
+    assert len(load_audio(tmp_path / "stereo.wav")) == pytest.approx(len(pcm), abs=2)
+    assert wer(tiny_en.transcribe(tmp_path / "stereo.wav"), JFK) == 0
+    # empty audio: empty text
+    t = tiny_en.transcribe(np.zeros(0, np.float32))
+    assert t == "" and t.segments == []
+    assert tiny_en.transcribe(np.zeros(16000, np.float32)) == ""  # silence
+    # NaN samples: a clear error
+    bad = pcm.copy()
+    bad[1234] = np.nan
+    with pytest.raises(AudioError, match="NaN or infinite samples .* sample 1234"):
+        tiny_en.transcribe(bad)
+    # not audio
+    (tmp_path / "text.wav").write_text("hello")
+    with pytest.raises(AudioError):
+        tiny_en.transcribe(tmp_path / "text.wav")
+    # a truncated model file
+    data = tiny_en.path.read_bytes()
+    (tmp_path / "cut.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(WhisperFileError, match="truncated"):
+        WhisperFile(tmp_path / "cut.bin")
+    with pytest.raises(ValueError, match="unknown language 'xx'"):
+        tiny_en.transcribe(pcm, language="xx") if tiny_en.multilingual else \
+            tiny_en.tokenizer.language_token("xx")
+
+
+@pytest.mark.slow
+def test_annotations_are_removed():
+    from workbench.engine.whisper import clean_text
+
+    assert clean_text(" [BLANK_AUDIO]") == ""
+    assert clean_text("Hello [Music] world (inaudible) [silent]!") == "Hello world!"
+    assert clean_text("a [note] b") == "a [note] b"
+
+
+@pytest.mark.slow
+def test_whisper_cpp_loads_the_converted_file(tiny_en):
+    from pywhispercpp.model import Model
+
+    model = Model(str(tiny_en.path), n_threads=2, print_progress=False,
+                  print_realtime=False)
+    text = " ".join(s.text for s in model.transcribe(str(shared_file("data", "whisper",
+                                                                     "jfk.wav"))))
+    assert wer(text, JFK) == 0, text
+
+
+@pytest.mark.slow
+def test_cli_transcribe(capsys):
+    from workbench.cli import main
+
+    assert main(["transcribe", str(shared_file("data", "whisper", "jfk.wav"))]) == 0
+    assert wer(capsys.readouterr().out, JFK) == 0
