@@ -5,6 +5,7 @@
 - `TokenView`, `LogitsCell`: tokens coloured by probability, alternatives, branching.
 - `JSONCell`: schema- or grammar-constrained generation shown as a JSON tree.
 - `SimilarityCell`: sentence embeddings as a similarity heatmap, with search.
+- `MicrophoneCell`: record or upload audio, transcribed by Whisper with segment times.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from workbench.widgets.badges import BusyBadge, DeviceBadge
 from workbench.widgets.chat import ChatCell, render_markdown
 from workbench.widgets.json_cell import JSONCell
 from workbench.widgets.logits import LogitsCell, TokenView
+from workbench.widgets.microphone import MicrophoneCell
 from workbench.widgets.similarity import SimilarityCell
 
 __all__ = ["BusyBadge", "ChatCell", "DeviceBadge", "JSONCell", "LogitsCell",
-           "SimilarityCell", "TokenView", "render_markdown"]
+           "MicrophoneCell", "SimilarityCell", "TokenView", "render_markdown"]
