@@ -303,6 +303,59 @@ def test_logits_notebook_in_the_browser(page, lab):
     assert not page.console_errors, page.console_errors
 
 
+@pytest.fixture(scope="module")
+def mic_context(tmp_path_factory):
+    """Chromium whose microphone plays jfk.wav (its fake capture device), permission granted."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from tests.conftest import shared_file
+
+    jfk = shared_file("data", "whisper", "jfk.wav")
+    profile = tmp_path_factory.mktemp("chromium-mic-profile")
+    args = [*CHROMIUM_ARGS, "--use-fake-device-for-media-stream",
+            "--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={jfk}"]
+    with sync_api.sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(profile), executable_path=_chromium(), headless=True, args=args,
+            viewport={"width": 1400, "height": 1000}, permissions=["microphone"])
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+@pytest.mark.browser
+def test_microphone_cell_records_and_transcribes(mic_context, lab):
+    from tests.test_whisper import JFK, words
+
+    page = mic_context.new_page()
+    page.set_default_timeout(60_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        _open_and_run_all(page, lab, "05_whisper.ipynb")
+        record = page.locator(".wb-mic-record").first
+        record.wait_for(state="visible")
+        record.click()
+        page.wait_for_selector(".wb-mic[data-state='recording']", timeout=10_000)
+        page.wait_for_timeout(12_000)  # JFK is 11 s; the fake device loops it
+        level = page.evaluate("() => document.querySelector('.wb-mic-level').style.width")
+        _shot(page, lab, "05_whisper-recording", record)
+        page.locator(".wb-mic-stop").first.click()
+        page.wait_for_function(
+            "() => (document.querySelector('.wb-mic-text') || {}).textContent", timeout=120_000)
+        text = page.locator(".wb-mic-text").first.inner_text()
+        segments = page.locator(".wb-mic-segment").count()
+        _shot(page, lab, "05_whisper-transcribed", record)
+        heard = set(words(text)) & set(words(JFK))
+        print(f"\n05_whisper: level during recording {level}, {segments} segments: {text!r}")
+        assert len(heard) >= 8, text  # a 12 s window of the looping 11 s clip
+        assert segments >= 1
+        assert page.locator(".wb-mic .wb-error").first.inner_text() == ""
+        assert not errors, errors
+    finally:
+        page.close()
+
+
 # -- workbench lab ---------------------------------------------------------------------------
 def test_lab_help(capsys):
     with pytest.raises(SystemExit) as exc:
