@@ -254,8 +254,8 @@ class WhisperModel:
         begin: float | None = None
         current: list[int] = []
         for t in tokens:
-            if tok.is_timestamp(t):
-                seconds = start + tok.timestamp_seconds(t)
+            if tok.is_timestamp(t):  # clamped: Whisper may place one past the audio's end
+                seconds = min(start + tok.timestamp_seconds(t), end)
                 if begin is None:
                     begin = seconds
                 elif current:
