@@ -1,6 +1,6 @@
 """Test helper: write a transformers `WhisperForConditionalGeneration` as a whisper.cpp
 `.bin` file (the layout `workbench.engine.whisper_file` documents), with openai-whisper's
-tensor names, matrices in F32 or F16, and conv biases as (out, 1) like whisper.cpp's
+tensor names, matrices in F32, F16 or Q8_0, and conv biases as (out, 1) like whisper.cpp's
 converter writes them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-F32, F16 = 0, 1
+F32, F16, Q8_0 = 0, 1, 8
 
 # transformers (after "model.") -> openai-whisper names; N is the layer
 _LAYER = {
@@ -67,12 +67,22 @@ def write_bin(model, path: Path, mel_filters: np.ndarray, tokens: list[bytes],
             data = tensor.detach().float().numpy()
             if name in ("encoder.conv1.bias", "encoder.conv2.bias"):
                 data = data.reshape(-1, 1)
-            f16 = matrix_type == F16 and data.ndim >= 2 and "positional" not in name \
+            matrix = data.ndim >= 2 and "positional" not in name \
                 and not name.endswith("conv1.bias") and not name.endswith("conv2.bias")
-            data = data.astype(np.float16 if f16 else np.float32)
+            kind = matrix_type if matrix else F32
+            if kind == Q8_0 and (data.ndim != 2 or data.shape[-1] % 32):
+                kind = F16  # conv kernels (rows of 3) cannot be Q8_0, as in whisper.cpp
+            if kind == Q8_0:
+                from gguf import GGMLQuantizationType
+                from gguf.quants import quantize
+
+                raw = quantize(data, GGMLQuantizationType.Q8_0).tobytes()
+            else:
+                raw = np.ascontiguousarray(data.astype(np.float16 if kind == F16
+                                                       else np.float32)).tobytes()
             encoded = name.encode()
-            out.write(struct.pack("<3i", data.ndim, len(encoded), F16 if f16 else F32))
+            out.write(struct.pack("<3i", data.ndim, len(encoded), kind))
             out.write(struct.pack(f"<{data.ndim}i", *reversed(data.shape)))
             out.write(encoded)
-            out.write(np.ascontiguousarray(data).tobytes())
+            out.write(raw)
     return path

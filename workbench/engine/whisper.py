@@ -205,6 +205,9 @@ class WhisperModel:
         tok = self.tokenizer
         auto = language in (None, "auto")
         if not self.multilingual:
+            if language not in (None, "auto", "en"):
+                raise ValueError(f"{self.path.name} is an English-only model; it cannot "
+                                 f"transcribe language {language!r} (use whisper-base)")
             language, auto = "en", False
         elif not auto:
             tok.language_token(language)  # ValueError for an unknown code, before any work
