@@ -105,12 +105,16 @@ class _Norm:
         return out
 
 
+def _widened(w: QuantizedWeight) -> QuantizedWeight:
+    """`w`, or an F32 copy of it when it is F16 (see the module docstring)."""
+    if w.qtype != GGMLQuantizationType.F16:
+        return w
+    return QuantizedWeight.from_gguf_tensor(w.dequantize(), GGMLQuantizationType.F32, w.shape)
+
+
 def _matrix(f: WhisperFile, name: str) -> QuantizedWeight:
-    """The matrix `name`; F16 widened to F32 (see the module docstring)."""
-    w = linear(f, name)
-    if w.qtype == GGMLQuantizationType.F16:
-        w = QuantizedWeight.from_gguf_tensor(w.dequantize(), GGMLQuantizationType.F32, w.shape)
-    return w
+    """The matrix `name`, F16 widened to F32."""
+    return _widened(linear(f, name))
 
 
 class _Linear:
@@ -282,10 +286,7 @@ class Whisper:
             raise WhisperFileError(f"{f.path.name}: {name}.weight has shape {t.shape}, "
                                    f"expected (out, {c_in}, 3)")
         w = QuantizedWeight.from_gguf_tensor(t.data, t.qtype, (t.shape[0], c_in * 3))
-        if w.qtype == GGMLQuantizationType.F16:
-            w = QuantizedWeight.from_gguf_tensor(w.dequantize(), GGMLQuantizationType.F32,
-                                                 w.shape)
-        return w, vector(f, name + ".bias")  # the bias is stored as (out, 1)
+        return _widened(w), vector(f, name + ".bias")  # the bias is stored as (out, 1)
 
     # -- encoder ---------------------------------------------------------------------------
     def encode(self, mel: np.ndarray) -> np.ndarray:
