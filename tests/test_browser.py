@@ -148,17 +148,23 @@ def lab(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser_context(tmp_path_factory):
+def playwright():
+    """One Playwright driver for the module (a second sync_playwright() cannot start)."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    profile = tmp_path_factory.mktemp("chromium-profile")
     with sync_api.sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(profile), executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000})
-        try:
-            yield context
-        finally:
-            context.close()
+        yield p
+
+
+@pytest.fixture(scope="module")
+def browser_context(playwright, tmp_path_factory):
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    context = playwright.chromium.launch_persistent_context(
+        str(profile), executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS,
+        viewport={"width": 1400, "height": 1000})
+    try:
+        yield context
+    finally:
+        context.close()
 
 
 @pytest.fixture
@@ -304,23 +310,21 @@ def test_logits_notebook_in_the_browser(page, lab):
 
 
 @pytest.fixture(scope="module")
-def mic_context(tmp_path_factory):
+def mic_context(playwright, tmp_path_factory):
     """Chromium whose microphone plays jfk.wav (its fake capture device), permission granted."""
-    sync_api = pytest.importorskip("playwright.sync_api")
     from tests.conftest import shared_file
 
     jfk = shared_file("data", "whisper", "jfk.wav")
     profile = tmp_path_factory.mktemp("chromium-mic-profile")
     args = [*CHROMIUM_ARGS, "--use-fake-device-for-media-stream",
             "--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={jfk}"]
-    with sync_api.sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(profile), executable_path=_chromium(), headless=True, args=args,
-            viewport={"width": 1400, "height": 1000}, permissions=["microphone"])
-        try:
-            yield context
-        finally:
-            context.close()
+    context = playwright.chromium.launch_persistent_context(
+        str(profile), executable_path=_chromium(), headless=True, args=args,
+        viewport={"width": 1400, "height": 1000}, permissions=["microphone"])
+    try:
+        yield context
+    finally:
+        context.close()
 
 
 @pytest.mark.browser
