@@ -241,44 +241,39 @@ def erf(x, out):
         out[i] = _erf(x[i])
 
 
+@njit(fastmath=_FM, error_model="numpy", inline="always")
+def _normalize(row, weight, bias, eps, dst):
+    """dst = LayerNorm(row) * weight + bias for one row (dst may be row itself)."""
+    D = row.shape[0]
+    mean = np.float32(0.0)
+    for i in range(D):
+        mean += row[i]
+    mean /= np.float32(D)
+    var = np.float32(0.0)
+    for i in range(D):
+        d = row[i] - mean
+        var += d * d
+    r = np.float32(1.0) / np.sqrt(var / np.float32(D) + np.float32(eps))
+    for i in range(D):
+        dst[i] = (row[i] - mean) * r * weight[i] + bias[i]
+
+
 @njit(fastmath=_FM, error_model="numpy", cache=True)
 def add_layer_norm(x, h, bias, weight, norm_bias, eps):
     """x[t] = LayerNorm(x[t] + h[t] + bias) * weight + norm_bias, in place. x, h: (T, D)."""
     T, D = x.shape
     for t in range(T):
         row, add = x[t], h[t]
-        mean = np.float32(0.0)
         for i in range(D):
-            v = row[i] + add[i] + bias[i]
-            row[i] = v
-            mean += v
-        mean /= np.float32(D)
-        var = np.float32(0.0)
-        for i in range(D):
-            d = row[i] - mean
-            var += d * d
-        r = np.float32(1.0) / np.sqrt(var / np.float32(D) + np.float32(eps))
-        for i in range(D):
-            row[i] = (row[i] - mean) * r * weight[i] + norm_bias[i]
+            row[i] += add[i] + bias[i]
+        _normalize(row, weight, norm_bias, eps, row)
 
 
 @njit(fastmath=_FM, error_model="numpy", cache=True)
 def layer_norm(x, weight, bias, eps, out):
-    """out[t] = LayerNorm(x[t]) * weight + bias for each row of x (T, D)."""
-    T, D = x.shape
-    for t in range(T):
-        row, dst = x[t], out[t]
-        mean = np.float32(0.0)
-        for i in range(D):
-            mean += row[i]
-        mean /= np.float32(D)
-        var = np.float32(0.0)
-        for i in range(D):
-            d = row[i] - mean
-            var += d * d
-        r = np.float32(1.0) / np.sqrt(var / np.float32(D) + np.float32(eps))
-        for i in range(D):
-            dst[i] = (row[i] - mean) * r * weight[i] + bias[i]
+    """out[t] = LayerNorm(x[t]) * weight + bias for each row of x (T, D); out may be x."""
+    for t in range(x.shape[0]):
+        _normalize(x[t], weight, bias, eps, out[t])
 
 
 @njit(fastmath=_FM, error_model="numpy", cache=True)

@@ -147,8 +147,7 @@ class BertModel:
         x += self.positions[:T]
         x += self.token_type
         flat = x.reshape(B * T, cfg.n_embd)
-        layers.add_layer_norm(flat, np.zeros_like(flat), np.zeros(cfg.n_embd, np.float32),
-                              *self.embed_norm, cfg.norm_eps)
+        layers.layer_norm(flat, *self.embed_norm, cfg.norm_eps, flat)  # in place
         for layer in self.layers:
             layer(x, lengths)
         return x
