@@ -15,14 +15,20 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "Completion", "TokenEvent", "Encoder", "WhisperModel", "Transcript",
-           "Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "__version__"]
+           "serve", "RemoteEngine", "Grammar", "parse_gbnf", "compile_schema",
+           "UnsupportedSchemaError", "__version__"]
 _GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
+
+# `workbench.serve` is the function (the package `workbench/serve/` holds it): binding it
+# here, after the package is imported, keeps later submodule imports from rebinding it
+from workbench.serve.runner import serve  # noqa: E402  (light: no server packages yet)
 
 if TYPE_CHECKING:
     from workbench.engine.encoder import Encoder
     from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
     from workbench.engine.llm import LLM, Completion, TokenEvent
     from workbench.engine.whisper import Transcript, WhisperModel
+    from workbench.serve.remote import RemoteEngine
 
 
 def __getattr__(name: str):
@@ -36,6 +42,10 @@ def __getattr__(name: str):
         from workbench.engine import whisper
 
         return getattr(whisper, name)
+    if name == "RemoteEngine":
+        from workbench.serve.remote import RemoteEngine
+
+        return RemoteEngine
     if name == "Encoder":
         from workbench.engine.encoder import Encoder
 

@@ -96,6 +96,11 @@ class Completion:
         self._prefix_pending = bool(prefix_text)
         self._done = False
 
+    @property
+    def prompt_text(self) -> str:
+        """The prompt's text when the call asked for `include_prompt`, else ""."""
+        return self._prefix_text
+
     def iter_events(self) -> Iterator[TokenEvent]:
         """Yield each generated token's event as it is produced.
 
@@ -181,6 +186,20 @@ async def _aiter(it: Iterator[str]) -> AsyncIterator[str]:
         if piece is done:
             return
         yield piece
+
+
+def with_schema_instruction(messages: Sequence[Mapping[str, Any]], schema: Any
+                            ) -> list[dict[str, Any]]:
+    """A copy of `messages` whose system message (added when there is none) asks for JSON
+    following `schema`, as OpenAI's structured outputs show the schema to the model."""
+    messages = [dict(m) for m in messages]
+    instruction = ("Answer with a JSON object that follows this JSON Schema:\n"
+                   + json.dumps(schema, ensure_ascii=False))
+    if messages and messages[0].get("role") == "system":
+        messages[0]["content"] = f"{messages[0].get('content') or ''}\n\n{instruction}"
+    else:
+        messages.insert(0, {"role": "system", "content": instruction})
+    return messages
 
 
 class IncompleteOutputError(RuntimeError):
@@ -290,7 +309,8 @@ class LLM:
                  include_prompt: bool = False, add_bos: bool | None = None,
                  logprobs: int | None = None, temperature: float = 0.8, top_k: int = 40,
                  top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                 repeat_last_n: int = 64, seed: int | None = None,
+                 repeat_last_n: int = 64, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, seed: int | None = None,
                  logit_bias: Mapping[int, float] | None = None,
                  grammar: Grammar | str | None = None, schema: Any = None) -> Completion:
         """Continue `prompt` (text, or token ids) without a chat template.
@@ -311,7 +331,8 @@ class LLM:
         options = dict(max_tokens=max_tokens, stop=stop, stop_tokens=stop_tokens,
                        logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
                        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                       logit_bias=logit_bias)
+                       presence_penalty=presence_penalty,
+                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         seq = self._decoding(ids, resolve_grammar(grammar, schema), seed, **options)
         return Completion(self._generate_events(ids, seq), ids, prompt_text)
 
@@ -341,14 +362,8 @@ class LLM:
         if isinstance(schema, Grammar) and schema.kind != "json_schema":
             raise ValueError(f"chat_json needs a JSON Schema, got a {schema.kind} grammar")
         grammar = resolve_grammar(schema=schema)
-        messages = [dict(m) for m in messages]
         if schema_in_prompt:
-            instruction = ("Answer with a JSON object that follows this JSON Schema:\n"
-                           + json.dumps(grammar.schema, ensure_ascii=False))
-            if messages and messages[0].get("role") == "system":
-                messages[0]["content"] = f"{messages[0].get('content') or ''}\n\n{instruction}"
-            else:
-                messages.insert(0, {"role": "system", "content": instruction})
+            messages = with_schema_instruction(messages, grammar.schema)
         completion = self.chat(messages, schema=grammar, **options)
         text = completion.text
         if completion.finish_reason != "stop":
@@ -369,7 +384,9 @@ class LLM:
                        add_bos: bool | None = None, logprobs: int | None = None,
                        temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
                        min_p: float = 0.05, repeat_penalty: float = 1.0,
-                       repeat_last_n: int = 64, seed: int | Sequence[int] | None = None,
+                       repeat_last_n: int = 64, presence_penalty: float = 0.0,
+                       frequency_penalty: float = 0.0,
+                       seed: int | Sequence[int] | None = None,
                        logit_bias: Mapping[int, float] | None = None,
                        grammar: Grammar | str | None = None, schema: Any = None
                        ) -> list[Completion]:
@@ -396,7 +413,8 @@ class LLM:
         options = dict(max_tokens=max_tokens, stop=stop, stop_tokens=stop_tokens,
                        logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
                        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                       logit_bias=logit_bias)
+                       presence_penalty=presence_penalty,
+                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         constraint = resolve_grammar(grammar, schema)
         seqs = [self._decoding(ids, constraint, sd, **options)
                 for (ids, _), sd in zip(requests, seeds)]

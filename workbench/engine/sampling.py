@@ -25,6 +25,8 @@ class SamplingParams:
     min_p: float = 0.05  # drop tokens below min_p times the best token's probability
     repeat_penalty: float = 1.0  # > 1 discourages tokens seen in the last repeat_last_n
     repeat_last_n: int = 64
+    presence_penalty: float = 0.0  # subtracted from the logit of every token seen in the window
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the window
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added logit
     seed: int | None = None  # same seed, same text
 
@@ -39,6 +41,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repeat_penalty <= 0:
             raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
 
 
 class Sampler:
@@ -57,16 +62,21 @@ class Sampler:
         self._bias = bias if params.logit_bias else None
 
     def process(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """Apply logit bias and the repetition penalty; returns a new (n_vocab,) array."""
+        """Apply logit bias and the repetition, presence and frequency penalties (over the
+        last `repeat_last_n` tokens of `history`, as llama.cpp does); returns a new
+        (n_vocab,) array."""
         p = self.params
         out = logits.astype(np.float32, copy=True)
         if self._bias is not None:
             out += self._bias
-        if p.repeat_penalty != 1.0 and p.repeat_last_n != 0 and len(history):
+        penalize = p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        if penalize and p.repeat_last_n != 0 and len(history):
             recent = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history
-            ids = np.unique(np.asarray(recent, dtype=np.int64))
+            ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
             vals = out[ids]
-            out[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            if p.repeat_penalty != 1.0:
+                vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            out[ids] = vals - counts * p.frequency_penalty - p.presence_penalty
         return out
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = (),

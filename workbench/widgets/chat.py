@@ -189,12 +189,13 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
         completion = None
         try:
             completion = self.model.chat(messages, **options)
-            n_prompt = len(completion.prompt_ids)
-            self.stats = f"{n_prompt} prompt tokens · generating…"
+            n_prompt = len(completion.prompt_ids)  # 0 from a remote engine, until the end
+            self.stats = f"{n_prompt} prompt tokens · generating…" if n_prompt \
+                else "generating…"
             pushed = 0.0
             for event in completion.iter_events():
                 now = time.perf_counter()
-                if event.id is not None:
+                if event.id is not None or event.piece:  # a token (remote: id unknown)
                     n_tokens += 1
                     first = now if first is None else first
                     last = now
@@ -210,6 +211,8 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
                                                     None)
             else:
                 reason = completion.finish_reason
+                usage = completion.usage  # a remote engine's counts arrive at the end
+                n_prompt, n_tokens = usage.prompt_tokens, usage.completion_tokens
         except Exception as exc:  # shown in the cell, never raised in the kernel
             self.error = f"{type(exc).__name__}: {exc}"
         finally:

@@ -1,0 +1,173 @@
+"""`serve`: run the OpenAI-compatible app with uvicorn, in a background thread (from a
+notebook) or in the foreground (from the CLI)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_PORT = 11434
+_running: dict[tuple[str, int], Server] = {}  # background servers of this process, by address
+
+
+class Server:
+    """A server started by `serve`: `.url` (its root), `.base_url` (`.url` + "/v1", what
+    OpenAI clients take), `.stop()`; a context manager that stops it on exit.
+
+    `.requests`, `.running` and `.queued` are signals (answered requests, engine calls
+    under way, requests waiting for a slot); `.models` the served model ids.
+    """
+
+    def __init__(self, app: Any, sock: socket.socket, *, log_level: str, access_log: bool):
+        import uvicorn
+
+        self.app = app
+        self.state = app.state.workbench
+        self._socket = sock
+        host, port = sock.getsockname()[:2]
+        self.host, self.port = host, port
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{port}"
+        self.base_url = f"{self.url}/v1"
+        config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
+                                timeout_graceful_shutdown=3, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def models(self) -> list[str]:
+        return list(self.state.engines)
+
+    @property
+    def requests(self):
+        return self.state.requests
+
+    @property
+    def running(self):
+        return self.state.running
+
+    @property
+    def queued(self):
+        return self.state.queued
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, timeout: float = 30.0) -> Server:
+        """Serve on a daemon thread; returns once the server accepts connections."""
+        self._thread = threading.Thread(target=self._run, name="workbench-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start: {self._error!r}")
+            time.sleep(0.01)
+        _running[(self.host, self.port)] = self
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve on this thread until Ctrl-C (uvicorn handles the signals)."""
+        try:
+            self._server.run(sockets=[self._socket])
+        finally:
+            self._socket.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop generating, close the connections and the socket; wait for the thread."""
+        self.state.cancel_all()
+        self._server.should_exit = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._socket.close()
+        if _running.get((self.host, self.port)) is self:
+            del _running[(self.host, self.port)]
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._socket])
+        except BaseException as exc:  # noqa: BLE001 - reported by start()
+            self._error = exc
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_running else "stopped"
+        return f"<workbench Server {state} at {self.url}: {', '.join(self.models)}>"
+
+
+def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
+          host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str | None = None,
+          max_concurrent: int = 1, max_queue: int = 64, max_body_bytes: int | None = None,
+          max_tokens_limit: int | None = None, background: bool = True,
+          log_level: str | None = None) -> Server:
+    """Serve `engine` with OpenAI's HTTP API (chat, completions, embeddings, transcription).
+
+        >>> server = workbench.serve(m, port=0)          # a free port
+        >>> client = openai.OpenAI(base_url=server.base_url, api_key="-")
+        >>> server.stop()
+
+    engine: an `LLM`, `Encoder`, `WhisperModel` or `RemoteEngine` (anything with
+        `.chat`, `.generate`, `.embed` or `.transcribe`), or a mapping
+        {model id: engine} to serve several.
+    model_id: the id clients name in `model` (one engine); default: the registry
+        alias of its file, or the file name without extension.
+    host, port: where to listen (port 0 picks a free one; see `.url`).
+    api_key: when set, requests need `Authorization: Bearer <api_key>`.
+    max_concurrent: engine calls at once; up to `max_queue` more requests wait in
+        order, beyond that they get 429.
+    max_body_bytes: the largest request body (default 25 MiB); max_tokens_limit: the
+        most tokens one request may generate.
+    background: serve on a daemon thread and return the running `Server` (stop it
+        with `.stop()` or a `with` block); False serves until Ctrl-C.
+    A server this process started on the same host and port is stopped first, so
+    re-running a notebook cell just restarts it.
+    """
+    from workbench.serve.app import DEFAULT_MAX_BODY, create_app
+
+    engines = dict(engine) if isinstance(engine, Mapping) else {
+        model_id or default_model_id(engine): engine}
+    app = create_app(engines, api_key=api_key, max_concurrent=max_concurrent,
+                     max_queue=max_queue, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY,
+                     max_tokens_limit=max_tokens_limit)
+    old = _running.get((host, port))
+    if old is not None:
+        old.stop()
+    try:
+        sock = socket.create_server((host, port), reuse_port=False)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}); pass another port, "
+                      "or port=0 for a free one") from None
+    server = Server(app, sock, log_level=log_level or ("warning" if background else "info"),
+                    access_log=not background)
+    if not background:
+        server.serve_forever()
+        return server
+    return server.start()
+
+
+def default_model_id(engine: Any) -> str:
+    """The registry alias of the engine's file when it is a cached alias, else the file's
+    name without extension (or the engine's own `model` for a `RemoteEngine`)."""
+    from workbench import registry
+
+    if isinstance(getattr(engine, "model", None), str):
+        return engine.model
+    path = getattr(engine, "path", None)
+    if path is None:
+        return type(engine).__name__.lower()
+    for alias in registry.MODELS:
+        cached = registry.cached_path(alias)
+        if cached is not None and os.path.realpath(cached) == os.path.realpath(path):
+            return alias
+    return os.path.splitext(os.path.basename(path))[0]

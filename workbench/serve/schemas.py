@@ -1,0 +1,150 @@
+"""The OpenAI request bodies the server accepts, as pydantic models, and its error body.
+
+Fields a request leaves out are not passed to the engine, so an omitted
+`temperature` means the engine's own default (llama-cpp-python's: 0.8), not
+OpenAI's 1.0; a request that sets a field gets exactly that value. Fields we
+do not know are ignored (clients such as LangChain send `user`, `metadata` ...);
+fields we know but cannot honour (`tools`, `suffix`) are refused with a 400.
+Beyond OpenAI's fields we accept llama.cpp server's `top_k`, `min_p`,
+`repeat_penalty` and `grammar` (GBNF).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_CHOICES = 16  # n (times the number of prompts for /v1/completions) per request
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    def options(self, *names: str) -> dict[str, Any]:
+        """The named fields this request set (None counts as not set)."""
+        return {k: getattr(self, k) for k in names
+                if k in self.model_fields_set and getattr(self, k) is not None}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        """The message as the chat template wants it: `developer` is `system`, text parts
+        joined."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role,
+                "content": content or ""}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+Stop = str | Annotated[list[str], Field(max_length=16)] | None
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Sampling(_Request):
+    """Sampling fields shared by chat and text completions."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # llama.cpp server's extensions
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    grammar: str | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """Engine options for the fields this request set."""
+        options = self.options("temperature", "top_p", "seed", "presence_penalty",
+                               "frequency_penalty", "top_k", "min_p", "repeat_penalty",
+                               "stop")
+        if self.logit_bias:
+            try:
+                options["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
+                               param="logit_bias") from None
+        if self.grammar is not None:
+            options["grammar"] = self.grammar
+        return options
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[str], Field(min_length=1)] \
+        | Annotated[list[int], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+
+
+class EmbeddingRequest(_Request):
+    model: str
+    input: str | Annotated[list[str], Field(min_length=1, max_length=2048)] \
+        | Annotated[list[int], Field(min_length=1)] \
+        | Annotated[list[list[int]], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
