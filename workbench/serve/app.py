@@ -307,9 +307,9 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-        # a union's branches add their type names to the path: keep the field names
-        param = ".".join(p for p in loc if not p[:1].isupper() and "[" not in p) or None
+        loc = [p for p in first.get("loc", ()) if p not in ("body", "form")]
+        param = str(loc[0]) if loc else None  # the request field (deeper parts name union
+        # branches and list indices, not fields a client knows)
         if first.get("type") == "json_invalid":
             message, param = "the request body is not valid JSON", None
         elif first.get("type") == "missing":
