@@ -12,7 +12,7 @@ from workbench import registry
 from workbench.cli import main
 
 
-@pytest.mark.parametrize("command", [[], ["pull"], ["list"], ["chat"], ["generate"]])
+@pytest.mark.parametrize("command", [[], ["pull"], ["list"], ["chat"], ["generate"], ["serve"]])
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as exc:
         main(command + ["--help"])
@@ -77,3 +77,45 @@ def test_peak_memory_while_generating(alias):
     peak_mb = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
     budget_mb = 1.5 * path.stat().st_size / 1e6 + 300
     assert 0 < peak_mb <= budget_mb, f"peak RSS {peak_mb:.0f} MB, budget {budget_mb:.0f} MB"
+
+
+@pytest.mark.slow
+def test_serve_in_the_foreground_until_ctrl_c(smollm2):
+    """`workbench serve` serves a chat model and an encoder under their aliases, answers the
+    openai client like the engine, and stops cleanly on SIGINT."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+    import openai
+
+    with socket.socket() as s:  # a free port (the CLI binds it itself)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "smollm2-135m",
+                             "minilm-l6", "--port", str(port), "--api-key", "k"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["smollm2-135m", "minilm-l6"]
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        r = client.chat.completions.create(model="smollm2-135m", messages=messages,
+                                           temperature=0, max_tokens=16)
+        assert r.choices[0].message.content == smollm2.chat(messages, temperature=0,
+                                                            max_tokens=16).text
+        assert len(client.embeddings.create(model="minilm-l6", input="hi").data[0]
+                   .embedding) == 384
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err, err  # 130: ended by SIGINT
+    assert f"serving smollm2-135m, minilm-l6 at http://127.0.0.1:{port}/v1" in err

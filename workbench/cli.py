@@ -1,5 +1,5 @@
-"""The `workbench` command line: pull, list, chat, generate, embed, transcribe, convert, bench,
-lab."""
+"""The `workbench` command line: pull, list, chat, generate, embed, transcribe, convert, serve,
+bench, lab."""
 
 from __future__ import annotations
 
@@ -110,6 +110,26 @@ def _parser() -> argparse.ArgumentParser:
                            "f16 for Whisper; q8_0 is BERT only)")
     conv.set_defaults(func=_convert)
 
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                         description="Serve models with OpenAI's API (/v1/chat/completions, "
+                         "/v1/completions, /v1/embeddings, /v1/audio/transcriptions, "
+                         "/v1/models) until Ctrl-C. Each MODEL is an alias, a .gguf or "
+                         "whisper.cpp .bin path, or ID=SOURCE to name it; decoder GGUFs "
+                         "chat, BERT GGUFs embed, .bin files transcribe.")
+    srv.add_argument("models", nargs="*", default=[registry.DEFAULT_MODEL], metavar="MODEL",
+                     help=f"what to serve (default: {registry.DEFAULT_MODEL})")
+    srv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine)")
+    srv.add_argument("--port", type=int, default=11434, help="default: 11434")
+    srv.add_argument("--api-key", default=os.environ.get("WORKBENCH_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' ($WORKBENCH_API_KEY)")
+    srv.add_argument("--max-concurrent", type=int, default=1,
+                     help="engine calls at once (default: 1)")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests waiting for a slot before 429 (default: 64)")
+    srv.add_argument("--ctx", type=int, default=4096,
+                     help="context length of chat models in tokens (default 4096)")
+    srv.set_defaults(func=_serve)
+
     sub.add_parser("bench", add_help=False,
                            help="speed and memory against llama.cpp, side by side",
                            description="See `workbench bench --help`.")
@@ -184,19 +204,16 @@ def _embed(args) -> int:
     import json
 
     from workbench.engine.encoder import Encoder, cosine_similarity
-    from workbench.engine.gguf import open_gguf
 
-    g = open_gguf(registry.resolve(args.model))
-    if g.architecture in ("bert",):
-        model = Encoder(g)
+    model = load_engine(args.model)
+    if isinstance(model, Encoder):
         vectors = model.embed_batch(args.texts, pool=args.pool,
                                     normalize=not args.no_normalize)
-    else:
-        from workbench.engine.llm import LLM
-
-        model = LLM(g)
+    elif hasattr(model, "embed_batch"):
         vectors = model.embed_batch(args.texts, pool=args.pool or "last",
                                     normalize=not args.no_normalize)
+    else:
+        raise ValueError(f"{args.model} is not a text model: it cannot embed")
     if args.similarity:
         sims = cosine_similarity(vectors, vectors)
         width = max(len(t) for t in args.texts[:50])
@@ -240,6 +257,44 @@ def _convert(args) -> int:
         dtype = args.dtype or "f32"
         path = hf_bert_to_gguf(source, args.output, dtype=dtype)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {dtype})")
+    return 0
+
+
+def load_engine(source: str, *, ctx: int = 4096):
+    """The engine a model file calls for: `WhisperModel` for a whisper.cpp .bin, `Encoder`
+    for a BERT GGUF, `LLM` for a decoder GGUF."""
+    path = registry.resolve(source)
+    if path.suffix == ".bin":
+        from workbench.engine.whisper import WhisperModel
+
+        return WhisperModel.load(path)
+    from workbench.engine.gguf import open_gguf
+
+    g = open_gguf(path)
+    if g.architecture == "bert":
+        from workbench.engine.encoder import Encoder
+
+        return Encoder(g)
+    from workbench.engine.llm import LLM
+
+    return LLM(g, kv_cache_size=ctx)
+
+
+def _serve(args) -> int:
+    from workbench.serve import serve
+
+    engines = {}
+    for spec in args.models:
+        name, sep, source = spec.partition("=")
+        if not sep:
+            name, source = spec, spec
+            if spec not in registry.MODELS:
+                name = Path(spec).stem
+        engines[name] = load_engine(source, ctx=args.ctx)
+    print(f"workbench: serving {', '.join(engines)} at http://{args.host}:{args.port}/v1 "
+          "(Ctrl-C stops)", file=sys.stderr)
+    serve(engines, host=args.host, port=args.port, api_key=args.api_key,
+          max_concurrent=args.max_concurrent, max_queue=args.max_queue, background=False)
     return 0
 
 
