@@ -6,6 +6,7 @@
 - `JSONCell`: schema- or grammar-constrained generation shown as a JSON tree.
 - `SimilarityCell`: sentence embeddings as a similarity heatmap, with search.
 - `MicrophoneCell`: record or upload audio, transcribed by Whisper with segment times.
+- `ServeCell`: start and stop the OpenAI-compatible server, with live request counts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from workbench.widgets.chat import ChatCell, render_markdown
 from workbench.widgets.json_cell import JSONCell
 from workbench.widgets.logits import LogitsCell, TokenView
 from workbench.widgets.microphone import MicrophoneCell
+from workbench.widgets.serve import ServeCell
 from workbench.widgets.similarity import SimilarityCell
 
 __all__ = ["BusyBadge", "ChatCell", "DeviceBadge", "JSONCell", "LogitsCell",
-           "MicrophoneCell", "SimilarityCell", "TokenView", "render_markdown"]
+           "MicrophoneCell", "ServeCell", "SimilarityCell", "TokenView", "render_markdown"]
