@@ -430,3 +430,36 @@ def test_load_with_queue_and_cancellations(engines):
             [t.name for t in threading.enumerate()]
         assert _rss() - rss_before < 64 * 1024 * 1024
     assert not llm.busy.peek()
+
+
+def test_a_client_leaving_the_queue_frees_its_place(engines):
+    import workbench
+
+    llm = engines["smollm2-135m"]
+    long = {"model": "m", "max_tokens": 400, "temperature": 0.8, "seed": 1, "stream": True,
+            "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}
+    with workbench.serve(llm, model_id="m", port=0, max_concurrent=1, max_queue=1) as server:
+        with httpx.Client(base_url=server.url, timeout=120) as http, \
+                http.stream("POST", "/v1/chat/completions", json=long) as running:
+            lines = running.iter_lines()
+            next(lines)  # the slot is taken
+            # a second request waits in the queue; its client gives up after 1 s
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + "/v1/chat/completions", timeout=1.0,
+                           json={"model": "m", "messages": QUESTION, "max_tokens": 4})
+            assert _wait_for(lambda: server.queued.peek() == 0, 5)  # its place is free
+            assert server.running.peek() == 1
+            # so the next request queues (rather than getting 429) ...
+            answers: list[httpx.Response] = []
+            waiting = threading.Thread(target=lambda: answers.append(httpx.post(
+                server.url + "/v1/chat/completions", timeout=120,
+                json={"model": "m", "messages": QUESTION, "max_tokens": 4,
+                      "temperature": 0})))
+            waiting.start()
+            assert _wait_for(lambda: server.queued.peek() == 1, 5)
+        # ... and is answered once the stream is dropped and its generation stops
+        waiting.join(60)
+        assert answers and answers[0].status_code == 200, answers
+        assert answers[0].json()["choices"][0]["message"]["content"] \
+            == llm.chat(QUESTION, max_tokens=4, temperature=0).text
+        assert _wait_for(lambda: server.running.peek() == 0 and not llm.busy.peek(), 10)

@@ -75,7 +75,9 @@ class Sampler:
             ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
             vals = out[ids]
             if p.repeat_penalty != 1.0:
-                vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+                with np.errstate(divide="ignore", over="ignore"):  # extreme penalties: +-inf
+                    vals = np.where(vals > 0, vals / p.repeat_penalty,
+                                    vals * p.repeat_penalty)
             out[ids] = vals - counts * p.frequency_penalty - p.presence_penalty
         return out
 

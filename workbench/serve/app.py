@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette.sse import EventSourceResponse
@@ -46,6 +46,7 @@ from workbench.serve.schemas import (
 from workbench.signals import Signal
 
 DEFAULT_MAX_BODY = 25 * 1024 * 1024  # bytes; OpenAI's limit for audio uploads
+DRAIN_FACTOR = 4  # a refused body up to this many times the limit is read before the 413
 _DONE = object()
 
 
@@ -69,10 +70,12 @@ class ServerState:
         self.queued: Signal[int] = Signal(0, name="queued")  # waiting for a slot
         self._waiters: deque[asyncio.Future] = deque()
         self._jobs: set[Job] = set()
+        self._jobs_lock = threading.Lock()
 
     # -- the FIFO gate (used on the event loop's thread only) --------------------------------
-    async def acquire(self) -> None:
-        """Take a slot, waiting in line; raises a 429 `APIError` when the line is full."""
+    async def acquire(self, request: Request | None = None) -> None:
+        """Take a slot, waiting in line; raises a 429 `APIError` when the line is full, and
+        `_ClientGone` when `request`'s client leaves while it waits."""
         if self.running.peek() < self.max_concurrent and not self._waiters:
             self.running.set(self.running.peek() + 1)
             return
@@ -84,8 +87,14 @@ class ServerState:
         self._waiters.append(waiter)
         self.queued.set(len(self._waiters))
         try:
-            await waiter
-        except asyncio.CancelledError:
+            while not waiter.done():
+                await asyncio.wait({waiter}, timeout=0.5)
+                if not waiter.done() and request is not None \
+                        and await request.is_disconnected():
+                    waiter.cancel()
+                    raise _ClientGone()
+            waiter.result()
+        except (asyncio.CancelledError, _ClientGone):
             if waiter.done() and not waiter.cancelled():  # the slot came as we left
                 self.release()
             elif waiter in self._waiters:
@@ -105,7 +114,9 @@ class ServerState:
 
     def cancel_all(self) -> None:
         """Stop every running engine call (the server is stopping)."""
-        for job in list(self._jobs):
+        with self._jobs_lock:
+            jobs = list(self._jobs)
+        for job in jobs:
             job.cancel()
 
     # -- engines ------------------------------------------------------------------------------
@@ -145,7 +156,8 @@ class Job:
 
     def start(self) -> None:
         """Start on a slot the caller has acquired (released when the thread ends)."""
-        self.state._jobs.add(self)
+        with self.state._jobs_lock:
+            self.state._jobs.add(self)
         threading.Thread(target=self._run, name="workbench-serve-job", daemon=True).start()
 
     def cancel(self) -> None:
@@ -185,7 +197,8 @@ class Job:
             self._call_soon(self._finished)
 
     def _finished(self) -> None:
-        self.state._jobs.discard(self)
+        with self.state._jobs_lock:
+            self.state._jobs.discard(self)
         self.state.release()
 
 
@@ -201,9 +214,9 @@ def _api_error(exc: BaseException) -> APIError:
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
 
 
-async def _start(state: ServerState, produce) -> Job:
+async def _start(state: ServerState, request: Request, produce) -> Job:
     """Wait for a slot (429 when the line is full) and start `produce` on it."""
-    await state.acquire()
+    await state.acquire(request)
     job = Job(state, produce)
     try:
         job.start()
@@ -232,41 +245,40 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
                   description="An OpenAI-compatible API over local workbench engines.")
     app.state.workbench = state
     _install_errors(app)
-    app.add_middleware(_BodyLimit, state=state)
-    auth = [Depends(_authorize)]
+    app.add_middleware(_Gatekeeper, state=state)
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "models": list(state.engines),
                 "running": state.running.peek(), "queued": state.queued.peek()}
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_card(state, m) for m in state.engines]}
 
-    @app.get("/v1/models/{model:path}", dependencies=auth)
+    @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
         if model not in state.engines:
             raise APIError(404, f"the model {model!r} does not exist", param="model",
                            code="model_not_found")
         return _model_card(state, model)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         engine = state.engine(body.model, "chat", "chat completions")
         return await _chat(state, engine, body, request)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = state.engine(body.model, "generate", "text completions")
         return await _complete(state, engine, body, request)
 
-    @app.post("/v1/embeddings", dependencies=auth)
+    @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         engine = state.engine(body.model, "embed_batch|embed", "embeddings")
         return await _embed(state, engine, body, request)
 
-    @app.post("/v1/audio/transcriptions", dependencies=auth)
+    @app.post("/v1/audio/transcriptions")
     async def transcriptions(
         request: Request,
         file: Annotated[UploadFile, File(description="the audio file")],
@@ -280,7 +292,7 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
         return await _transcribe(state, engine, request, file, "transcribe", language, prompt,
                                  response_format, temperature)
 
-    @app.post("/v1/audio/translations", dependencies=auth)
+    @app.post("/v1/audio/translations")
     async def translations(
         request: Request,
         file: Annotated[UploadFile, File(description="the audio file")],
@@ -324,25 +336,19 @@ def _install_errors(app: FastAPI) -> None:
         return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind).body(),
                             status_code=exc.status_code, headers=exc.headers)
 
+    @app.exception_handler(_ClientGone)
+    async def gone(request: Request, exc: _ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(_api_error(exc).body(), status_code=500)
 
 
-async def _authorize(request: Request) -> None:
-    key = request.app.state.workbench.api_key
-    if key is None:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                             key.encode()):
-        raise APIError(401, "incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
-
-
-class _BodyLimit:
-    """ASGI middleware: request bodies over the limit get 413 (by Content-Length up front,
-    or while a body without one streams in); also counts answered requests."""
+class _Gatekeeper:
+    """ASGI middleware, before any body is read: the API key for `/v1/*` (401), the body
+    size (413, by Content-Length up front or while a body without one streams in); and
+    the count of answered requests."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -350,13 +356,23 @@ class _BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.state.max_body_bytes
-        too_large = APIError(413, f"the request body exceeds {limit} bytes",
-                             code="request_too_large")
-        length = dict(scope["headers"]).get(b"content-length")
         try:
-            if length is not None and int(length) > limit:
-                return await _send_error(send, too_large)
+            headers = dict(scope["headers"])
+            if not self._authorized(scope["path"], headers.get(b"authorization", b"")):
+                return await _send_error(send, APIError(
+                    401, "incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key"))
+            limit = self.state.max_body_bytes
+            too_large = APIError(413, f"the request body exceeds {limit} bytes",
+                                 code="request_too_large")
+            length = headers.get(b"content-length")
+            if length is not None:
+                if not length.isdigit():
+                    return await _send_error(send, APIError(400, "bad Content-Length header"))
+                if int(length) > limit:
+                    if int(length) <= DRAIN_FACTOR * limit:
+                        await _drain(receive, DRAIN_FACTOR * limit)
+                    return await _send_error(send, too_large)
             received = 0
 
             async def limited():
@@ -364,12 +380,32 @@ class _BodyLimit:
                 message = await receive()
                 received += len(message.get("body", b""))
                 if received > limit:  # raised inside the route: FastAPI passes it through
+                    if message.get("more_body"):
+                        await _drain(receive, DRAIN_FACTOR * limit - received)
                     raise HTTPException(413, too_large.message)
                 return message
 
             await self.app(scope, limited, send)
         finally:
             self.state.requests.set(self.state.requests.peek() + 1)
+
+    def _authorized(self, path: str, header: bytes) -> bool:
+        key = self.state.api_key
+        if key is None or not path.startswith("/v1/"):
+            return True
+        scheme, _, given = header.decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                                  key.encode())
+
+
+async def _drain(receive, most: int) -> None:
+    """Read and drop the rest of a refused request body (up to `most` bytes), so that a
+    client still sending it reads the error instead of a broken connection."""
+    while most > 0:
+        message = await receive()
+        most -= len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
 
 
 async def _send_error(send, error: APIError) -> None:
@@ -491,7 +527,7 @@ async def _chat(state: ServerState, engine: Any, body: ChatCompletionRequest,
 
             messages = with_schema_instruction(messages, fmt.json_schema.schema_)
     start = _choices(engine, "chat", "chat_batch", [messages], body.n, options)
-    job = await _start(state, _run_choices(start))
+    job = await _start(state, request, _run_choices(start))
     meta = {"id": _id("chatcmpl"), "created": int(time.time()), "model": body.model}
     first = await job.next_or_disconnect(request)  # the engine accepted the request (or not)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -506,17 +542,14 @@ async def _chat_response(engine: Any, job: Job, request: Request, meta: dict, n:
     texts = [[] for _ in range(n)]
     tokens = [[] for _ in range(n)]
     reasons, usages = ["stop"] * n, [None] * n
-    try:
-        while (item := await job.next_or_disconnect(request)) is not _DONE:
-            if item[0] == "end":
-                _, i, reasons[i], usages[i] = item
-            else:
-                i, event = item
-                texts[i].append(event.text)
-                if logprobs and event.logprob is not None:
-                    tokens[i].append(_chat_logprob(engine, event))
-    except _ClientGone:
-        return Response(status_code=204)
+    while (item := await job.next_or_disconnect(request)) is not _DONE:
+        if item[0] == "end":
+            _, i, reasons[i], usages[i] = item
+        else:
+            i, event = item
+            texts[i].append(event.text)
+            if logprobs and event.logprob is not None:
+                tokens[i].append(_chat_logprob(engine, event))
     choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i]),
                                         "refusal": None},
                 "logprobs": {"content": tokens[i], "refusal": None} if logprobs else None,
@@ -593,7 +626,7 @@ async def _complete(state: ServerState, engine: Any, body: CompletionRequest,
     if body.echo:
         options["include_prompt"] = True
     start = _choices(engine, "generate", "generate_batch", prompts, body.n, options)
-    job = await _start(state, _run_choices(start))
+    job = await _start(state, request, _run_choices(start))
     meta = {"id": _id("cmpl"), "created": int(time.time()), "model": body.model}
     ready = await job.next_or_disconnect(request)
     if body.stream:
@@ -621,17 +654,14 @@ async def _text_response(job: Job, request: Request, meta: dict, n: int,
     texts = [[] for _ in range(n)]
     events = [[] for _ in range(n)]
     reasons, usages = ["stop"] * n, [None] * n
-    try:
-        while (item := await job.next_or_disconnect(request)) is not _DONE:
-            if item[0] == "end":
-                _, i, reasons[i], usages[i] = item
-            else:
-                i, event = item
-                texts[i].append(event.text)
-                if event.id is not None and event.logprob is not None:
-                    events[i].append(event)
-    except _ClientGone:
-        return Response(status_code=204)
+    while (item := await job.next_or_disconnect(request)) is not _DONE:
+        if item[0] == "end":
+            _, i, reasons[i], usages[i] = item
+        else:
+            i, event = item
+            texts[i].append(event.text)
+            if event.id is not None and event.logprob is not None:
+                events[i].append(event)
     choices = []
     for i in range(n):
         choices.append({"index": i, "text": "".join(texts[i]),
@@ -704,11 +734,8 @@ async def _embed(state: ServerState, engine: Any, body: EmbeddingRequest,
                 n_tokens = sum(len(engine.tokenize(t)) for t in texts)
         put((vectors, n_tokens))
 
-    job = await _start(state, produce)
-    try:
-        vectors, n_tokens = await job.next_or_disconnect(request)
-    except _ClientGone:
-        return Response(status_code=204)
+    job = await _start(state, request, produce)
+    vectors, n_tokens = await job.next_or_disconnect(request)
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:
         raise APIError(400, f"this model's embeddings have {vectors.shape[1]} dimensions; "
                        "it cannot shorten them", param="dimensions")
@@ -753,11 +780,8 @@ async def _transcribe(state: ServerState, engine: Any, request: Request, file: U
         transcript = engine.transcribe(pcm, **options)
         put((transcript, len(pcm) / SAMPLE_RATE))
 
-    job = await _start(state, produce)
-    try:
-        transcript, duration = await job.next_or_disconnect(request)
-    except _ClientGone:
-        return Response(status_code=204)
+    job = await _start(state, request, produce)
+    transcript, duration = await job.next_or_disconnect(request)
     text = str(transcript)
     segments = list(getattr(transcript, "segments", []))
     if response_format == "json":
