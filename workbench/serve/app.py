@@ -132,10 +132,11 @@ class ServerState:
         return engine
 
     def limit_tokens(self, max_tokens: int | None) -> int | None:
-        if self.max_tokens_limit is None:
-            return max_tokens
-        return min(self.max_tokens_limit, self.max_tokens_limit if max_tokens is None
-                   else max_tokens)
+        """`max_tokens` (None: the engine's default) under the server's `max_tokens_limit`."""
+        limit = self.max_tokens_limit
+        if limit is None or max_tokens is None:
+            return max_tokens if limit is None else limit
+        return min(max_tokens, limit)
 
 
 class Job:
@@ -209,7 +210,7 @@ class _ClientGone(Exception):
 def _api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, (ValueError, TypeError, KeyError)):
+    if isinstance(exc, (ValueError, TypeError)):
         return APIError(400, str(exc) or type(exc).__name__)
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
 
