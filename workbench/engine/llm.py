@@ -30,7 +30,7 @@ from workbench.engine import chat_template
 from workbench.engine.backend import resolve_device
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.grammar import Grammar, GrammarMatcher, resolve_grammar
-from workbench.engine.kv_cache import KVCache
+from workbench.engine.kv_cache import KVCache, PrefixCache
 from workbench.engine.models import llama
 from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
@@ -233,6 +233,8 @@ class LLM:
         self._forward_lock = threading.Lock()  # one forward pass at a time per model
         self._cache = self.model.new_cache()  # kept between calls for prompt prefix reuse
         self._cache_lock = threading.Lock()
+        self._file_sha256: str | None = None
+        self.prefilled_tokens = 0  # prompt tokens run through the model so far (all calls)
 
     @classmethod
     def load(cls, source: str | os.PathLike = registry.DEFAULT_MODEL, *, device: str = "auto",
@@ -303,6 +305,44 @@ class LLM:
             self._require_model()
             self._cache.reset()
 
+    # -- prefix caches -----------------------------------------------------------------------
+    @property
+    def file_sha256(self) -> str:
+        """SHA-256 of the model file (computed once), which saved prefix caches bind to."""
+        if self._file_sha256 is None:
+            self._file_sha256 = registry.file_sha256(self.path)
+        return self._file_sha256
+
+    def prefix(self, text: str | Sequence[int], *, add_bos: bool | None = None) -> PrefixCache:
+        """Run `text` (or token ids) once and keep its keys and values: `generate(...,
+        prefix=pc)` then skips the prefill of every prompt that starts with it."""
+        ids, _ = self._prompt_ids(text, add_bos, False)
+        return self._snapshot(ids)
+
+    def prefix_chat(self, messages: Sequence[Mapping[str, Any]]) -> PrefixCache:
+        """`prefix` for the start of conversations, e.g. a long system message: the chat
+        template renders `messages` without the assistant's turn."""
+        return self._snapshot(self._chat_ids(messages, None, add_generation_prompt=False))
+
+    def load_prefix(self, path: str | os.PathLike) -> PrefixCache:
+        """A prefix cache saved with `PrefixCache.save`, checked to belong to this file."""
+        return PrefixCache.load(path, self)
+
+    def _snapshot(self, ids: list[int]) -> PrefixCache:
+        model = self._require_model()
+        cache = model.new_cache(len(ids))
+        with self._busy:
+            for start in range(0, len(ids), PREFILL_CHUNK):
+                with self._forward_lock:
+                    model.hidden(np.asarray(ids[start : start + PREFILL_CHUNK]), cache)
+        return cache.snapshot(self.file_sha256)
+
+    def _check_prefix(self, prefix: PrefixCache | None) -> None:
+        if prefix is not None and (not isinstance(prefix, PrefixCache)
+                                   or prefix.model_sha256 != self.file_sha256):
+            raise ValueError("prefix must be a PrefixCache made by this model "
+                             "(LLM.prefix / prefix_chat / load_prefix)")
+
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 512,
                  stop: str | Sequence[str] | None = None, stop_tokens: Sequence[int] = (),
@@ -312,7 +352,8 @@ class LLM:
                  repeat_last_n: int = 64, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, seed: int | None = None,
                  logit_bias: Mapping[int, float] | None = None,
-                 grammar: Grammar | str | None = None, schema: Any = None) -> Completion:
+                 grammar: Grammar | str | None = None, schema: Any = None,
+                 prefix: PrefixCache | None = None) -> Completion:
         """Continue `prompt` (text, or token ids) without a chat template.
 
         Stops at the model's end-of-generation tokens, any of `stop_tokens`, any
@@ -326,15 +367,20 @@ class LLM:
         grammar's mask removes what cannot follow, end tokens are allowed only
         once the output is complete, and generation stops when nothing more can
         be added.
+
+        `prefix` (from `prefix` / `prefix_chat`) holds the keys and values of
+        the prompt's first tokens: as many as the prompt shares with it are
+        copied into the cache instead of being run through the model.
         """
         ids, prompt_text = self._prompt_ids(prompt, add_bos, include_prompt)
+        self._check_prefix(prefix)
         options = dict(max_tokens=max_tokens, stop=stop, stop_tokens=stop_tokens,
                        logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
                        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                        presence_penalty=presence_penalty,
                        frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         seq = self._decoding(ids, resolve_grammar(grammar, schema), seed, **options)
-        return Completion(self._generate_events(ids, seq), ids, prompt_text)
+        return Completion(self._generate_events(ids, seq, prefix), ids, prompt_text)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
              **options) -> Completion:
@@ -388,8 +434,8 @@ class LLM:
                        frequency_penalty: float = 0.0,
                        seed: int | Sequence[int] | None = None,
                        logit_bias: Mapping[int, float] | None = None,
-                       grammar: Grammar | str | None = None, schema: Any = None
-                       ) -> list[Completion]:
+                       grammar: Grammar | str | None = None, schema: Any = None,
+                       prefix: PrefixCache | None = None) -> list[Completion]:
         """Continue several prompts at once; returns their finished `Completion`s, in order.
 
         Each prompt is prefilled into its own rows of one KV pool; then every
@@ -410,6 +456,7 @@ class LLM:
             if len(seeds) != len(prompts):
                 raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         requests = [self._prompt_ids(p, add_bos, include_prompt) for p in prompts]
+        self._check_prefix(prefix)
         options = dict(max_tokens=max_tokens, stop=stop, stop_tokens=stop_tokens,
                        logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
                        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
@@ -421,7 +468,8 @@ class LLM:
         events: list[list[TokenEvent]] = [[] for _ in prompts]
         if max_tokens > 0:
             with self._busy:
-                self._run_batch([ids for ids, _ in requests], seqs, events, max_tokens)
+                self._run_batch([ids for ids, _ in requests], seqs, events, max_tokens,
+                                prefix)
         return [Completion(_replay(ev, seq.finish_reason or "length"), ids, text)
                 for ev, seq, (ids, text) in zip(events, seqs, requests)]
 
@@ -433,14 +481,15 @@ class LLM:
         return self.generate_batch([self._chat_ids(m, tools) for m in conversations], **options)
 
     def _run_batch(self, prompt_ids: list[list[int]], seqs: list[_Decoding],
-                   events: list[list[TokenEvent]], max_tokens: int) -> None:
+                   events: list[list[TokenEvent]], max_tokens: int,
+                   prefix: PrefixCache | None = None) -> None:
         """Prefill each prompt into its slot of a new KV pool, then decode all unfinished
         sequences together, one forward pass per step, until each is finished."""
         model = self._require_model()
         longest = max(len(ids) for ids in prompt_ids)
         caches = model.new_pool(len(prompt_ids), min(self.kv_cache_size,
                                                      longest + max_tokens)).caches()
-        logits = np.stack([self._prefill(ids, c) for ids, c in zip(prompt_ids, caches)])
+        logits = np.stack([self._fill(c, ids, prefix) for ids, c in zip(prompt_ids, caches)])
         active = list(range(len(seqs)))
         while active:
             feed, still = [], []
@@ -516,12 +565,14 @@ class LLM:
                              f"{self.kv_cache_size}; load with a larger kv_cache_size")
         return ids, text if include_prompt else ""
 
-    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: list | None) -> list[int]:
+    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: list | None, *,
+                  add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the chat template (BOS as the model wants)."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
         variables = {"tools": tools} if tools else {}
-        prompt = self.apply_chat_template(messages, **variables)
+        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                          **variables)
         ids = self.tokenize(prompt, add_bos=False)
         tok = self.tokenizer
         if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
@@ -532,6 +583,22 @@ class LLM:
         if self.model is None:
             raise RuntimeError("this LLM has been closed")
         return self.model
+
+    def _fill(self, cache: KVCache, ids: list[int], prefix: PrefixCache | None
+              ) -> np.ndarray:
+        """Bring `cache` to hold `ids`, reusing what it already holds and what `prefix`
+        holds (copied, whichever covers more), prefilling the rest; return the logits
+        after the last token (at least one token always runs, for them)."""
+        reuse = cache.common_prefix(ids)
+        if prefix is not None:
+            n = min(prefix.common_prefix(ids), len(ids) - 1)
+            if n > reuse:
+                cache.restore(prefix, n)
+                reuse = n
+        reuse = min(reuse, len(ids) - 1)
+        cache.trim(reuse)
+        self.prefilled_tokens += len(ids) - reuse
+        return self._prefill(ids[reuse:], cache)
 
     def _prefill(self, ids: list[int], cache: KVCache) -> np.ndarray:
         """Feed `ids` in chunks of PREFILL_CHUNK (bounding the attention scores' memory);
@@ -561,7 +628,8 @@ class LLM:
                          stop=[stop] if isinstance(stop, str) else [s for s in stop or [] if s],
                          stop_tokens=stop_ids, logprobs=logprobs, matcher=matcher)
 
-    def _generate_events(self, prompt_ids: list[int], seq: _Decoding
+    def _generate_events(self, prompt_ids: list[int], seq: _Decoding,
+                         prefix: PrefixCache | None = None
                          ) -> Generator[TokenEvent, None, str]:
         """Yield the events of one generation; return its finish reason."""
         model = self._require_model()
@@ -573,9 +641,7 @@ class LLM:
         try:
             if seq.max_tokens == 0:
                 return "length"
-            reuse = min(cache.common_prefix(prompt_ids), len(prompt_ids) - 1)
-            cache.trim(reuse)
-            logits = self._prefill(prompt_ids[reuse:], cache)
+            logits = self._fill(cache, prompt_ids, prefix)
             while True:
                 token, events = seq.step(logits, room=cache.offset < cache.max_len)
                 yield from events
