@@ -18,7 +18,7 @@ import asyncio
 import json
 import os
 import threading
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from workbench.engine.tokenizers.stream import StreamDecoder
 from workbench.signals import BusyCounter, Signal
 
 SUPPORTED_ARCHITECTURES = llama.ARCHITECTURES
+LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]  # fn(ids, logits) -> logits
 PREFILL_CHUNK = 512  # prompt tokens per forward pass
 
 
@@ -297,6 +298,31 @@ class LLM:
         with self._busy, self._forward_lock:
             return self._require_model().forward(np.asarray(ids), cache)
 
+    def is_stop_token(self, token: int) -> bool:
+        """True for the model's end-of-generation tokens (end of turn, EOS)."""
+        return int(token) in self.tokenizer.eot_ids
+
+    def kv_remove(self, start: int, end: int, *, recompute: bool = True) -> None:
+        """Forget positions start .. end - 1 of the kept sequence (the cached prompt and
+        answer of the last call); the next call that continues the remaining tokens
+        reuses the cache.
+
+        The tokens after the range move back to close the gap. With `recompute` (the
+        default) they are run again at their new positions, so the cache equals a fresh
+        run on the remaining tokens (the part before the range is kept as it is). With
+        `recompute=False` their keys are only re-rotated to the new positions
+        (llama.cpp's context shift: cheap, but what they took from the removed tokens
+        stays in them).
+        """
+        with self._cache_lock, self._busy:
+            model, cache = self._require_model(), self._cache
+            start, end = int(start), int(end)
+            tail = cache.tokens[end:]
+            model.kv_remove(cache, start, end)
+            if recompute and tail:
+                cache.trim(start)
+                self._prefill(tail, cache)
+
     def reset(self) -> None:
         """Forget the prompt kept in the KV cache: the next call prefills from scratch.
 
@@ -353,7 +379,8 @@ class LLM:
                  frequency_penalty: float = 0.0, seed: int | None = None,
                  logit_bias: Mapping[int, float] | None = None,
                  grammar: Grammar | str | None = None, schema: Any = None,
-                 prefix: PrefixCache | None = None) -> Completion:
+                 prefix: PrefixCache | None = None,
+                 logits_processors: Sequence[LogitsProcessor] = ()) -> Completion:
         """Continue `prompt` (text, or token ids) without a chat template.
 
         Stops at the model's end-of-generation tokens, any of `stop_tokens`, any
@@ -371,6 +398,12 @@ class LLM:
         `prefix` (from `prefix` / `prefix_chat`) holds the keys and values of
         the prompt's first tokens: as many as the prompt shares with it are
         copied into the cache instead of being run through the model.
+
+        `logits_processors`: functions `fn(ids, logits) -> logits` called in
+        order before every token (ids: int32 array of the prompt and the output
+        so far; logits: a float32 (n_vocab,) copy they may change), before the
+        bias, penalties, grammar mask and sampling; the events' logprobs stay
+        the model's own.
         """
         ids, prompt_text = self._prompt_ids(prompt, add_bos, include_prompt)
         self._check_prefix(prefix)
@@ -378,7 +411,8 @@ class LLM:
                        logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
                        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                        presence_penalty=presence_penalty,
-                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+                       frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+                       logits_processors=logits_processors)
         seq = self._decoding(ids, resolve_grammar(grammar, schema), seed, **options)
         return Completion(self._generate_events(ids, seq, prefix), ids, prompt_text)
 
@@ -435,7 +469,9 @@ class LLM:
                        seed: int | Sequence[int] | None = None,
                        logit_bias: Mapping[int, float] | None = None,
                        grammar: Grammar | str | None = None, schema: Any = None,
-                       prefix: PrefixCache | None = None) -> list[Completion]:
+                       prefix: PrefixCache | None = None,
+                       logits_processors: Sequence[LogitsProcessor] = ()
+                       ) -> list[Completion]:
         """Continue several prompts at once; returns their finished `Completion`s, in order.
 
         Each prompt is prefilled into its own rows of one KV pool; then every
@@ -461,7 +497,8 @@ class LLM:
                        logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
                        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                        presence_penalty=presence_penalty,
-                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+                       frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+                       logits_processors=logits_processors)
         constraint = resolve_grammar(grammar, schema)
         seqs = [self._decoding(ids, constraint, sd, **options)
                 for (ids, _), sd in zip(requests, seeds)]
@@ -613,7 +650,7 @@ class LLM:
     def _decoding(self, prompt_ids: list[int], grammar: Grammar | None, seed: int | None, *,
                   max_tokens: int, stop: str | Sequence[str] | None, stop_tokens: Sequence[int],
                   logprobs: int | None, logit_bias: Mapping[int, float] | None,
-                  **sampling) -> _Decoding:
+                  logits_processors: Sequence[LogitsProcessor] = (), **sampling) -> _Decoding:
         """The checked state of one sequence about to be generated."""
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -626,7 +663,8 @@ class LLM:
         return _Decoding(self.tokenizer, prompt_ids, Sampler(params, n_vocab),
                          max_tokens=max_tokens,
                          stop=[stop] if isinstance(stop, str) else [s for s in stop or [] if s],
-                         stop_tokens=stop_ids, logprobs=logprobs, matcher=matcher)
+                         stop_tokens=stop_ids, logprobs=logprobs, matcher=matcher,
+                         processors=list(logits_processors))
 
     def _generate_events(self, prompt_ids: list[int], seq: _Decoding,
                          prefix: PrefixCache | None = None
@@ -661,7 +699,11 @@ class _Decoding:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], sampler: Sampler, *,
                  max_tokens: int, stop: list[str], stop_tokens: frozenset[int],
-                 logprobs: int | None, matcher: GrammarMatcher | None = None):
+                 logprobs: int | None, matcher: GrammarMatcher | None = None,
+                 processors: list[LogitsProcessor] | None = None):
+        if any(not callable(fn) for fn in processors or ()):
+            raise TypeError("logits_processors must be functions fn(ids, logits) -> logits")
+        self.processors = processors or []
         self.tok = tokenizer
         self.sampler = sampler
         self.matcher = matcher
@@ -685,6 +727,13 @@ class _Decoding:
         if logprobs is not None:
             logp = log_softmax(logits)
             ent = entropy(logp)
+        for fn in self.processors:
+            out = np.asarray(fn(np.asarray(self.history, dtype=np.intc),
+                                np.array(logits, np.float32)), dtype=np.float32)
+            if out.shape != logits.shape:
+                raise ValueError(f"a logits processor returned shape {out.shape}, not "
+                                 f"{logits.shape}")
+            logits = out
         if matcher is not None:
             allowed = matcher.mask()
             mask_ms = matcher.mask_times[-1] * 1e3

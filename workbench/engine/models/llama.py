@@ -112,12 +112,22 @@ class Rope:
         self.cos = np.cos(angles).astype(np.float32)
         self.sin = np.sin(angles).astype(np.float32)
         self.dim, self.neox = cfg.rope_dim, cfg.rope_neox
+        self._inv_freq = inv_freq / cfg.rope_linear_factor
 
     def __call__(self, x: np.ndarray, start: int) -> np.ndarray:
         """Rotate x of shape (T, n_head, head_dim) for positions start .. start+T-1."""
         T = x.shape[0]
-        cos = self.cos[start : start + T, None, :]  # (T, 1, half)
-        sin = self.sin[start : start + T, None, :]
+        return self._rotate(x, self.cos[start : start + T, None, :],  # (T, 1, half)
+                            self.sin[start : start + T, None, :])
+
+    def shift(self, x: np.ndarray, delta: int) -> np.ndarray:
+        """Move already rotated x (..., head_dim) by `delta` positions (negative: back);
+        rotations add up, so this equals rotating at the new positions."""
+        angles = delta * self._inv_freq  # (half,)
+        return self._rotate(x, np.cos(angles).astype(np.float32),
+                            np.sin(angles).astype(np.float32))
+
+    def _rotate(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         out = x.copy()
         if self.neox:
             half = self.dim // 2
@@ -309,6 +319,23 @@ class LlamaModel:
             c.offset += 1
             c.tokens.append(int(t))
         return h
+
+    def kv_remove(self, cache: KVCache, start: int, end: int) -> None:
+        """Forget positions start .. end - 1 of `cache`: later positions move back by
+        end - start, their keys re-rotated to their new positions (llama.cpp's
+        `seq_rm` followed by `seq_add`), as if the removed tokens had never been there."""
+        n = cache.offset
+        if not 0 <= start <= end <= n:
+            raise ValueError(f"cannot remove positions [{start}, {end}) of {n} cached")
+        if start == end:
+            return
+        shift = end - start
+        keys, values = cache.pool.keys[:, cache.slot], cache.pool.values[:, cache.slot]
+        # keys, values: (n_layer, n_kv_head, max_len, head_dim)
+        keys[:, :, start : n - shift] = self.blocks[0].attn.rope.shift(keys[:, :, end:n], -shift)
+        values[:, :, start : n - shift] = values[:, :, end:n].copy()
+        cache.offset = n - shift
+        del cache.tokens[start:end]
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """(T, n_embd) final hidden states -> (T, n_vocab) logits."""
