@@ -149,3 +149,30 @@ def test_is_stop_token(smollm2):
     end_of_turn = smollm2.tokenize("<|im_end|>", add_bos=False)
     assert len(end_of_turn) == 1 and smollm2.is_stop_token(end_of_turn[0])
     assert not smollm2.is_stop_token(smollm2.tokenize("Paris", add_bos=False)[0])
+
+
+def test_validate_chat_template():
+    from workbench.engine.chat_template import ChatTemplateError, validate_chat_template
+
+    text = validate_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n"
+                                  "{% endfor %}{% if add_generation_prompt %}[assistant]"
+                                  "{% endif %}")
+    assert text == "[user] Hello!\n[assistant] Hi! How can I help?\n[user] What is 2 + 2?\n" \
+        "[assistant]"
+    with pytest.raises(ChatTemplateError, match="line 2"):
+        validate_chat_template("{% for m in messages %}\n{{ m.content }")
+    with pytest.raises(ChatTemplateError):
+        validate_chat_template("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatTemplateError, match="no system"):
+        validate_chat_template("{{ raise_exception('no system messages') }}")
+
+
+@pytest.mark.slow
+def test_chat_template_override(smollm2):
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    messages = [{"role": "user", "content": "Say hi."}]
+    c = smollm2.chat(messages, chat_template=plain, temperature=0, max_tokens=6)
+    expected = smollm2.generate("user: Say hi.\nassistant:", temperature=0, max_tokens=6)
+    assert c.prompt_ids == expected.prompt_ids and c.text == expected.text
+    batch = smollm2.chat_batch([messages], chat_template=plain, temperature=0, max_tokens=6)
+    assert batch[0].text == expected.text

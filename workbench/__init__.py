@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 __all__ = ["LLM", "Completion", "TokenEvent", "Encoder", "WhisperModel", "Transcript",
            "serve", "RemoteEngine", "Grammar", "parse_gbnf", "compile_schema",
-           "UnsupportedSchemaError", "__version__"]
+           "UnsupportedSchemaError", "validate_chat_template", "__version__"]
 _GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
 
 # `workbench.serve` is the function (the package `workbench/serve/` holds it): binding it
@@ -24,6 +24,7 @@ _GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
 from workbench.serve.runner import serve  # noqa: E402  (light: no server packages yet)
 
 if TYPE_CHECKING:
+    from workbench.engine.chat_template import validate_chat_template
     from workbench.engine.encoder import Encoder
     from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
     from workbench.engine.llm import LLM, Completion, TokenEvent
@@ -42,6 +43,10 @@ def __getattr__(name: str):
         from workbench.engine import whisper
 
         return getattr(whisper, name)
+    if name == "validate_chat_template":
+        from workbench.engine.chat_template import validate_chat_template
+
+        return validate_chat_template
     if name == "RemoteEngine":
         from workbench.serve.remote import RemoteEngine
 

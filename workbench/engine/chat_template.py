@@ -238,6 +238,21 @@ def render(template: str, messages: list[dict], *, add_generation_prompt: bool =
             f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
+SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello!"},
+                       {"role": "assistant", "content": "Hi! How can I help?"},
+                       {"role": "user", "content": "What is 2 + 2?"}]
+
+
+def validate_chat_template(template: str) -> str:
+    """Check a chat template: it compiles in the sandbox and renders a short conversation.
+
+    Returns that rendering (to look at); raises `ChatTemplateError` naming the line for
+    a syntax error, or the failure (a refused operation, `raise_exception`) otherwise.
+    """
+    _compile(template)
+    return render(template, list(SAMPLE_CONVERSATION), add_generation_prompt=True)
+
+
 class ChatTemplate:
     """A chat template with its special tokens, compiled once.
 

@@ -28,6 +28,7 @@ import numpy as np
 from workbench import registry
 from workbench.engine import chat_template
 from workbench.engine.backend import resolve_device
+from workbench.engine.chat_template import render as render_chat
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.grammar import Grammar, GrammarMatcher, resolve_grammar
 from workbench.engine.kv_cache import KVCache, PrefixCache
@@ -277,11 +278,14 @@ class LLM:
         return self.tokenizer.decode(list(ids), skip_special=skip_special)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = True, **variables) -> str:
-        """The prompt text the model's own chat template makes of `messages`."""
+                            add_generation_prompt: bool = True, chat_template: str | None = None,
+                            **variables) -> str:
+        """The prompt text the model's own chat template (or `chat_template`, Jinja text)
+        makes of `messages`."""
         tok = self.tokenizer
-        return chat_template.render(
-            self.chat_template, list(messages), add_generation_prompt=add_generation_prompt,
+        return render_chat(
+            chat_template or self.chat_template, list(messages),
+            add_generation_prompt=add_generation_prompt,
             bos_token=tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
             eos_token=tok.decode([tok.eos_id]) if tok.eos_id is not None else "",
             **variables,
@@ -417,14 +421,16 @@ class LLM:
         return Completion(self._generate_events(ids, seq, prefix), ids, prompt_text)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
-             **options) -> Completion:
-        """Answer a conversation rendered with the model's chat template.
+             chat_template: str | None = None, **options) -> Completion:
+        """Answer a conversation rendered with the model's chat template (or
+        `chat_template`, Jinja text, rendered in the same sandbox; check one with
+        `validate_chat_template`).
 
         `messages` are dicts with `role` and `content`. Options are those of
         `generate` (`max_tokens`, `temperature`, `stop`, `logprobs`, `seed` ...).
         """
         options.pop("include_prompt", None)
-        ids = self._chat_ids(messages, tools)
+        ids = self._chat_ids(messages, tools, chat_template=chat_template)
         return self.generate(ids, **options)
 
     def chat_json(self, messages: Sequence[Mapping[str, Any]], schema: Any, *,
@@ -514,8 +520,10 @@ class LLM:
                    ) -> list[Completion]:
         """Answer several conversations at once (see `chat` and `generate_batch`)."""
         tools = options.pop("tools", None)
+        template = options.pop("chat_template", None)
         options.pop("include_prompt", None)
-        return self.generate_batch([self._chat_ids(m, tools) for m in conversations], **options)
+        return self.generate_batch([self._chat_ids(m, tools, chat_template=template)
+                                    for m in conversations], **options)
 
     def _run_batch(self, prompt_ids: list[list[int]], seqs: list[_Decoding],
                    events: list[list[TokenEvent]], max_tokens: int,
@@ -603,13 +611,14 @@ class LLM:
         return ids, text if include_prompt else ""
 
     def _chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: list | None, *,
-                  add_generation_prompt: bool = True) -> list[int]:
+                  add_generation_prompt: bool = True, chat_template: str | None = None
+                  ) -> list[int]:
         """Token ids of a conversation rendered with the chat template (BOS as the model wants)."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
         variables = {"tools": tools} if tools else {}
         prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                          **variables)
+                                          chat_template=chat_template, **variables)
         ids = self.tokenize(prompt, add_bos=False)
         tok = self.tokenizer
         if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
