@@ -657,8 +657,9 @@ class LLM:
             return model.logits(hidden[-1:])[0]
 
     def _decoding(self, prompt_ids: list[int], grammar: Grammar | None, seed: int | None, *,
-                  max_tokens: int, stop: str | Sequence[str] | None, stop_tokens: Sequence[int],
-                  logprobs: int | None, logit_bias: Mapping[int, float] | None,
+                  max_tokens: int, stop: str | Sequence[str] | None = None,
+                  stop_tokens: Sequence[int] = (), logprobs: int | None = None,
+                  logit_bias: Mapping[int, float] | None = None,
                   logits_processors: Sequence[LogitsProcessor] = (), **sampling) -> _Decoding:
         """The checked state of one sequence about to be generated."""
         if max_tokens < 0:
