@@ -65,6 +65,7 @@ class LayerKVCache:
 
     def __init__(self, seq: KVCache, layer: int):
         self.seq = seq
+        self.layer = layer
         self.keys = seq.pool.keys[layer, seq.slot]
         self.values = seq.pool.values[layer, seq.slot]
 
@@ -77,6 +78,8 @@ class LayerKVCache:
         end = self.seq.check_room(k.shape[1])
         self.keys[:, start:end] = k
         self.values[:, start:end] = v
+        if self.seq.shared_until:  # a fork: its first positions live in other slots
+            return self.seq.gather(self.layer, end)
         return self.keys[:, :end], self.values[:, :end]
 
 
@@ -89,6 +92,43 @@ class KVCache:
         self.offset = 0  # number of cached positions (the position the next token takes)
         self.tokens: list[int] = []  # the token ids whose keys and values are cached
         self.layers = [LayerKVCache(self, i) for i in range(pool.keys.shape[0])]
+        # A fork reads positions [0, shared_until) from the slots in `sources` (its
+        # parent's, or theirs) instead of copying them; its own positions follow.
+        self.shared_until = 0
+        self.sources = np.full(pool.max_len, slot, dtype=np.int64)  # slot of each position
+
+    def fork(self, slot: int) -> KVCache:
+        """A cache in `slot` of the same pool that shares every position cached so far
+        (nothing is copied; the caller must keep this cache's first `offset` positions
+        as they are while the fork lives)."""
+        child = KVCache(self.pool, slot)
+        child.sources[: self.offset] = self.sources[: self.offset]
+        child.shared_until = self.offset
+        child.offset = self.offset
+        child.tokens = list(self.tokens)
+        return child
+
+    def gather(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of positions [0, end) of one layer, each (n_kv_head, end,
+        head_dim), read from the slots that hold them (a copy)."""
+        where = self.sources[:end]
+        at = np.arange(end)
+        # advanced indices on axes 0 and 2 come first: (end, n_kv_head, head_dim)
+        keys = self.pool.keys[layer][where, :, at].transpose(1, 0, 2)
+        values = self.pool.values[layer][where, :, at].transpose(1, 0, 2)
+        return keys, values
+
+    def materialize(self) -> None:
+        """Copy the shared positions into this cache's own slot; it then needs no other."""
+        n = self.shared_until
+        if not n:
+            return
+        for layer in range(self.pool.keys.shape[0]):
+            keys, values = self.gather(layer, n)
+            self.pool.keys[layer, self.slot, :, :n] = keys
+            self.pool.values[layer, self.slot, :, :n] = values
+        self.sources[:n] = self.slot
+        self.shared_until = 0
 
     @property
     def max_len(self) -> int:
@@ -108,6 +148,9 @@ class KVCache:
         """Forget all but the first `n` positions (nothing is copied)."""
         self.offset = max(0, min(n, self.offset))
         del self.tokens[self.offset :]
+        if self.offset < self.shared_until:  # positions written from here on are its own
+            self.sources[self.offset : self.shared_until] = self.slot
+            self.shared_until = self.offset
 
     def reset(self) -> None:
         """Forget everything."""
@@ -116,8 +159,13 @@ class KVCache:
     def snapshot(self, model_sha256: str) -> PrefixCache:
         """A copy of every cached position as a `PrefixCache`."""
         n = self.offset
-        keys = np.ascontiguousarray(self.pool.keys[:, self.slot, :, :n])  # (L, H, n, d)
-        values = np.ascontiguousarray(self.pool.values[:, self.slot, :, :n])
+        if self.shared_until:
+            pairs = [self.gather(layer, n) for layer in range(self.pool.keys.shape[0])]
+            keys = np.stack([k for k, _ in pairs])  # (L, H, n, d)
+            values = np.stack([v for _, v in pairs])
+        else:
+            keys = np.ascontiguousarray(self.pool.keys[:, self.slot, :, :n])  # (L, H, n, d)
+            values = np.ascontiguousarray(self.pool.values[:, self.slot, :, :n])
         return PrefixCache(list(self.tokens), keys, values, model_sha256)
 
     def restore(self, prefix: PrefixCache, n: int) -> None:
@@ -126,8 +174,7 @@ class KVCache:
                 or prefix.keys.shape[1] != self.pool.keys.shape[2] \
                 or prefix.keys.shape[3] != self.pool.keys.shape[4]:
             raise ValueError("the prefix cache was made by a model of another shape")
-        self.offset = 0
-        del self.tokens[:]
+        self.trim(0)
         self.check_room(n)
         self.pool.keys[:, self.slot, :, :n] = prefix.keys[:, :, :n]
         self.pool.values[:, self.slot, :, :n] = prefix.values[:, :, :n]

@@ -106,23 +106,26 @@ def _rope(v, cos, sin, dim, neox):
 
 @njit(fastmath=_FM, inline="always")
 def _attend_head(qkv, n, h, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                 keys, values, out):
-    """Query head h of sequence n: norm, RoPE, softmax(q K^T / sqrt(hd)) V into out[n]."""
+                 keys, values, out, src):
+    """Query head h of sequence n: norm, RoPE, softmax(q K^T / sqrt(hd)) V into out[n].
+
+    src: None (every position of sequence n is in its own slot), or (N, L) the slot
+    holding each position (a forked branch reads its shared prefix from other slots)."""
     hd = keys.shape[3]
     p = pos[n]
+    kv = h // group
     q = qkv[n, h * hd : (h + 1) * hd]
     if q_norm.shape[0]:
         _head_norm(q, q_norm, eps)
     _rope(q, cos[p], sin[p], rope_dim, neox)
-    K = keys[slots[n], h // group]  # (max_len, hd)
-    V = values[slots[n], h // group]
     scale = np.float32(1.0 / np.sqrt(hd))
     scores = np.empty(p + 1, np.float32)
     m = -np.inf
     for s in range(p + 1):
+        slot = slots[n] if src is None else src[n, s]
         d = np.float32(0.0)
         for i in range(hd):
-            d += q[i] * K[s, i]
+            d += q[i] * keys[slot, kv, s, i]
         d *= scale
         scores[s] = d
         m = max(m, d)
@@ -135,9 +138,10 @@ def _attend_head(qkv, n, h, n_head, group, slots, pos, cos, sin, rope_dim, neox,
     for i in range(hd):
         o[i] = 0.0
     for s in range(p + 1):
+        slot = slots[n] if src is None else src[n, s]
         w = scores[s] / total
         for i in range(hd):
-            o[i] += w * V[s, i]
+            o[i] += w * values[slot, kv, s, i]
 
 
 @njit(fastmath=_FM, cache=True)
@@ -160,18 +164,18 @@ def _write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, e
 
 @njit(fastmath=_FM, cache=True)
 def _heads_serial(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                  keys, values, out):
+                  keys, values, out, src):
     for job in range(qkv.shape[0] * n_head):
         _attend_head(qkv, job // n_head, job % n_head, n_head, group, slots, pos, cos, sin,
-                     rope_dim, neox, q_norm, eps, keys, values, out)
+                     rope_dim, neox, q_norm, eps, keys, values, out, src)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _heads_parallel(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                    keys, values, out):
+                    keys, values, out, src):
     for job in prange(qkv.shape[0] * n_head):
         _attend_head(qkv, job // n_head, job % n_head, n_head, group, slots, pos, cos, sin,
-                     rope_dim, neox, q_norm, eps, keys, values, out)
+                     rope_dim, neox, q_norm, eps, keys, values, out, src)
 
 
 # Below this many multiply-adds (all heads, all cached positions) the heads run on
@@ -182,7 +186,7 @@ PARALLEL_ATTENTION_MACS = 1 << 16
 def attend(qkv: np.ndarray, n_head: int, n_kv: int, slots: np.ndarray, pos: np.ndarray,
            cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: bool, q_norm: np.ndarray,
            k_norm: np.ndarray, eps: float, keys: np.ndarray, values: np.ndarray,
-           out: np.ndarray) -> None:
+           out: np.ndarray, src: np.ndarray | None = None) -> None:
     """Self-attention of N new tokens, one per sequence, each at its own position.
 
     qkv: (N, (n_head + 2 n_kv) * hd) float32, the fused Q, K, V projections
@@ -193,13 +197,15 @@ def attend(qkv: np.ndarray, n_head: int, n_kv: int, slots: np.ndarray, pos: np.n
     keys, values: (n_slots, n_kv, max_len, hd) one layer of the KV pool; the new
         key and value are written at [slot, :, pos].
     out: (N, n_head * hd) the attention output (before the output projection).
+    src: None, or (N, L > max(pos)) int64: the slot holding each earlier position of
+        each sequence (forked branches share their prefix with other slots).
     """
     _write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, eps, keys,
               values)
     macs = 2 * n_head * keys.shape[3] * (int(pos.sum()) + len(pos))
     heads = _heads_parallel if macs >= PARALLEL_ATTENTION_MACS else _heads_serial
     heads(qkv, n_head, n_head // n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-          keys, values, out)
+          keys, values, out, src)
 
 
 # -- encoder layers -------------------------------------------------------------------------

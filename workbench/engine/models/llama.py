@@ -199,7 +199,7 @@ class Attention:
         return self.wo.matmul(out)
 
     def decode(self, x: np.ndarray, pool: KVPool, layer: int, slots: np.ndarray,
-               pos: np.ndarray) -> np.ndarray:
+               pos: np.ndarray, src: np.ndarray | None = None) -> np.ndarray:
         """One token for each of N sequences: x (N, n_embd), the sequences' pool slots and
         positions (N,) -> (N, n_embd). Norms, RoPE, cache writes and attention run in
         one kernel (`workbench.kernels.layers.attend`)."""
@@ -210,7 +210,7 @@ class Attention:
                       self.rope.dim, self.rope.neox,
                       _NONE if self.q_norm is None else self.q_norm,
                       _NONE if self.k_norm is None else self.k_norm,
-                      cfg.norm_eps, pool.keys[layer], pool.values[layer], out)
+                      cfg.norm_eps, pool.keys[layer], pool.values[layer], out, src)
         return self.wo.matmul(out)
 
 
@@ -305,12 +305,15 @@ class LlamaModel:
         pos = np.array([c.offset for c in caches], dtype=np.int64)
         for c in caches:
             c.check_room(1)
+        src = None  # forked sequences read their shared prefix from other slots
+        if any(c.shared_until for c in caches):
+            src = np.stack([c.sources[: int(pos.max()) + 1] for c in caches])  # (N, L)
         eps = self.config.norm_eps
         x = self.embed.rows(ids)  # (N, n_embd): the residual stream
         h = np.empty_like(x)  # normed input of the next sub-layer
         layers.rms_norm(x, self.blocks[0].attn_norm, eps, h)
         for i, block in enumerate(self.blocks):
-            a = block.attn.decode(h, pool, i, slots, pos)
+            a = block.attn.decode(h, pool, i, slots, pos, src)
             layers.add_rms_norm(x, a, block.ffn_norm, eps, h)
             f = block.ffn(h)
             nxt = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.norm
@@ -327,6 +330,8 @@ class LlamaModel:
         n = cache.offset
         if not 0 <= start <= end <= n:
             raise ValueError(f"cannot remove positions [{start}, {end}) of {n} cached")
+        if cache.shared_until:
+            cache.materialize()  # the moved positions must be this cache's own
         if start == end:
             return
         shift = end - start

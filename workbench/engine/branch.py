@@ -1,0 +1,291 @@
+"""Branches: continuations of one text that fork at any token and share what came before.
+
+    >>> store = BranchStore(m, max_active=8)
+    >>> root = Branch.create(m, {"temperature": 0}, store=store)
+    >>> root.prefill(m.tokenize("The capital of France is"))
+    >>> child = root.fork()                  # shares root's keys and values: nothing copied
+    >>> token, is_stop = child.produce()     # sample (does not change the branch)
+    >>> child.commit(token)                  # accept it and run it through the model
+    >>> store.commit([(root, a), (child, b)])  # several branches, one forward pass
+    >>> for ev in child: ...                 # or let it run: one TokenEvent per token
+
+Every branch has a slot of its store's KV pool, its own sampler (random state
+included), grammar matcher, logits snapshot and perplexity. A fork reads its
+parent's positions from the parent's slot (the pool's pages for them are never
+written twice), so a fork of a long prefix costs only the positions it adds. A
+branch with live children cannot be pruned on its own (they read its slot):
+prune them first, or `prune_subtree()`; `store.retain_only(winner)` copies what
+the winner shares into its own slot and frees every other branch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from workbench.engine.grammar import Grammar, resolve_grammar
+from workbench.engine.kv_cache import KVCache
+from workbench.engine.llm import LLM, Alternative, TokenEvent
+from workbench.engine.metrics import Perplexity
+from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
+from workbench.engine.tokenizers.stream import StreamDecoder
+
+PREFILL_CHUNK = 512
+
+
+class BranchStore:
+    """The KV pool and slot leases of a family of branches; runs them together.
+
+    max_active: how many branches may live at once (pool slots); max_len: positions
+    per branch (default: the model's `kv_cache_size`).
+    """
+
+    def __init__(self, model: LLM, max_active: int = 8, max_len: int | None = None):
+        if max_active < 1:
+            raise ValueError("max_active must be >= 1")
+        self.model = model
+        self.pool = model._require_model().new_pool(max_active, max_len)
+        self._free = list(range(max_active - 1, -1, -1))
+        self.branches: list[Branch] = []
+        self.forward_passes = 0  # every forward pass run for this store's branches
+
+    @property
+    def available(self) -> int:
+        """Free slots: how many more branches can be created or forked."""
+        return len(self._free)
+
+    def _lease(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.pool.n_slots} branch slots are in use: prune "
+                               "branches or make the store with a larger max_active")
+        return self._free.pop()
+
+    def commit(self, pairs: Sequence[tuple[Branch, int]]) -> None:
+        """Accept one token on each branch and run them all in one forward pass."""
+        pairs = list(pairs)
+        if not pairs:
+            return
+        if len({id(b) for b, _ in pairs}) != len(pairs):
+            raise ValueError("each branch may commit one token per call")
+        for branch, token in pairs:
+            branch._check_alive()
+            if branch.store is not self:
+                raise ValueError("every branch must belong to this store")
+            branch.accept(token)
+        net = self.model._require_model()
+        with self.model._busy, self.model._forward_lock:
+            hidden = net.decode(np.asarray([t for _, t in pairs]), [b.cache for b, _ in pairs])
+            logits = net.logits(hidden)  # (N, n_vocab)
+        self.forward_passes += 1
+        for (branch, _), row in zip(pairs, logits):
+            branch.logits = row
+
+    def prefill(self, pairs: Sequence[tuple[Branch, Sequence[int]]]) -> None:
+        """Run tokens into each branch (one prompt pass per branch)."""
+        for branch, tokens in pairs:
+            branch.prefill(tokens)
+
+    def retain_only(self, winner: Branch) -> None:
+        """Keep `winner` alone: it gets a copy of what it shared, every other branch is
+        pruned and its slot freed."""
+        winner._check_alive()
+        winner.cache.materialize()
+        if winner.parent is not None:
+            winner.parent.children.remove(winner)
+            winner.parent = None
+        for branch in list(self.branches):
+            if branch is not winner and branch.parent is None:
+                branch.prune_subtree()
+        for child in list(winner.children):
+            child.prune_subtree()
+
+
+class Branch:
+    """One continuation: its KV cache rows, sampler, grammar state, logits and perplexity."""
+
+    def __init__(self, store: BranchStore, cache: KVCache, sampler: Sampler,
+                 matcher: Any = None, *, max_tokens: int | None = None,
+                 logprobs: int | None = None):
+        self.store = store
+        self.model = store.model
+        self.cache = cache
+        self.sampler = sampler
+        self.matcher = matcher
+        self.max_tokens = max_tokens  # for iteration; None: until a stop token or full
+        self.logprobs = logprobs
+        self.logits: np.ndarray | None = None  # (n_vocab,) after the last token
+        self.perplexity_tracker = Perplexity()
+        self.generated: list[int] = []  # tokens accepted since creation (or the fork)
+        self.parent: Branch | None = None
+        self.children: list[Branch] = []
+        self.alive = True
+        store.branches.append(self)
+
+    @classmethod
+    def create(cls, model: LLM, params: SamplingParams | Mapping[str, Any] | None = None, *,
+               store: BranchStore | None = None, grammar: Grammar | str | None = None,
+               schema: Any = None, max_tokens: int | None = None,
+               logprobs: int | None = None) -> Branch:
+        """A new, empty branch of `model` (in `store`, or a store of its own).
+
+        params: `SamplingParams` or a dict of its fields (temperature, top_k, top_p,
+        min_p, repeat_penalty, seed ...). grammar / schema constrain it as in
+        `LLM.generate`. max_tokens bounds iteration; logprobs=k puts k alternatives
+        in the events.
+        """
+        store = store or BranchStore(model)
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, Mapping):
+            params = SamplingParams(**params)
+        constraint = resolve_grammar(grammar, schema)
+        n_vocab = model.config.n_vocab
+        matcher = constraint.matcher(model.tokenizer, n_vocab) if constraint else None
+        cache = KVCache(store.pool, store._lease())
+        return cls(store, cache, Sampler(params, n_vocab), matcher, max_tokens=max_tokens,
+                   logprobs=logprobs)
+
+    # -- tree ---------------------------------------------------------------------------------
+    def fork(self) -> Branch:
+        """A child that continues from here: it shares this branch's cached positions
+        (not copied), and copies its sampler (random state too), grammar state, logits
+        and perplexity."""
+        self._check_alive()
+        store = self.store
+        child = Branch(store, self.cache.fork(store._lease()), copy.deepcopy(self.sampler),
+                       self.matcher.clone() if self.matcher is not None else None,
+                       max_tokens=self.max_tokens, logprobs=self.logprobs)
+        child.logits = None if self.logits is None else self.logits.copy()
+        child.perplexity_tracker = self.perplexity_tracker.clone()
+        child.parent = self
+        self.children.append(child)
+        return child
+
+    def prune(self) -> None:
+        """Remove this branch and free its slot (it must have no live children)."""
+        if not self.alive:
+            return
+        if self.children:
+            raise RuntimeError(f"this branch has {len(self.children)} live children that "
+                               "read its cache: prune them first, or use prune_subtree()")
+        self.alive = False
+        self.store._free.append(self.cache.slot)
+        self.store.branches.remove(self)
+        if self.parent is not None:
+            self.parent.children.remove(self)
+
+    def prune_subtree(self) -> None:
+        """Remove this branch and all its descendants."""
+        for child in list(self.children):
+            child.prune_subtree()
+        self.prune()
+
+    # -- tokens -------------------------------------------------------------------------------
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Run `tokens` (a prompt) through the model at this branch's next positions;
+        they are context: no perplexity, no grammar."""
+        self._check_alive()
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return
+        net = self.model._require_model()
+        with self.model._busy:
+            for start in range(0, len(tokens), PREFILL_CHUNK):
+                with self.model._forward_lock:
+                    hidden = net.hidden(np.asarray(tokens[start : start + PREFILL_CHUNK]),
+                                        self.cache)
+                self.store.forward_passes += 1
+            with self.model._forward_lock:
+                self.logits = net.logits(hidden[-1:])[0]
+
+    def produce(self) -> tuple[int, bool]:
+        """Sample the next token from the current logits: (token, is_stop). Only the
+        sampler's random state changes; `accept` or `commit` the token to keep it."""
+        self._check_alive()
+        if self.logits is None:
+            raise RuntimeError("prefill the branch before producing tokens")
+        allowed = None
+        if self.matcher is not None:
+            allowed = self.matcher.mask()
+            ends = np.fromiter(self.model.tokenizer.eot_ids, dtype=np.int64)
+            allowed[ends] = self.matcher.is_accepting
+        token = self.sampler.sample(self.logits, self.cache.tokens, allowed)
+        return token, self.is_stop(token)
+
+    def is_stop(self, token: int) -> bool:
+        return self.model.is_stop_token(token) or (
+            self.matcher is not None and self.matcher.is_finished)
+
+    def accept(self, token: int) -> None:
+        """Record `token` as this branch's next (perplexity, grammar), without running it."""
+        self._check_alive()
+        token = int(token)
+        if self.logits is not None:
+            self.perplexity_tracker.add(float(log_softmax(self.logits)[token]))
+        if self.matcher is not None:
+            self.matcher.consume(token)
+        self.generated.append(token)
+
+    def commit(self, token: int) -> None:
+        """`accept(token)` and run it through the model (one forward pass)."""
+        self.store.commit([(self, token)])
+
+    @property
+    def perplexity(self) -> float:
+        """Perplexity of the tokens accepted so far."""
+        return self.perplexity_tracker.get()
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token in this branch's cache (prompt, ancestors' and its own)."""
+        return list(self.cache.tokens)
+
+    @property
+    def text(self) -> str:
+        """The text of the tokens accepted since the branch began (or forked)."""
+        return self.model.detokenize(self.generated)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        """Produce and commit tokens until a stop token, `max_tokens` or a full cache;
+        one `TokenEvent` per token (text as it completes UTF-8)."""
+        decoder = StreamDecoder(self.model.tokenizer)
+        n = 0
+        while self.max_tokens is None or n < self.max_tokens:
+            if self.cache.offset >= self.cache.max_len:
+                break
+            logits = self.logits
+            token, stop = self.produce()
+            if stop and self.model.is_stop_token(token):
+                break
+            event = self._event(token, logits, decoder)
+            self.commit(token)
+            n += 1
+            yield event
+            if stop:
+                break
+        tail = decoder.flush()
+        if tail:
+            yield TokenEvent(None, tail, "")
+
+    def _event(self, token: int, logits: np.ndarray, decoder: StreamDecoder) -> TokenEvent:
+        tok = self.model.tokenizer
+        lp = top = ent = None
+        if self.logprobs is not None:
+            logp = log_softmax(logits)
+            lp, ent = float(logp[token]), entropy(logp)
+            k = min(int(self.logprobs), logp.size)
+            best = np.argsort(-logp, kind="stable")[:k]
+            top = tuple(Alternative(int(i), tok.decode([int(i)]), float(logp[i])) for i in best)
+        return TokenEvent(token, decoder.push(token), tok.decode([token]), lp, top, ent)
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise RuntimeError("this branch has been pruned")
+
+    def __repr__(self) -> str:
+        state = "live" if self.alive else "pruned"
+        return (f"<Branch {state}, slot {self.cache.slot}, {self.cache.offset} positions, "
+                f"{len(self.generated)} generated, perplexity {self.perplexity:.2f}>")
