@@ -274,3 +274,20 @@ def test_logits_figures_render(smollm2):
 def test_logits_cell_rejects_bad_arguments():
     with pytest.raises(ValueError):
         LogitsCell(FakeModel(), color_by="rainbow", autorun=False)
+
+
+@pytest.mark.slow
+def test_logits_cell_compares_alternatives_through_branches(smollm2):
+    cell = LogitsCell(smollm2, "The capital of France is", max_tokens=8, top_k=3)
+    assert cell.wait(timeout=60)
+    rows = cell.compare(0, k=3, max_tokens=6)
+    assert len(rows) == 3
+    assert sorted(r["id"] for r in rows) == sorted(a["id"] for a in cell.tokens[0]["top"])
+    assert [r["perplexity"] for r in rows] == sorted(r["perplexity"] for r in rows)
+    prompt = smollm2.tokenize("The capital of France is")
+    for r in rows:  # each continuation is the greedy one after its token
+        smollm2.reset()
+        fresh = smollm2.generate(prompt + [r["id"]], temperature=0, max_tokens=5)
+        assert r["text"] == fresh.text
+    assert "perplexity" in cell.comparison.value and rows[0]["text"] in cell.comparison.value
+    cell.close()

@@ -6,6 +6,7 @@
     cell.tokens[0]             # {"id": ..., "text": ..., "prob": ..., "entropy": ..., "top": [...]}
     cell.choose(2, cell.tokens[2]["top"][1]["id"])   # branch: take the 2nd best token at step 2
     cell.wait()
+    cell.compare(2, k=3)       # the top 3 tokens at step 2, continued side by side (Branch API)
 
 Each generated token is recorded with its probability, surprisal and the
 entropy of the distribution it came from (both in bits), and the top-k
@@ -96,7 +97,8 @@ class LogitsCell(Worker, ipywidgets.VBox):
         self.options: dict[str, Any] = dict(options)
         self.view = TokenView(prompt=prompt, color_by=color_by)
         self.output = ipywidgets.Output()
-        super().__init__(children=[self.view, self.output])
+        self.comparison = ipywidgets.HTML("")  # `compare`'s table of branches
+        super().__init__(children=[self.view, self.comparison, self.output])
         self._tokens: list[dict[str, Any]] = []
         self._prompt_ids: list[int] = []
         self._thread: threading.Thread | None = None
@@ -177,6 +179,50 @@ class LogitsCell(Worker, ipywidgets.VBox):
         thread = self._start(prefix, ids, remaining)
         self.view.selected = index
         return thread
+
+    def compare(self, index: int, k: int = 3, max_tokens: int = 16) -> list[dict[str, Any]]:
+        """Continue the `k` most likely tokens at position `index` side by side.
+
+        The text up to `index` is run once; each alternative forks from it (sharing
+        its cache) and is continued greedily for up to `max_tokens` tokens, all
+        branches in one forward pass per step. Returns one dict per alternative,
+        lowest perplexity first: `id`, `token`, `text` (the continuation after the
+        token), `perplexity` (of the token and its continuation); the same table
+        is shown under the tokens (`.comparison`).
+        """
+        from workbench.engine.branch import Branch, BranchStore
+
+        self.wait()
+        tokens = self.tokens
+        if not 0 <= index < len(tokens):
+            raise IndexError(f"token index {index} out of range (0..{len(tokens) - 1})")
+        history = self._prompt_ids + [t["id"] for t in tokens[:index]]
+        alternatives = [a["id"] for a in tokens[index]["top"][: max(1, int(k))]]
+        store = BranchStore(self.model, max_active=len(alternatives) + 1,
+                            max_len=min(self.model.kv_cache_size,
+                                        len(history) + max_tokens + 1))
+        root = Branch.create(self.model, {"temperature": 0}, store=store)
+        try:
+            root.prefill(history)
+            branches = [root.fork() for _ in alternatives]
+            starts = [b.is_stop(t) for b, t in zip(branches, alternatives)]
+            store.commit(list(zip(branches, alternatives)))
+            live = [b for b, stopped in zip(branches, starts) if not stopped]
+            for _ in range(max_tokens - 1):
+                step = [(b, b.produce()) for b in live]
+                step = [(b, t) for b, (t, stop) in step if not stop]
+                if not step:
+                    break
+                store.commit(step)
+                live = [b for b, _ in step]
+            rows = [{"id": a, "token": self.model.detokenize([a]),
+                     "text": self.model.detokenize(b.generated[1:]), "perplexity": b.perplexity}
+                    for a, b in zip(alternatives, branches)]
+        finally:
+            root.prune_subtree()
+        rows.sort(key=lambda r: r["perplexity"])
+        self.comparison.value = _comparison_html(index, rows)
+        return rows
 
     def entropy_figure(self) -> Figure:
         """Entropy of the next-token distribution (bits) and the surprisal of the token
@@ -332,3 +378,14 @@ class LogitsCell(Worker, ipywidgets.VBox):
             self.choose(int(content["index"]), int(content["token_id"]))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             self.view.error = f"{type(exc).__name__}: {exc}"
+
+
+def _comparison_html(index: int, rows: list[dict[str, Any]]) -> str:
+    import html
+
+    body = "".join(
+        f"<tr><td><code>{html.escape(repr(r['token']))}</code></td>"
+        f"<td>{html.escape(r['text'])}</td><td>{r['perplexity']:.2f}</td></tr>" for r in rows)
+    return (f"<table class='wb-branches'><caption>alternatives at token {index}, "
+            f"continued greedily (lowest perplexity first)</caption><tr><th>token</th>"
+            f"<th>continuation</th><th>perplexity</th></tr>{body}</table>")
