@@ -43,3 +43,29 @@ def test_stream_past_context_keeps_counting(smollm2):
     assert c.token_ids[:60] == plain.token_ids
     with pytest.raises(ValueError, match="window"):
         stream_past_context(smollm2, prompt * 20, max_tokens=5, window=96)
+
+
+def test_entropy_branching(smollm2):
+    from workbench.engine.strategies import entropy_branching
+
+    prompt = smollm2.tokenize(smollm2.apply_chat_template(
+        [{"role": "user", "content": "Tell me a fun fact about octopuses."}]), add_bos=False)
+    never = entropy_branching(smollm2, prompt, max_tokens=20, threshold=float("inf"))
+    assert never.branch_points == []
+    assert never.token_ids == smollm2.generate(prompt, temperature=0, max_tokens=20).token_ids
+    r = entropy_branching(smollm2, prompt, max_tokens=20, threshold=1.5, k=3, lookahead=4)
+    assert r.branch_points and len(r.token_ids) == 20
+    for point in r.branch_points:
+        assert point.entropy > 1.5
+        assert point.chosen == min((s, t) for t, s in point.alternatives)[1]
+        assert r.token_ids[point.position] == point.chosen
+    # a lookahead's perplexity is the model's on that continuation, from a fresh run
+    point = r.branch_points[0]
+    history = prompt + r.token_ids[: point.position]
+    token, ppl = point.alternatives[0]
+    smollm2.reset()
+    first = smollm2.generate(history, temperature=0, max_tokens=1, logprobs=3).events[0]
+    lp_token = next(a.logprob for a in first.top if a.id == token)
+    ahead = smollm2.generate(history + [token], temperature=0, max_tokens=4, logprobs=0)
+    lps = [lp_token] + [e.logprob for e in ahead.events if e.id is not None]
+    assert ppl == pytest.approx(math.exp(-sum(lps) / len(lps)), rel=1e-3)

@@ -3,6 +3,8 @@
 - `best_of_n`: sample n answers at once, keep the one the model finds least surprising.
 - `stream_past_context`: generate beyond the context length by keeping the first few
   "sink" tokens and a sliding window of the most recent ones (StreamingLLM).
+- `entropy_branching`: decode greedily, and where the model is unsure (high entropy)
+  try the top alternatives a few tokens ahead on forked branches; keep the surest.
 
 (`speculative_generate`, drafting with a small model, is in `speculative.py`.)
 """
@@ -15,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from workbench.engine.branch import Branch, BranchStore
 from workbench.engine.llm import LLM, Completion, TokenEvent
-from workbench.engine.metrics import Perplexity
+from workbench.engine.metrics import Perplexity, model_entropy
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,74 @@ def _stream(model: LLM, ids: list[int], seq, window: int, sink: int, discard: in
                 return seq.finish_reason
             with model._forward_lock:
                 logits = net.logits(net.hidden(np.asarray([token]), cache))[0]
+
+
+@dataclass(frozen=True)
+class BranchPoint:
+    """Where `entropy_branching` forked: the position (in generated tokens), the entropy
+    there (nats), and each alternative's token with the perplexity of its lookahead."""
+
+    position: int
+    entropy: float
+    alternatives: list[tuple[int, float]]
+    chosen: int
+
+
+@dataclass(frozen=True)
+class EntropyBranching:
+    text: str
+    token_ids: list[int]
+    branch_points: list[BranchPoint]
+
+
+def entropy_branching(model: LLM, prompt: str | Sequence[int], *, max_tokens: int = 64,
+                      threshold: float = 2.0, k: int = 3, lookahead: int = 6) -> EntropyBranching:
+    """Greedy decoding that looks ahead where the model hesitates.
+
+    At each step whose next-token entropy exceeds `threshold` (nats), the `k` most
+    likely tokens are each continued greedily for `lookahead` tokens on forked
+    branches (all in one forward pass per step); the token whose branch has the
+    lowest perplexity is kept, and decoding goes on from it.
+    """
+    ids, _ = model._prompt_ids(prompt, None, False)
+    store = BranchStore(model, max_active=k + 1,
+                        max_len=min(model.kv_cache_size, len(ids) + max_tokens + lookahead + 1))
+    main = Branch.create(model, {"temperature": 0}, store=store)
+    main.prefill(ids)
+    out: list[int] = []
+    points: list[BranchPoint] = []
+    while len(out) < max_tokens and main.cache.offset < main.cache.max_len - lookahead - 1:
+        h = model_entropy(main.logits)
+        if h > threshold:
+            alternatives = [int(t) for t in np.argsort(-main.logits)[:k]]
+            scores = _lookahead(store, main, alternatives, lookahead)
+            token = min(zip(scores, alternatives))[1]
+            points.append(BranchPoint(len(out), h, list(zip(alternatives, scores)), token))
+        else:
+            token = int(np.argmax(main.logits))
+        if model.is_stop_token(token):
+            break
+        main.commit(token)
+        out.append(token)
+    main.prune_subtree()
+    return EntropyBranching(model.detokenize(out), out, points)
+
+
+def _lookahead(store: BranchStore, main: Branch, alternatives: list[int], n: int
+               ) -> list[float]:
+    """Perplexity of each alternative followed by `n` greedy tokens (forks of `main`)."""
+    branches = [main.fork() for _ in alternatives]
+    try:
+        store.commit(list(zip(branches, alternatives)))
+        live = [b for b, t in zip(branches, alternatives) if not b.is_stop(t)]
+        for _ in range(n):
+            step = [(b, int(np.argmax(b.logits))) for b in live]
+            step = [(b, t) for b, t in step if not b.is_stop(t)]
+            if not step:
+                break
+            store.commit(step)
+            live = [b for b, _ in step]
+        return [b.perplexity for b in branches]
+    finally:
+        for b in branches:
+            b.prune_subtree()
