@@ -4,9 +4,8 @@ output must be the Q8_0 model's own, token for token."""
 from __future__ import annotations
 
 import pytest
-from gguf import GGMLQuantizationType
 
-from tests.requantize import requantize
+from workbench.engine.convert import requantize_gguf
 from workbench.engine.speculative import speculative_generate
 
 pytestmark = pytest.mark.slow
@@ -16,8 +15,8 @@ pytestmark = pytest.mark.slow
 def target(smollm2, tmp_path_factory):
     from workbench import LLM
 
-    path = requantize(smollm2.path, tmp_path_factory.mktemp("q8") / "smollm2-q8_0.gguf",
-                      GGMLQuantizationType.Q8_0)
+    path = requantize_gguf(smollm2.path, tmp_path_factory.mktemp("q8") / "smollm2-q8_0.gguf",
+                           "q8_0")
     with LLM.load(path) as m:
         yield m
 
@@ -54,3 +53,22 @@ def test_max_tokens_and_arguments(target, smollm2):
 def test_a_draft_with_another_vocabulary_is_refused(target, qwen):
     with pytest.raises(ValueError, match="another vocabulary"):
         speculative_generate(target, qwen, "Hi")
+
+
+def test_requantized_file_keeps_metadata_and_values(target, smollm2, tmp_path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from workbench.engine.convert import requantize_gguf
+
+    src, dst = GGUFReader(smollm2.path), GGUFReader(target.path)
+    assert {f.name: f.contents() for f in src.fields.values() if not f.name.startswith("GGUF.")} \
+        == {f.name: f.contents() for f in dst.fields.values() if not f.name.startswith("GGUF.")}
+    for a, b in zip(src.tensors, dst.tensors):
+        assert a.name == b.name
+        x, y = dequantize(a.data, a.tensor_type), dequantize(b.data, b.tensor_type)
+        assert x.shape == y.shape
+        # Q8_0 keeps each Q4_1 value to within half a step of its block's scale
+        assert abs(x - y).max() <= abs(x).max() / 127 + 1e-6, a.name
+    with pytest.raises(ValueError, match="qtype"):
+        requantize_gguf(smollm2.path, tmp_path / "x.gguf", "q3_weird")
