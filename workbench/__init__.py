@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "Completion", "TokenEvent", "Encoder", "WhisperModel", "Transcript",
-           "serve", "RemoteEngine", "Grammar", "parse_gbnf", "compile_schema",
-           "UnsupportedSchemaError", "validate_chat_template", "__version__"]
+           "serve", "RemoteEngine", "Branch", "BranchStore", "PrefixCache", "Grammar",
+           "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "validate_chat_template",
+           "__version__"]
 _GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
 
 # `workbench.serve` is the function (the package `workbench/serve/` holds it): binding it
@@ -24,9 +25,11 @@ _GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
 from workbench.serve.runner import serve  # noqa: E402  (light: no server packages yet)
 
 if TYPE_CHECKING:
+    from workbench.engine.branch import Branch, BranchStore
     from workbench.engine.chat_template import validate_chat_template
     from workbench.engine.encoder import Encoder
     from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
+    from workbench.engine.kv_cache import PrefixCache
     from workbench.engine.llm import LLM, Completion, TokenEvent
     from workbench.engine.whisper import Transcript, WhisperModel
     from workbench.serve.remote import RemoteEngine
@@ -43,6 +46,14 @@ def __getattr__(name: str):
         from workbench.engine import whisper
 
         return getattr(whisper, name)
+    if name in ("Branch", "BranchStore"):
+        from workbench.engine import branch
+
+        return getattr(branch, name)
+    if name == "PrefixCache":
+        from workbench.engine.kv_cache import PrefixCache
+
+        return PrefixCache
     if name == "validate_chat_template":
         from workbench.engine.chat_template import validate_chat_template
 
