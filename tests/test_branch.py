@@ -142,3 +142,33 @@ def test_iteration_perplexity_and_grammar(smollm2):
         add_bos=False))
     text = "".join(e.text for e in constrained)
     assert "city" in json.loads(text)
+
+
+def test_branch_hooks_logits_processors_and_kv_remove(smollm2):
+    store = BranchStore(smollm2, max_active=3)
+    root = Branch.create(smollm2, {"temperature": 0}, store=store)
+    root.prefill(smollm2.tokenize(PROMPT))
+    greedy = int(np.argmax(root.logits))
+
+    def ban(ids, logits):
+        logits[greedy] = -np.inf
+        return logits
+
+    banned = Branch.create(smollm2, {"temperature": 0}, store=store, logits_processors=[ban])
+    banned.prefill(smollm2.tokenize(PROMPT))
+    token, _ = banned.produce()
+    assert token != greedy and token == int(np.argsort(-banned.logits)[1])
+    assert banned.fork().produce()[0] == token  # a fork keeps the processors
+    # kv_remove on a branch: continuing equals a fresh run on the remaining tokens
+    ids = smollm2.tokenize("My cat is called Tom. My dog is called Rex. The name of my cat is")
+    drop = len(smollm2.tokenize(" My dog is called Rex.", add_bos=False))
+    start = len(smollm2.tokenize("My cat is called Tom."))
+    root.prune()  # the store is full (root, banned and its fork): free a slot
+    b = Branch.create(smollm2, {"temperature": 0}, store=store)
+    b.prefill(ids)
+    with pytest.raises(RuntimeError, match="children"):
+        banned.kv_remove(0, 1)
+    b.kv_remove(start, start + drop)
+    remaining = ids[:start] + ids[start + drop:]
+    assert b.tokens == remaining
+    assert _greedy(b, 6) == _fresh(smollm2, remaining, 6)

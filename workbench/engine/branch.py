@@ -108,7 +108,7 @@ class Branch:
 
     def __init__(self, store: BranchStore, cache: KVCache, sampler: Sampler,
                  matcher: Any = None, *, max_tokens: int | None = None,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, logits_processors: Sequence[Any] = ()):
         self.store = store
         self.model = store.model
         self.cache = cache
@@ -116,6 +116,9 @@ class Branch:
         self.matcher = matcher
         self.max_tokens = max_tokens  # for iteration; None: until a stop token or full
         self.logprobs = logprobs
+        self.logits_processors = list(logits_processors)
+        if any(not callable(fn) for fn in self.logits_processors):
+            raise TypeError("logits_processors must be functions fn(ids, logits) -> logits")
         self.logits: np.ndarray | None = None  # (n_vocab,) after the last token
         self.perplexity_tracker = Perplexity()
         self.generated: list[int] = []  # tokens accepted since creation (or the fork)
@@ -128,13 +131,15 @@ class Branch:
     def create(cls, model: LLM, params: SamplingParams | Mapping[str, Any] | None = None, *,
                store: BranchStore | None = None, grammar: Grammar | str | None = None,
                schema: Any = None, max_tokens: int | None = None,
-               logprobs: int | None = None) -> Branch:
+               logprobs: int | None = None,
+               logits_processors: Sequence[Any] = ()) -> Branch:
         """A new, empty branch of `model` (in `store`, or a store of its own).
 
         params: `SamplingParams` or a dict of its fields (temperature, top_k, top_p,
         min_p, repeat_penalty, seed ...). grammar / schema constrain it as in
         `LLM.generate`. max_tokens bounds iteration; logprobs=k puts k alternatives
-        in the events.
+        in the events; logits_processors (`fn(ids, logits) -> logits`) change the
+        logits before each sample, as in `LLM.generate`.
         """
         store = store or BranchStore(model)
         if params is None:
@@ -146,7 +151,7 @@ class Branch:
         matcher = constraint.matcher(model.tokenizer, n_vocab) if constraint else None
         cache = KVCache(store.pool, store._lease())
         return cls(store, cache, Sampler(params, n_vocab), matcher, max_tokens=max_tokens,
-                   logprobs=logprobs)
+                   logprobs=logprobs, logits_processors=logits_processors)
 
     # -- tree ---------------------------------------------------------------------------------
     def fork(self) -> Branch:
@@ -157,7 +162,8 @@ class Branch:
         store = self.store
         child = Branch(store, self.cache.fork(store._lease()), copy.deepcopy(self.sampler),
                        self.matcher.clone() if self.matcher is not None else None,
-                       max_tokens=self.max_tokens, logprobs=self.logprobs)
+                       max_tokens=self.max_tokens, logprobs=self.logprobs,
+                       logits_processors=self.logits_processors)
         child.logits = None if self.logits is None else self.logits.copy()
         child.perplexity_tracker = self.perplexity_tracker.clone()
         child.parent = self
@@ -212,7 +218,14 @@ class Branch:
             allowed = self.matcher.mask()
             ends = np.fromiter(self.model.tokenizer.eot_ids, dtype=np.int64)
             allowed[ends] = self.matcher.is_accepting
-        token = self.sampler.sample(self.logits, self.cache.tokens, allowed)
+        logits = self.logits
+        for fn in self.logits_processors:
+            out = np.asarray(fn(np.asarray(self.cache.tokens, dtype=np.intc), logits.copy()),
+                             dtype=np.float32)
+            if out.shape != logits.shape:
+                raise ValueError(f"a logits processor returned shape {out.shape}")
+            logits = out
+        token = self.sampler.sample(logits, self.cache.tokens, allowed)
         return token, self.is_stop(token)
 
     def is_stop(self, token: int) -> bool:
@@ -232,6 +245,26 @@ class Branch:
     def commit(self, token: int) -> None:
         """`accept(token)` and run it through the model (one forward pass)."""
         self.store.commit([(self, token)])
+
+    def kv_remove(self, start: int, end: int, *, recompute: bool = True) -> None:
+        """Forget positions start .. end - 1 of this branch (see `LLM.kv_remove`); the
+        branch must have no live children (they read its positions)."""
+        self._check_alive()
+        if self.children:
+            raise RuntimeError("this branch has live children that read its cache")
+        net = self.model._require_model()
+        tail = self.cache.tokens[end:]
+        with self.model._busy:
+            net.kv_remove(self.cache, int(start), int(end))
+            if recompute and tail:
+                self.cache.trim(int(start))
+                self.prefill(tail)
+            elif self.cache.offset:  # the next token's logits, from the moved cache
+                last = self.cache.tokens[-1]
+                self.cache.trim(self.cache.offset - 1)
+                self.prefill([last])
+            else:
+                self.logits = None
 
     @property
     def perplexity(self) -> float:
