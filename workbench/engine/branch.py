@@ -70,10 +70,12 @@ class BranchStore:
             return
         if len({id(b) for b, _ in pairs}) != len(pairs):
             raise ValueError("each branch may commit one token per call")
-        for branch, token in pairs:
+        for branch, _ in pairs:  # check everything before any branch changes
             branch._check_alive()
             if branch.store is not self:
                 raise ValueError("every branch must belong to this store")
+            branch.cache.check_room(1)
+        for branch, token in pairs:
             branch.accept(token)
         net = self.model._require_model()
         with self.model._busy, self.model._forward_lock:
