@@ -41,6 +41,9 @@ from workbench.signals import BusyCounter, Signal
 SUPPORTED_ARCHITECTURES = llama.ARCHITECTURES
 LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]  # fn(ids, logits) -> logits
 PREFILL_CHUNK = 512  # prompt tokens per forward pass
+# After a prefix cache, tails up to this long run token by token on the decode path, which
+# beats one small prefill chunk (16 tokens after a 995-token prefix: 0.19 s against 0.40 s)
+STEPWISE_TAIL = 16
 
 
 @dataclass(frozen=True)
@@ -636,15 +639,29 @@ class LLM:
         holds (copied, whichever covers more), prefilling the rest; return the logits
         after the last token (at least one token always runs, for them)."""
         reuse = cache.common_prefix(ids)
+        restored = False
         if prefix is not None:
             n = min(prefix.common_prefix(ids), len(ids) - 1)
             if n > reuse:
                 cache.restore(prefix, n)
-                reuse = n
+                reuse, restored = n, True
         reuse = min(reuse, len(ids) - 1)
         cache.trim(reuse)
         self.prefilled_tokens += len(ids) - reuse
-        return self._prefill(ids[reuse:], cache)
+        tail = ids[reuse:]
+        if restored and len(tail) <= STEPWISE_TAIL:  # the question after a cached prompt
+            return self._prefill_stepwise(tail, cache)
+        return self._prefill(tail, cache)
+
+    def _prefill_stepwise(self, ids: list[int], cache: KVCache) -> np.ndarray:
+        """Feed a few tokens one at a time through the decode path (fused kernels, no
+        per-layer BLAS hand-off): measured 2x faster than one chunk for 16 tokens."""
+        model = self._require_model()
+        for token in ids:
+            with self._forward_lock:
+                hidden = model.hidden(np.asarray([token]), cache)
+        with self._forward_lock:
+            return model.logits(hidden)[0]
 
     def _prefill(self, ids: list[int], cache: KVCache) -> np.ndarray:
         """Feed `ids` in chunks of PREFILL_CHUNK (bounding the attention scores' memory);
