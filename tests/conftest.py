@@ -33,6 +33,14 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def minilm():
+    from workbench import Encoder
+
+    with Encoder.load("minilm-l6") as enc:
+        yield enc
+
+
+@pytest.fixture(scope="session")
 def qwen():
     from workbench import LLM
 

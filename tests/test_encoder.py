@@ -62,14 +62,6 @@ def minilm_folder():
 
 
 @pytest.fixture(scope="session")
-def minilm():
-    from workbench import Encoder
-
-    with Encoder.load("minilm-l6") as enc:
-        yield enc
-
-
-@pytest.fixture(scope="session")
 def minilm_q8(minilm_folder, tmp_path_factory):
     from workbench import Encoder
     from workbench.engine.convert import hf_bert_to_gguf

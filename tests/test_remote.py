@@ -23,14 +23,6 @@ QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def minilm():
-    from workbench import Encoder
-
-    with Encoder.load("minilm-l6") as enc:
-        yield enc
-
-
-@pytest.fixture(scope="module")
 def ours(smollm2, minilm):
     import workbench
 

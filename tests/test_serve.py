@@ -27,11 +27,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2):
-    from workbench import Encoder, WhisperModel
+def engines(smollm2, minilm):
+    from workbench import WhisperModel
 
-    with Encoder.load("minilm-l6") as enc, WhisperModel.load("whisper-tiny.en") as whisper:
-        yield {"smollm2-135m": smollm2, "minilm-l6": enc, "whisper-tiny.en": whisper}
+    with WhisperModel.load("whisper-tiny.en") as whisper:
+        yield {"smollm2-135m": smollm2, "minilm-l6": minilm, "whisper-tiny.en": whisper}
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,12 @@ ROUTE_MODEL = {"/v1/chat/completions": "smollm2-135m", "/v1/completions": "smoll
 
 
 @pytest.fixture(scope="module")
-def live_server(smollm2):
+def live_server(smollm2, minilm):
     import workbench
-    from workbench import Encoder, WhisperModel
+    from workbench import WhisperModel
 
-    with Encoder.load("minilm-l6") as enc, WhisperModel.load("whisper-tiny.en") as whisper, \
-            workbench.serve({"smollm2-135m": smollm2, "minilm-l6": enc,
+    with WhisperModel.load("whisper-tiny.en") as whisper, \
+            workbench.serve({"smollm2-135m": smollm2, "minilm-l6": minilm,
                              "whisper-tiny.en": whisper}, port=0, max_queue=4,
                             max_body_bytes=1 << 20, max_tokens_limit=4) as server:
         yield server

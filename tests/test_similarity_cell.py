@@ -16,14 +16,6 @@ SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.",
              "Someone in a gorilla costume is playing a set of drums."]
 
 
-@pytest.fixture(scope="module")
-def minilm():
-    from workbench import Encoder
-
-    with Encoder.load("minilm-l6") as enc:
-        yield enc
-
-
 @pytest.mark.slow
 def test_matrix_equals_the_encoders_similarities(minilm):
     cell = SimilarityCell(minilm, SENTENCES)

@@ -28,12 +28,10 @@ import numpy as np
 
 from workbench.engine.grammar import Grammar, resolve_grammar
 from workbench.engine.kv_cache import KVCache
-from workbench.engine.llm import LLM, Alternative, TokenEvent
+from workbench.engine.llm import LLM, PREFILL_CHUNK, Alternative, TokenEvent
 from workbench.engine.metrics import Perplexity
 from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers.stream import StreamDecoder
-
-PREFILL_CHUNK = 512
 
 
 class BranchStore:
@@ -199,15 +197,9 @@ class Branch:
         tokens = [int(t) for t in tokens]
         if not tokens:
             return
-        net = self.model._require_model()
         with self.model._busy:
-            for start in range(0, len(tokens), PREFILL_CHUNK):
-                with self.model._forward_lock:
-                    hidden = net.hidden(np.asarray(tokens[start : start + PREFILL_CHUNK]),
-                                        self.cache)
-                self.store.forward_passes += 1
-            with self.model._forward_lock:
-                self.logits = net.logits(hidden[-1:])[0]
+            self.logits = self.model._prefill(tokens, self.cache)
+        self.store.forward_passes += -(-len(tokens) // PREFILL_CHUNK)  # one per chunk
 
     def produce(self) -> tuple[int, bool]:
         """Sample the next token from the current logits: (token, is_stop). Only the

@@ -362,12 +362,9 @@ class LLM:
         return PrefixCache.load(path, self)
 
     def _snapshot(self, ids: list[int]) -> PrefixCache:
-        model = self._require_model()
-        cache = model.new_cache(len(ids))
+        cache = self._require_model().new_cache(len(ids))
         with self._busy:
-            for start in range(0, len(ids), PREFILL_CHUNK):
-                with self._forward_lock:
-                    model.hidden(np.asarray(ids[start : start + PREFILL_CHUNK]), cache)
+            self._prefill(ids, cache)
         return cache.snapshot(self.file_sha256)
 
     def _check_prefix(self, prefix: PrefixCache | None) -> None:

@@ -422,6 +422,16 @@ def _model_card(state: ServerState, model: str) -> dict:
     return {"id": model, "object": "model", "created": state.created, "owned_by": "workbench"}
 
 
+def _chunk(meta: dict, kind: str, choices: list, include_usage: bool,
+           usage: dict | None) -> str:
+    """One streamed chunk's JSON; with `include_usage` every chunk carries `usage` (null
+    until the last)."""
+    data = {**meta, "object": kind, "choices": choices, "system_fingerprint": None}
+    if include_usage:
+        data["usage"] = usage
+    return json.dumps(data, ensure_ascii=False)
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -564,11 +574,7 @@ async def _chat_response(engine: Any, job: Job, request: Request, meta: dict, n:
 async def _chat_stream(engine: Any, job: Job, meta: dict, n: int, include_usage: bool
                        ) -> AsyncIterator[str]:
     def chunk(choices: list, usage: dict | None = None) -> str:
-        data = {**meta, "object": "chat.completion.chunk", "choices": choices,
-                "system_fingerprint": None}
-        if include_usage:
-            data["usage"] = usage
-        return json.dumps(data, ensure_ascii=False)
+        return _chunk(meta, "chat.completion.chunk", choices, include_usage, usage)
 
     prompt = generated = 0
     try:
@@ -676,11 +682,7 @@ async def _text_response(job: Job, request: Request, meta: dict, n: int,
 
 async def _text_stream(job: Job, meta: dict, include_usage: bool) -> AsyncIterator[str]:
     def chunk(choices: list, usage: dict | None = None) -> str:
-        data = {**meta, "object": "text_completion", "choices": choices,
-                "system_fingerprint": None}
-        if include_usage:
-            data["usage"] = usage
-        return json.dumps(data, ensure_ascii=False)
+        return _chunk(meta, "text_completion", choices, include_usage, usage)
 
     prompt = generated = 0
     offsets: dict[int, int] = {}
