@@ -294,6 +294,37 @@ def test_generate_batch_context_full():
         assert a.token_ids == m.generate(PROMPT, max_tokens=100, **GREEDY).token_ids
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_fused_decode_equals_kernel_by_kernel(name):
+    """`decode_stack` (all layers in one compiled call) against the per-kernel Python loop:
+    1 and 5 sequences at their own positions, the second batch with a forked sequence
+    that reads its prefix from its parent's slot. Qwen's Q4_K_M mixes formats inside a
+    layer (Q/K in Q5_0, V in Q6_K), so its fused projections run part by part."""
+    from workbench import LLM
+
+    with LLM.load(name) as m:
+        model = m.model
+        assert model.fused_decode, "every matrix of these files has a packed-block kernel"
+        parts_per_layer = np.diff(model._stack.first)
+        prompts = [np.asarray(m.tokenize(p)) for p in BATCH_PROMPTS[:4]]
+        results = {}
+        for fused in (True, False):
+            model.fused_decode = fused
+            pool = model.new_pool(5, 64)
+            caches = pool.caches()
+            for ids, cache in zip(prompts, caches):
+                model.hidden(ids, cache)
+            caches[4] = caches[0].fork(4)
+            one = model.decode(np.array([42]), [caches[1]])
+            many = model.decode(np.array([7, 8, 9, 10, 11]), caches)
+            results[fused] = (one, many, pool.keys.copy())
+        model.fused_decode = True
+        for got, want in zip(results[True], results[False]):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+        if name.startswith("qwen"):
+            assert parts_per_layer.max() > 1, "expected a projection with mixed formats"
+
+
 def test_decode_many_equals_decode_one(smollm2):
     """`LlamaModel.decode` of several sequences at different positions: the same logits
     as decoding each sequence alone (the batched path only changes the matmul shapes)."""

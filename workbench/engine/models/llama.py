@@ -24,7 +24,8 @@ import numpy as np
 from workbench.engine.gguf import GGUFError, GGUFFile
 from workbench.engine.kv_cache import KVCache, KVPool, LayerKVCache
 from workbench.engine.models.weights import fused, linear, vector
-from workbench.kernels import layers
+from workbench.kernels import cpu, layers
+from workbench.kernels.decode import StackWeights, decode_stack
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -254,6 +255,10 @@ class LlamaModel:
         self.blocks = [Block(cfg, g, i, rope) for i in range(cfg.n_layer)]
         self.norm = vector(g, "output_norm.weight")
         self.output = linear(g, "output.weight") if "output.weight" in g.tensors else self.embed
+        # decode runs all layers in one compiled call when every matrix has a packed kernel;
+        # set `fused_decode = False` for the per-kernel path (the reference in the tests)
+        self._stack = StackWeights.build(self.blocks, self.norm)
+        self.fused_decode = self._stack is not None
 
     def new_pool(self, n_slots: int, max_len: int | None = None) -> KVPool:
         """KV-cache room for `n_slots` sequences of up to `max_len` positions each."""
@@ -310,6 +315,22 @@ class LlamaModel:
             src = np.stack([c.sources[: int(pos.max()) + 1] for c in caches])  # (N, L)
         eps = self.config.norm_eps
         x = self.embed.rows(ids)  # (N, n_embd): the residual stream
+        if self.fused_decode and ids.size <= cpu.GEMV_MAX_T:
+            cfg, rope = self.config, self.blocks[0].attn.rope
+            h = decode_stack(self._stack, x, eps, cfg.n_head, cfg.n_head_kv, cfg.head_dim,
+                             slots, pos, rope.cos, rope.sin, rope.dim, rope.neox, pool.keys,
+                             pool.values, src)
+        else:
+            h = self._decode_layers(x, pool, slots, pos, src)
+        for c, t in zip(caches, ids):
+            c.offset += 1
+            c.tokens.append(int(t))
+        return h
+
+    def _decode_layers(self, x: np.ndarray, pool: KVPool, slots: np.ndarray, pos: np.ndarray,
+                       src: np.ndarray | None) -> np.ndarray:
+        """`decode`'s layers one kernel call at a time (x: (N, n_embd), updated in place)."""
+        eps = self.config.norm_eps
         h = np.empty_like(x)  # normed input of the next sub-layer
         layers.rms_norm(x, self.blocks[0].attn_norm, eps, h)
         for i, block in enumerate(self.blocks):
@@ -318,9 +339,6 @@ class LlamaModel:
             f = block.ffn(h)
             nxt = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.norm
             layers.add_rms_norm(x, f, nxt, eps, h)
-        for c, t in zip(caches, ids):
-            c.offset += 1
-            c.tokens.append(int(t))
         return h
 
     def kv_remove(self, cache: KVCache, start: int, end: int) -> None:

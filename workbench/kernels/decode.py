@@ -1,0 +1,236 @@
+"""One decode step of a whole llama-family layer stack in a single Numba call.
+
+Decoding one token per sequence calls ~8 kernels per layer (Q/K/V, attention,
+output projection, norm, gate/up, SwiGLU, down, norm); driven from Python that
+is ~240 calls per token on a 30-layer model, and their dispatch (argument
+checks, NumPy views, Numba's type matching) cost ~1.5 ms of a ~10 ms token on
+SmolLM2-135M. `decode_stack` runs the same kernels in the same order from
+compiled code: the layer loop, the per-format choice of matmul kernel and the
+attention all stay inside Numba, and each parallel kernel is still one
+parallel region of its own.
+
+`StackWeights.build(blocks)` gathers what the loop needs once per model:
+every projection matrix in a typed list with its GGML type code (a projection
+whose parts differ in format, `weights.Stacked`, contributes one entry per
+part, each writing its own output columns), the norms stacked by layer, and
+the optional Q/K/V biases and Qwen3 head norms. It returns None when some
+matrix has no packed-block kernel (F32, or Q2_K/Q3_K kept as fp32 copies); the
+model then keeps the per-kernel path of `LlamaModel.decode`, which is also the
+reference that tests compare this with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import njit, types
+from numba.typed import List
+
+from workbench.kernels import cpu, layers
+from workbench.kernels.linear import QuantizedWeight
+
+Q = GGMLQuantizationType
+
+# The four projections of a layer, in the order the step runs them.
+QKV, OUT, GATE_UP, DOWN = 0, 1, 2, 3
+
+_MATRIX = types.Array(types.uint8, 2, "C", readonly=True)
+
+
+@dataclass
+class StackWeights:
+    """The weights of all layers, laid out for `decode_stack` (see the module docstring)."""
+
+    mats: List  # typed list of (N, bytes_per_row) uint8 read-only matrices
+    parts: np.ndarray  # (P, 4) int64: matrix index, GGML type code, first output column, rows
+    first: np.ndarray  # (n_layer * 4 + 1,) int64: parts of projection p of layer l are
+    #                    parts[first[4 l + p] : first[4 l + p + 1]]
+    widths: np.ndarray  # (n_layer, 4) int64: output width of each projection
+    attn_norm: np.ndarray  # (n_layer + 1, D) float32; row n_layer is the final norm
+    ffn_norm: np.ndarray  # (n_layer, D) float32
+    bqkv: np.ndarray  # (n_layer, W_qkv) float32 or (n_layer, 0) without biases
+    q_norm: np.ndarray  # (n_layer, head_dim) float32 or (n_layer, 0) without Q/K norms
+    k_norm: np.ndarray
+
+    @classmethod
+    def build(cls, blocks, final_norm: np.ndarray) -> StackWeights | None:
+        """From `llama.Block`s and the output norm; None if a matrix has no packed kernel."""
+        mats = List.empty_list(_MATRIX)
+        parts, first, widths = [], [], []
+        for block in blocks:
+            row = []
+            for proj in (block.attn.wqkv, block.attn.wo, block.ffn.gate_up, block.ffn.down):
+                first.append(len(parts))
+                col = 0
+                for w in getattr(proj, "parts", [proj]):
+                    if not isinstance(w, QuantizedWeight) or w.qtype not in cpu.GEMV_KERNELS:
+                        return None
+                    parts.append((len(mats), int(w.qtype), col, w.shape[0]))
+                    mats.append(w.data)
+                    col += w.shape[0]
+                row.append(col)
+            widths.append(row)
+        first.append(len(parts))
+        n_layer = len(blocks)
+        attn = blocks[0].attn
+
+        def stacked(vectors: list, width: int) -> np.ndarray:
+            if vectors[0] is None:
+                return np.zeros((n_layer, 0), np.float32)
+            return np.ascontiguousarray(np.stack(vectors), dtype=np.float32).reshape(-1, width)
+
+        return cls(
+            mats=mats,
+            parts=np.array(parts, np.int64).reshape(-1, 4),
+            first=np.array(first, np.int64),
+            widths=np.array(widths, np.int64),
+            attn_norm=np.stack([b.attn_norm for b in blocks] + [final_norm]).astype(np.float32),
+            ffn_norm=np.stack([b.ffn_norm for b in blocks]).astype(np.float32),
+            bqkv=stacked([b.attn.bqkv for b in blocks], widths[0][QKV]),
+            q_norm=stacked([b.attn.q_norm for b in blocks], attn.cfg.head_dim),
+            k_norm=stacked([b.attn.k_norm for b in blocks], attn.cfg.head_dim),
+        )
+
+
+@njit(cache=True)
+def _matmul(code, x, w, f16, bf16, scratch, y, n):
+    """y = x @ W.T by the packed-block kernel of GGML type `code` (T <= 2: gemv,
+    else the two-stage kernel with `scratch`); `n` is the run-time 16 of `cpu`."""
+    if x.shape[0] <= 2:
+        if code == 8:
+            cpu._gemv_q8_0(x, w, f16, y, n)
+        elif code == 2:
+            cpu._gemv_q4_0(x, w, f16, y, n)
+        elif code == 3:
+            cpu._gemv_q4_1(x, w, f16, y, n)
+        elif code == 6:
+            cpu._gemv_q5_0(x, w, f16, y, n)
+        elif code == 7:
+            cpu._gemv_q5_1(x, w, f16, y, n)
+        elif code == 12:
+            cpu._gemv_q4_k(x, w, f16, y, n)
+        elif code == 13:
+            cpu._gemv_q5_k(x, w, f16, y, n)
+        elif code == 14:
+            cpu._gemv_q6_k(x, w, f16, y, n)
+        elif code == 1:
+            cpu._gemv_f16(x, w, f16, y, n)
+        else:  # 30, BF16
+            cpu._gemv_f16(x, w, bf16, y, n)
+    else:
+        if code == 8:
+            cpu._gemv2_q8_0(x, w, f16, scratch, y, n)
+        elif code == 2:
+            cpu._gemv2_q4_0(x, w, f16, scratch, y, n)
+        elif code == 3:
+            cpu._gemv2_q4_1(x, w, f16, scratch, y, n)
+        elif code == 6:
+            cpu._gemv2_q5_0(x, w, f16, scratch, y, n)
+        elif code == 7:
+            cpu._gemv2_q5_1(x, w, f16, scratch, y, n)
+        elif code == 12:
+            cpu._gemv2_q4_k(x, w, f16, scratch, y, n)
+        elif code == 13:
+            cpu._gemv2_q5_k(x, w, f16, scratch, y, n)
+        elif code == 14:
+            cpu._gemv2_q6_k(x, w, f16, scratch, y, n)
+        elif code == 1:
+            cpu._gemv2_f16(x, w, f16, scratch, y, n)
+        else:
+            cpu._gemv2_f16(x, w, bf16, scratch, y, n)
+
+
+@njit(cache=True)
+def _project(mats, parts, first, widths, layer, proj, x, f16, bf16, n_threads, n):
+    """Projection `proj` of `layer` applied to x (T, K): a new (T, width) array."""
+    T = x.shape[0]
+    y = np.empty((T, widths[layer, proj]), np.float32)
+    # (threads, 4, K): the two-stage kernel's four dequantized rows per thread
+    scratch = np.empty((n_threads if T > 2 else 0, 4, x.shape[1]), np.float32)
+    lo, hi = first[4 * layer + proj], first[4 * layer + proj + 1]
+    if hi - lo == 1:
+        _matmul(parts[lo, 1], x, mats[parts[lo, 0]], f16, bf16, scratch, y, n)
+        return y
+    for i in range(lo, hi):  # parts of different formats, side by side in y
+        part = np.empty((T, parts[i, 3]), np.float32)
+        _matmul(parts[i, 1], x, mats[parts[i, 0]], f16, bf16, scratch, part, n)
+        c0 = parts[i, 2]
+        y[:, c0 : c0 + parts[i, 3]] = part
+    return y
+
+
+@njit(cache=True)
+def _attend(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, k_norm, eps,
+            keys, values, out, src, has_src):
+    """`layers.attend` from compiled code (src is read only when has_src)."""
+    layers._write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, eps,
+                     keys, values)
+    macs = 2 * n_head * keys.shape[3] * (pos.sum() + pos.shape[0])
+    group = n_head // n_kv
+    if has_src:
+        if macs >= layers.PARALLEL_ATTENTION_MACS:
+            layers._heads_parallel(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox,
+                                   q_norm, eps, keys, values, out, src)
+        else:
+            layers._heads_serial(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox,
+                                 q_norm, eps, keys, values, out, src)
+    elif macs >= layers.PARALLEL_ATTENTION_MACS:
+        layers._heads_parallel(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox,
+                               q_norm, eps, keys, values, out, None)
+    else:
+        layers._heads_serial(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox,
+                             q_norm, eps, keys, values, out, None)
+
+
+@njit(cache=True)
+def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_norm, eps,
+           n_head, n_kv, head_dim, slots, pos, cos, sin, rope_dim, neox, keys, values, src,
+           has_src, f16, bf16, n_threads, n):
+    T = x.shape[0]
+    h = np.empty_like(x)  # the normed input of the next sub-layer
+    layers.rms_norm(x, attn_norm[0], eps, h)
+    att = np.empty((T, n_head * head_dim), np.float32)
+    n_layer = ffn_norm.shape[0]
+    for i in range(n_layer):
+        qkv = _project(mats, parts, first, widths, i, QKV, h, f16, bf16, n_threads, n)
+        if bqkv.shape[1]:
+            for t in range(T):
+                qkv[t] += bqkv[i]
+        _attend(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm[i], k_norm[i],
+                eps, keys[i], values[i], att, src, has_src)
+        a = _project(mats, parts, first, widths, i, OUT, att, f16, bf16, n_threads, n)
+        layers.add_rms_norm(x, a, ffn_norm[i], eps, h)
+        gu = _project(mats, parts, first, widths, i, GATE_UP, h, f16, bf16, n_threads, n)
+        hf = np.empty((T, gu.shape[1] // 2), np.float32)
+        layers.silu_mul(gu, hf)
+        f = _project(mats, parts, first, widths, i, DOWN, hf, f16, bf16, n_threads, n)
+        layers.add_rms_norm(x, f, attn_norm[i + 1], eps, h)
+    return h
+
+
+def decode_stack(weights: StackWeights, x: np.ndarray, eps: float, n_head: int, n_kv: int,
+                 head_dim: int, slots: np.ndarray, pos: np.ndarray, cos: np.ndarray,
+                 sin: np.ndarray, rope_dim: int, neox: bool, keys: np.ndarray,
+                 values: np.ndarray, src: np.ndarray | None) -> np.ndarray:
+    """All layers for one new token of each of N <= `cpu.GEMV_MAX_T` sequences.
+
+    x: (N, D) float32 token embeddings, the residual stream (updated in place).
+    slots, pos: (N,) int64 KV-pool slots and positions; keys, values: the pool's
+    (n_layer, n_slots, n_kv, max_len, head_dim) arrays, written at each
+    sequence's position; src: None or (N, L) slot of each earlier position
+    (forked sequences). Returns the final-normed hidden states (N, D).
+    """
+    has_src = src is not None
+    if src is None:
+        src = _NO_SRC
+    return _stack(x, weights.mats, weights.parts, weights.first, weights.widths,
+                  weights.attn_norm, weights.ffn_norm, weights.bqkv, weights.q_norm,
+                  weights.k_norm, np.float32(eps), n_head, n_kv, head_dim, slots, pos, cos, sin,
+                  rope_dim, neox, keys, values, src, has_src, cpu.F16_TO_F32, cpu.BF16_TO_F32,
+                  numba.config.NUMBA_NUM_THREADS, cpu._INNER)
+
+
+_NO_SRC = np.zeros((0, 0), np.int64)
