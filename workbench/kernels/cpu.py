@@ -1,14 +1,15 @@
 """Numba CPU kernels: `y = x @ W.T` computed from GGUF weights in their file format.
 
-Three kernels per format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and
-F16/BF16 through a lookup table), picked by `matmul` from T, the number of
-rows of x:
+Three kernels per format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16
+through the CPU's half-to-float conversion, BF16 through a lookup table),
+picked by `matmul` from T, the number of rows of x:
 
 - `_gemv_<type>`, T <= 2 (decode): dot products on the packed blocks, one
   output row per `prange` iteration, fp32 accumulation, nothing materialized.
   The unpacking is redone for every row of x. For Q4_0, Q4_1, Q5_0, Q5_1,
   Q4_K and Q6_K each block is one explicit 16-lane vector step
-  (`workbench.kernels.simd`) into two alternating accumulators.
+  (`workbench.kernels.simd`) into two alternating accumulators; F16 likewise
+  converts 16 halves per step.
 - `_gemv2_<type>`, 3 <= T <= `GEMV_MAX_T` (batched decode, short prompts):
   four rows of W at a time are dequantized into a per-thread fp32 buffer,
   then multiplied with the T rows of x in 4 x 4 blocks of outputs (16
@@ -50,7 +51,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_thread_id, njit, prange
 
-from workbench.kernels.simd import nib16, nib16_hb, q6k16, stack_f32x16
+from workbench.kernels.simd import half16, half16_store, nib16, nib16_hb, q6k16, stack_f32x16
 
 Q = GGMLQuantizationType
 
@@ -773,33 +774,44 @@ def _gemv2_q6_k(x, w, f16, scratch, y, n):
                 _dots(buf[i], x, y, r + i)
 
 
-# 16-bit floats (F16, BF16): each weight is a lookup in a 65536-entry table
-# (`F16_TO_F32` or `BF16_TO_F32`, passed as `f16`), exact. The same kernels
-# serve both formats. w is (N, 2 K) bytes, viewed as (N, K) uint16.
+# 16-bit floats. F16: the `simd.half16` steps convert 16 halves at a time (the
+# CPU's own conversion; the table `f16` serves the last K % 16 columns). BF16:
+# each weight is a lookup in `BF16_TO_F32` (passed as `f16`), exact. w is
+# (N, 2 K) bytes, viewed as (N, K) uint16.
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv_f16(x, w, f16, y, n):
     h = w.view(np.uint16)
+    K = x.shape[1]
+    K16 = K - K % 16
     for r in prange(w.shape[0]):
+        hr = h[r]
         for t in range(x.shape[0]):
-            s = np.float32(0.0)
-            for k in range(x.shape[1]):
-                s += f16[np.int64(h[r, k])] * x[t, k]
+            xt = x[t]
+            a0, a1 = stack_f32x16(), stack_f32x16()
+            k = 0
+            while k + 32 <= K16:
+                half16(a0, hr, k, xt, k)
+                half16(a1, hr, k + 16, xt, k + 16)
+                k += 32
+            if k < K16:
+                half16(a0, hr, k, xt, k)
+            s = _total(a0, a1)
+            for j in range(K16, K):
+                s += f16[np.int64(hr[j])] * xt[j]
             y[t, r] = s
 
 
 @njit(inline="always")
 def _row_f16(h, r, f16, out):
-    for k in range(out.shape[0]):
-        out[k] = f16[np.int64(h[r, k])]
-
-
-@njit(cache=True)
-def _dequant_f16(w, r0, f16, out, n):
-    h = w.view(np.uint16)
-    for i in range(out.shape[0]):
-        _row_f16(h, r0 + i, f16, out[i])
+    K = out.shape[0]
+    K16 = K - K % 16
+    hr = h[r]
+    for k in range(0, K16, 16):
+        half16_store(out, k, hr, k)
+    for k in range(K16, K):
+        out[k] = f16[np.int64(hr[k])]
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -811,6 +823,46 @@ def _gemv2_f16(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_f16(h, r + i, f16, buf[i])
+        if r + 4 <= N:
+            _dots4(buf, x, y, r)
+        else:
+            for i in range(N - r):
+                _dots(buf[i], x, y, r + i)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv_bf16(x, w, f16, y, n):
+    h = w.view(np.uint16)
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            s = np.float32(0.0)
+            for k in range(x.shape[1]):
+                s += f16[np.int64(h[r, k])] * x[t, k]
+            y[t, r] = s
+
+
+@njit(inline="always")
+def _row_table16(h, r, f16, out):
+    for k in range(out.shape[0]):
+        out[k] = f16[np.int64(h[r, k])]
+
+
+@njit(cache=True)
+def _dequant_f16(w, r0, f16, out, n):
+    h = w.view(np.uint16)
+    for i in range(out.shape[0]):
+        _row_table16(h, r0 + i, f16, out[i])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv2_bf16(x, w, f16, scratch, y, n):
+    h = w.view(np.uint16)
+    N = w.shape[0]
+    for p in prange((N + 3) // 4):
+        buf = scratch[get_thread_id()]  # (4, K)
+        r = 4 * p
+        for i in range(min(4, N - r)):
+            _row_table16(h, r + i, f16, buf[i])
         if r + 4 <= N:
             _dots4(buf, x, y, r)
         else:
@@ -830,7 +882,7 @@ GEMV_KERNELS = {
     Q.Q5_K: _gemv_q5_k,
     Q.Q6_K: _gemv_q6_k,
     Q.F16: _gemv_f16,
-    Q.BF16: _gemv_f16,
+    Q.BF16: _gemv_bf16,
 }
 DEQUANT_KERNELS = {
     Q.Q8_0: _dequant_q8_0,
@@ -854,7 +906,7 @@ GEMV2_KERNELS = {
     Q.Q5_K: _gemv2_q5_k,
     Q.Q6_K: _gemv2_q6_k,
     Q.F16: _gemv2_f16,
-    Q.BF16: _gemv2_f16,
+    Q.BF16: _gemv2_bf16,
 }
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(GEMV_KERNELS)
 

@@ -119,7 +119,7 @@ def _matmul(code, x, w, f16, bf16, scratch, y, n):
         elif code == 1:
             cpu._gemv_f16(x, w, f16, y, n)
         else:  # 30, BF16
-            cpu._gemv_f16(x, w, bf16, y, n)
+            cpu._gemv_bf16(x, w, bf16, y, n)
     else:
         if code == 8:
             cpu._gemv2_q8_0(x, w, f16, scratch, y, n)
@@ -140,7 +140,7 @@ def _matmul(code, x, w, f16, bf16, scratch, y, n):
         elif code == 1:
             cpu._gemv2_f16(x, w, f16, scratch, y, n)
         else:
-            cpu._gemv2_f16(x, w, bf16, scratch, y, n)
+            cpu._gemv2_bf16(x, w, bf16, scratch, y, n)
 
 
 @njit(cache=True)

@@ -24,7 +24,11 @@ For encoders (BERT), whose layers see a whole padded batch at once:
 - `layer_norm(x, weight, bias, eps, out)`: pre-LN (Whisper), `out = LayerNorm(x)`;
 - `bias_gelu(x, bias)`: `x = gelu(x + bias)` in place, the exact (erf) GELU;
 - `encoder_attend(qkv, lengths, n_head, out)`: bidirectional attention of each
-  sequence over its own first `lengths[b]` tokens (padding is never attended).
+  sequence over its own first `lengths[b]` tokens (padding is never attended);
+- `softmax_rows(scores, top)`: the attention softmax of each row, in place,
+  given the row maxima (Whisper's encoder blocks of 256 x 1500 scores), with
+  `exp_neg`, a float32 exp for arguments in [-60, 0] that LLVM vectorizes
+  (a libm `exp` call per element would not be).
 
 Transformers' BERT (checked to 1e-4 in the tests) is their reference. All
 kernels are compiled once and cached on disk.
@@ -36,6 +40,8 @@ import math
 
 import numpy as np
 from numba import njit, prange
+
+from workbench.kernels.simd import f32_from_bits
 
 _FM = {"reassoc", "contract"}  # reorder sums, fuse multiply-adds; NaN/inf semantics kept
 
@@ -338,3 +344,51 @@ def encoder_attend(qkv, lengths, n_head, out):
                 o = out[b, t, h * hd : h * hd + hd]
                 for i in range(hd):
                     o[i] = acc[i] * inv
+
+
+# exp(y) for y in [-60, 0]: y = k ln2 + r with k = rint(y / ln2) and |r| <= ln2 / 2
+# (ln2 split in a high part exact in float32 and a correction, Cody-Waite style), then
+# e^r by its Taylor series to r^6 (truncation error below 1.3e-7 relative) times 2^k
+# built from its exponent bits. Every step is plain float32/int32 arithmetic.
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_FLOOR = np.float32(-60.0)  # e^-60 ~ 8.8e-27: normal in float32 (see `softmax_rows`)
+
+
+@njit(fastmath=_FM, error_model="numpy", inline="always")
+def exp_neg(y):
+    """e^y for float32 y in [-60, 0] (clamped to -60 below), relative error < 3e-7."""
+    y = max(y, _EXP_FLOOR)
+    k = np.rint(y * _LOG2E)
+    r = (y - k * _LN2_HI) - k * _LN2_LO
+    p = np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * f32_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))
+
+
+@njit(fastmath=_FM, error_model="numpy", cache=True)
+def softmax_rows(scores, top):
+    """Softmax of each row of scores (R, S) in place; top (R,): the row maxima.
+
+    Weights below e^-60 of the row's largest become e^-60 (not 0, and never a
+    subnormal: subnormal weights slow the products with the values ~10x); a
+    -inf score (a masked key) gets that weight too.
+    """
+    R, S = scores.shape
+    for r in range(R):
+        row = scores[r]
+        m = top[r]
+        total = np.float32(0.0)
+        for j in range(S):
+            e = exp_neg(row[j] - m)
+            row[j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for j in range(S):
+            row[j] *= inv

@@ -25,6 +25,14 @@ NEON), so nothing here depends on an instruction set.
   x[x0 + j], x[x0 + 32 + j], x[x0 + 64 + j], x[x0 + 96 + j], scaled by d0..d3.
   (The -32 offset is the caller's, through sums of x.)
 
+- `half16(acc, h, off, x, xo)`: acc[j] += float(h[off + j]) * x[xo + j] for
+  j in 0..15, h holding IEEE half-precision bit patterns (uint16): LLVM's
+  `fpext` from half, one instruction per 8 or 16 lanes where the CPU converts
+  halves (F16C on x86, NEON on ARM).
+- `half16_store(out, oo, h, off)`: out[oo + j] = float(h[off + j]), j in 0..15.
+- `f32_from_bits(i)`: the float32 whose bit pattern is the int32 `i` (for
+  building powers of two in `layers.exp_neg`).
+
 No bounds are checked: callers pass offsets inside their arrays.
 
 Numba's on-disk cache of a kernel is invalidated by changes to the kernel's own
@@ -174,6 +182,57 @@ def q6k16(typingctx, acc, w, lo, ho, x, x0, d0, d1, d2, d3):
                             ir.Constant(ir.IntType(64), 0), _V16F)
         builder.store(builder.fadd(builder.load(pacc, align=4), total), pacc, align=4)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_V16H = ir.VectorType(ir.HalfType(), 16)
+
+
+def _halves(context, builder, hty, h, off):
+    """h[off:off + 16] (uint16 half-precision patterns) as <16 x float>."""
+    return builder.fpext(builder.load(_element_ptr(context, builder, hty, h, off, _V16H),
+                                      align=2), _V16F)
+
+
+@intrinsic
+def half16(typingctx, acc, h, off, x, xo):
+    sig = types.void(acc, h, off, x, xo)
+
+    def codegen(context, builder, signature, args):
+        acc_, h_, off_, x_, xo_ = args
+        w = _halves(context, builder, signature.args[1], h_, off_)
+        xv = builder.load(_element_ptr(context, builder, signature.args[3], x_, xo_, _V16F),
+                          align=4)
+        pacc = _element_ptr(context, builder, signature.args[0], acc_,
+                            ir.Constant(ir.IntType(64), 0), _V16F)
+        builder.store(builder.fadd(builder.load(pacc, align=4),
+                                   builder.fmul(w, xv, flags=_FAST), flags=_FAST), pacc, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def half16_store(typingctx, out, oo, h, off):
+    sig = types.void(out, oo, h, off)
+
+    def codegen(context, builder, signature, args):
+        out_, oo_, h_, off_ = args
+        builder.store(_halves(context, builder, signature.args[2], h_, off_),
+                      _element_ptr(context, builder, signature.args[0], out_, oo_, _V16F),
+                      align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, i):
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _F32)
 
     return sig, codegen
 
