@@ -88,12 +88,13 @@ def test_every_output_is_written(qtype, monkeypatch):
     """Outputs are poisoned with NaN before each call, so an element a kernel skips fails.
 
     N = 1, 6 and 39 rows (one row; not multiples of the 4-row groups), K = one
-    block and three blocks (33 columns for 16-bit floats), T over AWKWARD_T.
+    block and three blocks (for 16-bit floats 1, 33 and 49 columns: no 16-wide step, two,
+    three and a remainder), T over AWKWARD_T.
     """
     monkeypatch.setattr(cpu, "TILE_WEIGHTS", 16 * 768)  # several tiles, the last partial
     bs = GGML_QUANT_SIZES[qtype][0]
     rng = np.random.default_rng(int(qtype) + 101)
-    for k in ([bs, 3 * bs] if bs > 1 else [1, 33]):
+    for k in ([bs, 3 * bs] if bs > 1 else [1, 33, 49]):
         for n in (1, 6, 39):
             raw = random_weight(qtype, n, k, rng)
             full = dequantize(raw, qtype)
@@ -228,3 +229,34 @@ def test_real_tensors(alias, qtype):
         assert_close(weight.matmul(x), reference(x, full))
     ids = rng.integers(0, n, size=5)
     assert_bits_equal(weight.rows(ids), full[ids])
+
+
+def test_exp_and_softmax_kernels():
+    """`layers.exp_neg` (vectorizable float32 exp on [-60, 0]) within 3e-7 relative of
+    float64 exp over its whole range, and clamped below it; `softmax_rows` equal to a float64
+    softmax (with the same e^-60 floor), a masked -inf key included."""
+    from numba import njit
+
+    from workbench.kernels import layers
+
+    @njit
+    def exps(y, out):
+        for i in range(y.shape[0]):
+            out[i] = layers.exp_neg(y[i])
+
+    y = -np.linspace(0.0, 70.0, 1_000_003).astype(np.float32)
+    out = np.full_like(y, np.nan)
+    exps(y, out)
+    want = np.exp(np.maximum(y.astype(np.float64), -60.0))
+    assert np.max(np.abs(out - want) / want) < 3e-7
+
+    rng = np.random.default_rng(5)
+    scores = (rng.standard_normal((7, 1500)) * 8).astype(np.float32)
+    scores[3, 10] = -np.inf
+    s64 = scores.astype(np.float64)
+    e = np.exp(np.maximum(s64 - s64.max(axis=1, keepdims=True), -60.0))
+    want = e / e.sum(axis=1, keepdims=True)
+    got = scores.copy()
+    layers.softmax_rows(got, got.max(axis=1))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+    assert got[3, 10] > 0
