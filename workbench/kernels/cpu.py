@@ -25,7 +25,10 @@ one specialization, compiled once and cached on disk by `cache=True`):
 - `x`: (T, K) float32 activations; `y`: (T, N) float32 output.
 - `w`: (N, bytes_per_row) uint8, the raw rows as stored in the file.
 - `f16`: `F16_TO_F32` (or `BF16_TO_F32`), 65536-entry tables from 16-bit
-  patterns to float32: a lookup is exact and cheaper than decoding the bits.
+  patterns to float32, exact; used for BF16 weights and the last K % 16
+  columns of F16 ones. Block scales (fp16) are converted by the CPU instead
+  (`simd.half_at`): looking them up in the 256 KiB table evicted the weights
+  from the caches (Q4_1 gemv 17-24% slower).
 - `xs` (computed inside the gemv kernels): (T, K // 16) float32 sums of x
   over runs of 16: block offsets (`q - 8`, `q - 32`) and additive mins
   (`d * q + m`) are applied once per block as `offset * sum(x)` instead of
@@ -51,7 +54,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_thread_id, njit, prange
 
-from workbench.kernels.simd import half16, half16_store, nib16, nib16_hb, q6k16, stack_f32x16
+from workbench.kernels.simd import half16, half16_store, half_at, nib16, nib16_hb, q6k16, stack_f32x16
 
 Q = GGMLQuantizationType
 
@@ -67,8 +70,8 @@ _INNER = 16  # the run-time inner trip count handed to the kernels (see module d
 
 @njit(inline="always")
 def _h(w, r, o, f16):
-    """fp16 at bytes o, o+1 of row r, as float32."""
-    return f16[np.int64(w[r, o]) | (np.int64(w[r, o + 1]) << 8)]
+    """fp16 at bytes o, o+1 of row r, as float32 (`simd.half_at`; `f16` is unused here)."""
+    return half_at(w, r, o)
 
 
 @njit(inline="always")

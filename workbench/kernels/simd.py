@@ -30,6 +30,10 @@ NEON), so nothing here depends on an instruction set.
   `fpext` from half, one instruction per 8 or 16 lanes where the CPU converts
   halves (F16C on x86, NEON on ARM).
 - `half16_store(out, oo, h, off)`: out[oo + j] = float(h[off + j]), j in 0..15.
+- `half_at(w, r, o)`: the IEEE half at bytes o, o + 1 of row r of the 2-D
+  uint8 array w, as float32 (a block's scale): a 2-byte load and one
+  conversion, where a lookup in a 65536-entry table would evict the weights
+  from the L1/L2 caches.
 - `f32_from_bits(i)`: the float32 whose bit pattern is the int32 `i` (for
   building powers of two in `layers.exp_neg`).
 
@@ -223,6 +227,20 @@ def half16_store(typingctx, out, oo, h, off):
                       _element_ptr(context, builder, signature.args[0], out_, oo_, _V16F),
                       align=4)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def half_at(typingctx, w, r, o):
+    sig = types.float32(w, r, o)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]])
+        h = builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()), align=1)
+        return builder.fpext(h, _F32)
 
     return sig, codegen
 
