@@ -54,7 +54,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_thread_id, njit, prange
 
-from workbench.kernels.simd import half16, half16_store, half_at, nib16, nib16_hb, q6k16, stack_f32x16
+from workbench.kernels.simd import half16, half16_store, half_at, nib16, nib16_1, nib16_hb, q6k16, stack_f32x16
 
 Q = GGMLQuantizationType
 
@@ -162,7 +162,7 @@ def _blk_q4_0(acc, w, r, x, xs, f16, b):
     """Block b of a Q4_0 row into acc (vector part); returns the scalar part."""
     o = b * 18
     d = _h(w, r, o, f16)
-    nib16(acc, w[r], o + 2, x, b * 32, b * 32 + 16, d, d)
+    nib16_1(acc, w[r], o + 2, x, b * 32, b * 32 + 16, d)
     return -np.float32(8.0) * d * (xs[2 * b] + xs[2 * b + 1])
 
 
@@ -183,7 +183,7 @@ def _dot_q4_0(w, r, x, xs, f16, n):
 def _blk_q4_1(acc, w, r, x, xs, f16, b):
     o = b * 20
     d = _h(w, r, o, f16)
-    nib16(acc, w[r], o + 4, x, b * 32, b * 32 + 16, d, d)
+    nib16_1(acc, w[r], o + 4, x, b * 32, b * 32 + 16, d)
     return _h(w, r, o + 2, f16) * (xs[2 * b] + xs[2 * b + 1])
 
 

@@ -14,6 +14,8 @@ NEON), so nothing here depends on an instruction set.
   array); LLVM keeps it in a register across the block loop.
 - `nib16(acc, w, off, x, xlo, xhi, dlo, dhi)`: for j in 0..15, with
   v = w[off + j]: acc[j] += dlo * (v & 15) * x[xlo + j] + dhi * (v >> 4) * x[xhi + j].
+- `nib16_1(acc, w, off, x, xlo, xhi, d)`: `nib16` with dlo = dhi = d, the scale
+  applied once to the sum (Q4_0, Q4_1).
 - `nib16_hb(acc, w, off, x, xlo, xhi, d, qh)`: the same with 5-bit weights
   (Q5_0/Q5_1) and dlo = dhi = d: bit j of `qh` adds 16 to the low nibble of
   byte j, bit 16 + j to its high nibble.
@@ -81,20 +83,24 @@ def _splat(builder, value):
                                   ir.Constant(_V16I32, [0] * 16))
 
 
-def _accumulate(builder, context, sig, args, lo, hi):
-    """acc += dlo * lo * x[xlo:] + dhi * hi * x[xhi:] (lo, hi: <16 x float>)."""
+def _accumulate(builder, context, sig, args, lo, hi, one_scale=False):
+    """acc += dlo * lo * x[xlo:] + dhi * hi * x[xhi:] (lo, hi: <16 x float>). With
+    `one_scale` (dlo and dhi the same value) the scale multiplies the sum once:
+    acc += d * (lo * x[xlo:] + hi * x[xhi:]), two vector operations fewer per step."""
     acc, _, _, x, xlo, xhi, dlo, dhi = args
     pacc = _element_ptr(context, builder, sig.args[0], acc, ir.Constant(ir.IntType(64), 0), _V16F)
     px_lo = _element_ptr(context, builder, sig.args[3], x, xlo, _V16F)
     px_hi = _element_ptr(context, builder, sig.args[3], x, xhi, _V16F)
-    a = builder.fmul(builder.fmul(lo, builder.load(px_lo, align=4), flags=_FAST),
-                     _splat(builder, dlo), flags=_FAST)
-    b = builder.fmul(builder.fmul(hi, builder.load(px_hi, align=4), flags=_FAST),
-                     _splat(builder, dhi), flags=_FAST)
+    a = builder.fmul(lo, builder.load(px_lo, align=4), flags=_FAST)
+    b = builder.fmul(hi, builder.load(px_hi, align=4), flags=_FAST)
+    if one_scale:
+        step = builder.fmul(builder.fadd(a, b, flags=_FAST), _splat(builder, dlo), flags=_FAST)
+    else:
+        step = builder.fadd(builder.fmul(a, _splat(builder, dlo), flags=_FAST),
+                            builder.fmul(b, _splat(builder, dhi), flags=_FAST), flags=_FAST)
     # the add into acc has no fast flags: LLVM then keeps one add on the loop-carried
     # path instead of chaining both products into it (half the latency per block)
-    builder.store(builder.fadd(builder.load(pacc, align=4), builder.fadd(a, b, flags=_FAST)),
-                  pacc, align=4)
+    builder.store(builder.fadd(builder.load(pacc, align=4), step), pacc, align=4)
 
 
 def _nibbles(builder, context, wty, w, off):
@@ -114,6 +120,19 @@ def nib16(typingctx, acc, w, off, x, xlo, xhi, dlo, dhi):
         lo, hi = _nibbles(builder, context, signature.args[1], args[1], args[2])
         _accumulate(builder, context, signature, args,
                     builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def nib16_1(typingctx, acc, w, off, x, xlo, xhi, d):
+    sig = types.void(acc, w, off, x, xlo, xhi, types.float32)
+
+    def codegen(context, builder, signature, args):
+        lo, hi = _nibbles(builder, context, signature.args[1], args[1], args[2])
+        _accumulate(builder, context, signature, list(args) + [args[6]],
+                    builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F), one_scale=True)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -142,7 +161,7 @@ def nib16_hb(typingctx, acc, w, off, x, xlo, xhi, d, qh):
             builder.icmp_unsigned("!=", builder.and_(bits, _HIGH_BITS), zero), sixteen, zero))
         new_args = list(args[:7]) + [args[6]]  # dlo = dhi = d
         _accumulate(builder, context, signature, new_args,
-                    builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F))
+                    builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F), one_scale=True)
         return context.get_dummy_value()
 
     return sig, codegen
