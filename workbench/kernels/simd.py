@@ -27,6 +27,11 @@ NEON), so nothing here depends on an instruction set.
   x[x0 + j], x[x0 + 32 + j], x[x0 + 64 + j], x[x0 + 96 + j], scaled by d0..d3.
   (The -32 offset is the caller's, through sums of x.)
 
+- `deq16(out, oo, w, off, offset, d, m)`: 32 weights from 16 bytes of
+  nibbles: out[oo + j] = (lo_j - offset) * d + m and out[oo + 16 + j] =
+  (hi_j - offset) * d + m, rounded step by step (no fused multiply-add), so
+  bit-identical to the scalar reference (Q4_0: offset 8, m = -0.0; Q4_1:
+  offset 0 and its min m).
 - `half16(acc, h, off, x, xo)`: acc[j] += float(h[off + j]) * x[xo + j] for
   j in 0..15, h holding IEEE half-precision bit patterns (uint16): LLVM's
   `fpext` from half, one instruction per 8 or 16 lanes where the CPU converts
@@ -204,6 +209,23 @@ def q6k16(typingctx, acc, w, lo, ho, x, x0, d0, d1, d2, d3):
         pacc = _element_ptr(context, builder, signature.args[0], acc_,
                             ir.Constant(ir.IntType(64), 0), _V16F)
         builder.store(builder.fadd(builder.load(pacc, align=4), total), pacc, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def deq16(typingctx, out, oo, w, off, offset, d, m):
+    sig = types.void(out, oo, w, off, types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        out_, oo_, w_, off_, offset_, d_, m_ = args
+        lo, hi = _nibbles(builder, context, signature.args[2], w_, off_)
+        sub, dv, mv = _splat(builder, offset_), _splat(builder, d_), _splat(builder, m_)
+        for q, o in ((lo, oo_), (hi, builder.add(oo_, ir.Constant(oo_.type, 16)))):
+            v = builder.fadd(builder.fmul(builder.fsub(builder.uitofp(q, _V16F), sub), dv), mv)
+            builder.store(v, _element_ptr(context, builder, signature.args[0], out_, o, _V16F),
+                          align=4)
         return context.get_dummy_value()
 
     return sig, codegen
