@@ -17,6 +17,11 @@ the optional Q/K/V biases and Qwen3 head norms. It returns None when some
 matrix has no packed-block kernel (F32, or Q2_K/Q3_K kept as fp32 copies); the
 model then keeps the per-kernel path of `LlamaModel.decode`, which is also the
 reference that tests compare this with.
+
+The first call compiles the stack with every format's kernels (minutes, once
+per machine; later processes load it from Numba's disk cache in ~0.3 s).
+Numba keys that cache on this file only: after editing `cpu.py`, `layers.py`
+or `simd.py`, touch this file too, or the cached stack keeps the old kernels.
 """
 
 from __future__ import annotations
