@@ -26,7 +26,6 @@ NEON), so nothing here depends on an instruction set.
   (a >> 4 | (h >> 4 & 3) << 4), (c >> 4 | (h >> 6) << 4) times
   x[x0 + j], x[x0 + 32 + j], x[x0 + 64 + j], x[x0 + 96 + j], scaled by d0..d3.
   (The -32 offset is the caller's, through sums of x.)
-
 - `deq16(out, oo, w, off, offset, d, m)`: 32 weights from 16 bytes of
   nibbles: out[oo + j] = (lo_j - offset) * d + m and out[oo + 16 + j] =
   (hi_j - offset) * d + m, rounded step by step (no fused multiply-add), so
