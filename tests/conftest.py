@@ -46,3 +46,11 @@ def qwen():
 
     with LLM.load("qwen2.5-coder-0.5b") as m:
         yield m
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    from workbench import LLM
+
+    with LLM.load("gemma3-270m") as m:
+        yield m

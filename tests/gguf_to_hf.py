@@ -24,8 +24,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def hf_model_from_gguf(g: GGUFFile):
-    """A `LlamaForCausalLM` / `Qwen2ForCausalLM` with the file's weights in fp32."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Gemma3ForCausalLM` with the file's
+    weights in fp32 (Gemma's norm weights with llama.cpp's +1 taken off again)."""
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     arch = g.architecture
     md = g.metadata
@@ -47,6 +55,19 @@ def hf_model_from_gguf(g: GGUFFile):
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "gemma3":
+        head_dim = key("attention.key_length")
+        n_layer = key("block_count")
+        del common["rope_theta"]
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **common, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+            sliding_window=key("attention.sliding_window"),
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                         for i in range(n_layer)],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": key("rope.freq_base")},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            attn_implementation="eager"))
     else:
         raise ValueError(f"no transformers reference wired for {arch}")
 
@@ -56,7 +77,7 @@ def hf_model_from_gguf(g: GGUFFile):
         return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
     sd = {"model.embed_tokens.weight": weight("token_embd.weight"),
-          "model.norm.weight": weight("output_norm.weight"),
+          "model.norm.weight": weight("output_norm.weight") - (arch == "gemma3"),
           "lm_head.weight": weight("token_embd.weight" if tied else "output.weight")}
     for i in range(key("block_count")):
         p, q = f"blk.{i}.", f"model.layers.{i}."
@@ -73,6 +94,15 @@ def hf_model_from_gguf(g: GGUFFile):
         sd[q + "mlp.gate_proj.weight"] = weight(p + "ffn_gate.weight")
         sd[q + "mlp.up_proj.weight"] = weight(p + "ffn_up.weight")
         sd[q + "mlp.down_proj.weight"] = weight(p + "ffn_down.weight")
+        if arch == "gemma3":
+            for ours, theirs in (("attn_norm", "input_layernorm"),
+                                 ("post_attention_norm", "post_attention_layernorm"),
+                                 ("ffn_norm", "pre_feedforward_layernorm"),
+                                 ("post_ffw_norm", "post_feedforward_layernorm"),
+                                 ("attn_q_norm", "self_attn.q_norm"),
+                                 ("attn_k_norm", "self_attn.k_norm")):
+                sd[q + theirs + ".weight"] = weight(p + ours + ".weight") - 1.0
+            continue
         sd[q + "input_layernorm.weight"] = weight(p + "attn_norm.weight")
         sd[q + "post_attention_layernorm.weight"] = weight(p + "ffn_norm.weight")
     missing, unexpected = model.load_state_dict(sd, strict=False)

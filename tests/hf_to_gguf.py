@@ -1,4 +1,5 @@
-"""Test helper: write a transformers Llama / Qwen2 / Qwen3 model as a GGUF file.
+"""Test helper: write a transformers Llama / Qwen2 / Qwen3 model (and Mistral, Mixtral,
+Qwen2-MoE, Phi-3, Gemma 3) as a GGUF file.
 
 The file holds what llama.cpp's `convert_hf_to_gguf.py` produces for such a
 checkpoint, so that the engine can be checked against transformers on tiny
@@ -14,6 +15,13 @@ random-weight models without downloading anything:
   RoPE rotates interleaved pairs (x[2i], x[2i+1]) instead of the halves that
   transformers rotates; qwen2 and qwen3 use NEOX RoPE in llama.cpp and are
   written unchanged;
+- Mistral as llama with `llama.attention.sliding_window`; Mixtral and Qwen2-MoE
+  experts as 3-D tensors (`ffn_{gate,up,down}_exps`, the fused gate/up parameter
+  of transformers split in two), the router `ffn_gate_inp` and Qwen2-MoE's shared
+  expert (`*_shexp`, its sigmoid gate as the vector `ffn_gate_inp_shexp`);
+- Phi-3 with its fused `attn_qkv` and `ffn_up` (gate rows first) as they are;
+- Gemma 3 with its four norms per layer, every norm weight stored as 1 + w (the
+  converter folds Gemma's `x * (1 + w)` into the weight);
 - a tiny GPT-2 style byte-level BPE vocabulary (`tiny_vocab`): 256 byte symbols,
   a few merges and `<|endoftext|>` as a control token. Build the model with
   `vocab_size=len(tiny_vocab().tokens)`.
@@ -44,7 +52,7 @@ from gguf import (
 F32 = GGMLQuantizationType.F32
 F16 = GGMLQuantizationType.F16
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma3")
 
 _FILE_TYPES = {
     GGMLQuantizationType.F32: LlamaFileType.ALL_F32,
@@ -73,6 +81,24 @@ _BLOCK_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+}
+# per architecture, where it differs from the table above
+_ARCH_BLOCK_NAMES = {
+    "gemma3": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight",
+             "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "llama": {"mlp.gate.weight": "ffn_gate_inp.weight",  # Mixtral
+              "mlp.experts.down_proj": "ffn_down_exps.weight"},
+    "qwen2moe": {"mlp.gate.weight": "ffn_gate_inp.weight",
+                 "mlp.experts.down_proj": "ffn_down_exps.weight",
+                 "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+                 "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+                 "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+                 "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"},
+    "qwen3moe": {"mlp.gate.weight": "ffn_gate_inp.weight",
+                 "mlp.experts.down_proj": "ffn_down_exps.weight"},
 }
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -184,7 +210,9 @@ def _encode(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 
 def _is_matrix(gguf_name: str, ndim: int) -> bool:
-    return ndim == 2 and gguf_name.endswith(".weight") and not gguf_name.endswith("_norm.weight")
+    """Stored in `qtype` (the rest, norms, biases and routers, stays F32)."""
+    return (ndim in (2, 3) and gguf_name.endswith(".weight")
+            and not gguf_name.endswith(("_norm.weight", "ffn_gate_inp.weight")))
 
 
 @torch.no_grad()
@@ -193,8 +221,8 @@ def snap_to_qtype(model, qtype: GGMLQuantizationType) -> None:
     transformers reference computes with exactly the values `write_gguf(..., qtype)` stores."""
     if qtype == F32:
         return
-    for p in model.parameters():
-        if p.ndim == 2:
+    for name, p in model.named_parameters():
+        if p.ndim == 3 or (p.ndim == 2 and not name.endswith("mlp.gate.weight")):
             raw = _encode(p.detach().float().numpy(), qtype)
             if qtype == F16:
                 back = raw.astype(np.float32)
@@ -205,13 +233,35 @@ def snap_to_qtype(model, qtype: GGMLQuantizationType) -> None:
 
 # -- writer ----------------------------------------------------------------------------------
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str) -> str:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
+    names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
     parts = hf_name.split(".", 3)  # model, layers, N, rest
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _BLOCK_NAMES:
-        return f"blk.{int(parts[2])}.{_BLOCK_NAMES[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
+        return f"blk.{int(parts[2])}.{names[parts[3]]}"
     raise ValueError(f"no GGUF name for the transformers tensor {hf_name!r}")
+
+
+def _tensors(model, arch: str):
+    """(GGUF name, float32 array) of each tensor to write, transformed as llama.cpp's
+    converter transforms them (not yet the Q/K row order)."""
+    for hf_name, tensor in model.state_dict().items():
+        if not tensor.is_floating_point() or hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        data = tensor.detach().float().numpy()
+        if hf_name.endswith("mlp.experts.gate_up_proj"):  # (n_expert, 2 F, D): gate, then up
+            blk = f"blk.{int(hf_name.split('.')[2])}."
+            half = data.shape[1] // 2
+            yield blk + "ffn_gate_exps.weight", data[:, :half]
+            yield blk + "ffn_up_exps.weight", data[:, half:]
+            continue
+        name = _gguf_name(hf_name, arch)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1.0
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            data = data.reshape(-1)  # (1, D) -> (D,)
+        yield name, data
 
 
 def write_gguf(model, path: str | os.PathLike, arch: str, qtype: GGMLQuantizationType = F32,
@@ -224,6 +274,8 @@ def write_gguf(model, path: str | os.PathLike, arch: str, qtype: GGMLQuantizatio
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    n_expert = getattr(model.config, "num_local_experts", None) or \
+        getattr(model.config, "num_experts", None) or 0
     qtype = GGMLQuantizationType(qtype)
     cfg = model.config
     vocab = vocab or tiny_vocab()
@@ -235,6 +287,12 @@ def write_gguf(model, path: str | os.PathLike, arch: str, qtype: GGMLQuantizatio
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_head
     head_dim = getattr(cfg, "head_dim", None) or n_embd // n_head
     rope = _rope_params(cfg)
+    if arch == "gemma3":  # the global layers' parameters (the local ones are fixed)
+        rope = _rope_params(cfg).get("full_attention") or rope
+        rope.setdefault("rope_type", "default")
+        if float(cfg.query_pre_attn_scalar) != head_dim:
+            raise ValueError("llama.cpp scales Gemma 3 queries by 1/sqrt(head_dim): build the "
+                             "config with query_pre_attn_scalar=head_dim")
     rope_type = rope["rope_type"]
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     if rope_type not in ("default", "linear", "llama3") or (
@@ -257,6 +315,16 @@ def write_gguf(model, path: str | os.PathLike, arch: str, qtype: GGMLQuantizatio
     w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_rope_dimension_count(head_dim)
+    window = getattr(cfg, "sliding_window", None)
+    if window and (arch in ("llama", "phi3", "gemma3")):
+        w.add_sliding_window(int(window))
+    if n_expert:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(int(cfg.num_experts_per_tok))
+    if arch in ("qwen2moe", "qwen3moe"):
+        w.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(int(cfg.shared_expert_intermediate_size))
     if arch == "llama":
         w.add_vocab_size(cfg.vocab_size)
         if rope_type == "linear":
@@ -276,15 +344,12 @@ def write_gguf(model, path: str | os.PathLike, arch: str, qtype: GGMLQuantizatio
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg, head_dim))
 
     seen = set()
-    for hf_name, tensor in model.state_dict().items():
-        if not tensor.is_floating_point() or hf_name.endswith("rotary_emb.inv_freq"):
+    for name, data in _tensors(model, arch):
+        if name == "output.weight" and tied:
             continue
-        if hf_name == "lm_head.weight" and tied:
-            continue
-        name = _gguf_name(hf_name)
-        if arch != "qwen2" and name.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias")):
-            raise ValueError(f"llama.cpp's {arch} has no Q/K/V biases; the model has {hf_name}")
-        data = tensor.detach().float().numpy()
+        if arch not in ("qwen2", "qwen2moe") and name.endswith(
+                ("attn_q.bias", "attn_k.bias", "attn_v.bias")):
+            raise ValueError(f"llama.cpp's {arch} has no Q/K/V biases; the model has {name}")
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
             data = interleave_rope_rows(data, n_head)
         elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):

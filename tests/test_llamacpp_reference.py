@@ -24,7 +24,8 @@ from workbench.engine.gguf import open_gguf
 pytestmark = pytest.mark.slow
 
 NEAR_TIE = 0.05  # top-2 gaps below this may flip between correct implementations
-CASES = {"smollm2": "llamacpp_smollm2.json", "qwen": "llamacpp_qwen2.5-coder-0.5b.json"}
+CASES = {"smollm2": "llamacpp_smollm2.json", "qwen": "llamacpp_qwen2.5-coder-0.5b.json",
+         "gemma3": "llamacpp_gemma3-270m.json"}
 
 
 class LlamaCppDivergence(UserWarning):
@@ -34,7 +35,7 @@ class LlamaCppDivergence(UserWarning):
 @pytest.fixture(scope="module", params=list(CASES))
 def golden(request):
     """Our logits, greedy runs and the fp32 reference along llama.cpp's paths."""
-    m = request.getfixturevalue(request.param)  # the smollm2 / qwen session fixtures
+    m = request.getfixturevalue(request.param)  # the smollm2 / qwen / gemma3 session fixtures
     ref = reference(CASES[request.param])
     hf = hf_model_from_gguf(open_gguf(m.path))
     runs = []

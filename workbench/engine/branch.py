@@ -247,13 +247,18 @@ class Branch:
         if self.children:
             raise RuntimeError("this branch has live children that read its cache")
         net = self.model._require_model()
-        tail = self.cache.tokens[end:]
+        start, end = int(start), int(end)
+        keep, tail = self.cache.tokens[:start], self.cache.tokens[end:]
         with self.model._busy:
-            net.kv_remove(self.cache, int(start), int(end))
             if recompute and tail:
-                self.cache.trim(int(start))
-                self.prefill(tail)
-            elif self.cache.offset:  # the next token's logits, from the moved cache
+                if not 0 <= start <= end <= self.cache.offset:
+                    raise ValueError(f"cannot remove positions [{start}, {end}) of "
+                                     f"{self.cache.offset} cached")
+                self.cache.trim(start)  # (a rotating sliding-window cache may start over)
+                self.prefill(keep[self.cache.offset :] + tail)
+                return
+            net.kv_remove(self.cache, start, end)
+            if self.cache.offset:  # the next token's logits, from the moved cache
                 last = self.cache.tokens[-1]
                 self.cache.trim(self.cache.offset - 1)
                 self.prefill([last])

@@ -15,6 +15,14 @@ memory only as far as it is filled. (`np.zeros` would ask for huge pages, and
 writing position 0 of every layer and head would then commit the whole pool:
 measured +177 MB for SmolLM2 at 4096 positions.)
 
+Sliding-window layers (Gemma 3's local layers, Mistral, Phi-3) see only the
+last `window` positions. When the context is longer than `window + RING_SLACK`,
+those layers keep a rotating cache: position p lives at index p % ring, ring =
+window + RING_SLACK, so a long generation commits no more memory for them
+than the ring (their later indices are never touched, hence never committed).
+Such a cache holds positions [ring_floor, offset) of those layers; stepping
+back further than that (`trim`) starts the sequence over, as llama.cpp does.
+
 `LayerKVCache` is one layer of one sequence, the view the prefill path uses.
 `PrefixCache` is a copy of a sequence's first positions, kept (or saved to a
 file) to skip their prefill later.
@@ -36,16 +44,30 @@ class ContextFullError(ValueError):
     """More positions were fed than the KV cache holds."""
 
 
+# Positions a rotating sliding-window cache keeps beyond its window, so that a sequence
+# can step back a little (rejected draft tokens, a regenerated reply) without a new prefill.
+RING_SLACK = 256
+
+
 class KVPool:
     """Keys and values of all layers for `n_slots` sequences of up to `max_len` positions."""
 
     def __init__(self, n_layer: int, n_slots: int, n_kv_head: int, head_dim: int,
-                 max_len: int):
+                 max_len: int, window: int = 0, local: np.ndarray | None = None):
+        """`window`: the sliding window of the layers flagged in `local` (n_layer,) bool
+        (all layers when None); 0 for none."""
         if n_slots < 1 or max_len < 1:
             raise ValueError("a KV pool needs at least one slot and one position")
         shape = (n_layer, n_slots, n_kv_head, max_len, head_dim)
         self.keys = _lazy_zeros(shape)
         self.values = _lazy_zeros(shape)
+        self.window = int(window)
+        if not window:
+            self.local = np.zeros(n_layer, bool)
+        else:
+            self.local = np.ones(n_layer, bool) if local is None else np.asarray(local, bool)
+        ring = self.window + RING_SLACK if self.window else 0
+        self.ring = ring if ring < max_len else 0  # 0: every position at its own index
 
     @property
     def n_slots(self) -> int:
@@ -68,6 +90,29 @@ class LayerKVCache:
         self.layer = layer
         self.keys = seq.pool.keys[layer, seq.slot]
         self.values = seq.pool.values[layer, seq.slot]
+
+    def update_and_fetch_window(self, k: np.ndarray, v: np.ndarray, window: int
+                                ) -> tuple[np.ndarray, np.ndarray, int]:
+        """`update_and_fetch` for a sliding-window layer: write k, v (n_kv_head, T, head_dim)
+        at the next positions; return the keys and values of positions [lo, offset + T),
+        each (n_kv_head, offset + T - lo, head_dim), and lo = max(0, offset - window + 1):
+        all that the T new queries may see (each masks what lies outside its window)."""
+        seq = self.seq
+        start = seq.offset
+        end = seq.check_room(k.shape[1])
+        lo = max(0, start - window + 1)
+        ring = seq.pool.ring
+        if not ring:
+            keys, values = self.update_and_fetch(k, v)
+            return keys[:, lo:], values[:, lo:], lo
+        before = np.arange(lo, start) % ring  # read before the new positions overwrite them
+        keys = np.concatenate([self.keys[:, before], k], axis=1)
+        values = np.concatenate([self.values[:, before], v], axis=1)
+        keep = min(k.shape[1], ring)  # of a chunk longer than the ring, its last positions
+        at = np.arange(end - keep, end) % ring
+        self.keys[:, at] = k[:, k.shape[1] - keep :]
+        self.values[:, at] = v[:, v.shape[1] - keep :]
+        return keys, values, lo
 
     def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Write k, v of shape (n_kv_head, T, head_dim) at the sequence's next positions;
@@ -96,16 +141,35 @@ class KVCache:
         # parent's, or theirs) instead of copying them; its own positions follow.
         self.shared_until = 0
         self.sources = np.full(pool.max_len, slot, dtype=np.int64)  # slot of each position
+        # with a rotating cache: the first position its sliding-window layers still hold
+        self.ring_floor = 0
+
+    def advance(self, tokens) -> None:
+        """Count `tokens`, whose keys and values every layer has just written, as cached."""
+        self.tokens.extend(int(t) for t in tokens)
+        self.offset += len(tokens)
+        if self.pool.ring:
+            self.ring_floor = max(self.ring_floor, self.offset - self.pool.ring)
+
+    def _ringed(self) -> np.ndarray:
+        """Indices of the layers kept in a rotating cache (none without one)."""
+        return np.nonzero(self.pool.local)[0] if self.pool.ring else np.zeros(0, np.int64)
 
     def fork(self, slot: int) -> KVCache:
         """A cache in `slot` of the same pool that shares every position cached so far
-        (nothing is copied; the caller must keep this cache's first `offset` positions
-        as they are while the fork lives)."""
+        (nothing is copied but rotating sliding-window layers, which are small; the caller
+        must keep this cache's first `offset` positions as they are while the fork lives)."""
         child = KVCache(self.pool, slot)
         child.sources[: self.offset] = self.sources[: self.offset]
         child.shared_until = self.offset
         child.offset = self.offset
         child.tokens = list(self.tokens)
+        ringed, ring = self._ringed(), self.pool.ring
+        if ringed.size:  # the parent goes on writing its ring: the fork needs its own
+            self.pool.keys[ringed, slot, :, :ring] = self.pool.keys[ringed, self.slot, :, :ring]
+            self.pool.values[ringed, slot, :, :ring] = \
+                self.pool.values[ringed, self.slot, :, :ring]
+            child.ring_floor = self.ring_floor
         return child
 
     def gather(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +187,10 @@ class KVCache:
         n = self.shared_until
         if not n:
             return
+        ringed = set(self._ringed().tolist())
         for layer in range(self.pool.keys.shape[0]):
+            if layer in ringed:  # already its own
+                continue
             keys, values = self.gather(layer, n)
             self.pool.keys[layer, self.slot, :, :n] = keys
             self.pool.values[layer, self.slot, :, :n] = values
@@ -145,8 +212,16 @@ class KVCache:
         return end
 
     def trim(self, n: int) -> None:
-        """Forget all but the first `n` positions (nothing is copied)."""
-        self.offset = max(0, min(n, self.offset))
+        """Forget all but the first `n` positions (nothing is copied).
+
+        A rotating sliding-window cache that no longer holds the window before `n`
+        forgets everything instead (read `offset` after the call)."""
+        n = max(0, min(n, self.offset))
+        if self.pool.ring and max(0, n - self.pool.window + 1) < self.ring_floor:
+            n = 0
+        if n == 0:
+            self.ring_floor = 0
+        self.offset = n
         del self.tokens[self.offset :]
         if self.offset < self.shared_until:  # positions written from here on are its own
             self.sources[self.offset : self.shared_until] = self.slot
@@ -157,27 +232,51 @@ class KVCache:
         self.trim(0)
 
     def snapshot(self, model_sha256: str) -> PrefixCache:
-        """A copy of every cached position as a `PrefixCache`."""
+        """A copy of every cached position as a `PrefixCache` (of rotating sliding-window
+        layers, the positions from `ring_floor` on; the earlier ones are zeros)."""
         n = self.offset
         if self.shared_until:
             pairs = [self.gather(layer, n) for layer in range(self.pool.keys.shape[0])]
             keys = np.stack([k for k, _ in pairs])  # (L, H, n, d)
             values = np.stack([v for _, v in pairs])
         else:
-            keys = np.ascontiguousarray(self.pool.keys[:, self.slot, :, :n])  # (L, H, n, d)
-            values = np.ascontiguousarray(self.pool.values[:, self.slot, :, :n])
-        return PrefixCache(list(self.tokens), keys, values, model_sha256)
+            keys = np.array(self.pool.keys[:, self.slot, :, :n])  # (L, H, n, d)
+            values = np.array(self.pool.values[:, self.slot, :, :n])
+        floor, ringed = self.ring_floor, self._ringed()
+        if ringed.size:  # unroll the rings into position order
+            at = np.arange(floor, n) % self.pool.ring
+            for layer in ringed:
+                keys[layer], values[layer] = 0.0, 0.0
+                keys[layer, :, floor:] = self.pool.keys[layer, self.slot][:, at]
+                values[layer, :, floor:] = self.pool.values[layer, self.slot][:, at]
+        return PrefixCache(list(self.tokens), keys, values, model_sha256,
+                           local_from=floor if ringed.size else 0)
 
     def restore(self, prefix: PrefixCache, n: int) -> None:
-        """Make the first `n` positions those of `prefix` (a copy, no forward pass)."""
+        """Make the first `n` positions those of `prefix` (a copy, no forward pass).
+
+        When the prefix lacks the sliding window before `n` (it was cut from a
+        rotating cache), nothing is restored and the cache is left empty."""
         if prefix.keys.shape[0] != self.pool.keys.shape[0] \
                 or prefix.keys.shape[1] != self.pool.keys.shape[2] \
                 or prefix.keys.shape[3] != self.pool.keys.shape[4]:
             raise ValueError("the prefix cache was made by a model of another shape")
         self.trim(0)
         self.check_room(n)
-        self.pool.keys[:, self.slot, :, :n] = prefix.keys[:, :, :n]
-        self.pool.values[:, self.slot, :, :n] = prefix.values[:, :, :n]
+        window, ring = self.pool.window, self.pool.ring
+        if window and max(0, n - window + 1) < prefix.local_from:
+            return
+        ringed = self._ringed()
+        plain = np.setdiff1d(np.arange(self.pool.keys.shape[0]), ringed)
+        self.pool.keys[plain, self.slot, :, :n] = prefix.keys[plain, :, :n]
+        self.pool.values[plain, self.slot, :, :n] = prefix.values[plain, :, :n]
+        if ringed.size:
+            lo = max(prefix.local_from, n - ring)
+            at = np.arange(lo, n) % ring
+            for layer in ringed:
+                self.pool.keys[layer, self.slot][:, at] = prefix.keys[layer, :, lo:n]
+                self.pool.values[layer, self.slot][:, at] = prefix.values[layer, :, lo:n]
+            self.ring_floor = lo
         self.offset = n
         self.tokens[:] = prefix.tokens[:n]
 
@@ -215,13 +314,16 @@ class PrefixCache:
     with `save(path)` and read it back with `PrefixCache.load(path, model)`.
 
         keys, values: (n_layer, n_kv_head, n_tokens, head_dim) float32
+
+    `local_from`: the first position held for the sliding-window layers, when the
+    prefix was cut from a rotating cache (0 otherwise).
     """
 
     MAGIC = b"WBPREFIX"
     VERSION = 1
 
     def __init__(self, tokens: list[int], keys: np.ndarray, values: np.ndarray,
-                 model_sha256: str):
+                 model_sha256: str, local_from: int = 0):
         if keys.shape != values.shape or keys.ndim != 4 or keys.shape[2] != len(tokens):
             raise ValueError(f"keys {keys.shape} and values {values.shape} do not hold "
                              f"{len(tokens)} positions")
@@ -229,6 +331,7 @@ class PrefixCache:
         self.keys = keys
         self.values = values
         self.model_sha256 = model_sha256
+        self.local_from = int(local_from)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -249,7 +352,7 @@ class PrefixCache:
         path = Path(path)
         header = json.dumps({"version": self.VERSION, "model_sha256": self.model_sha256,
                              "shape": list(self.keys.shape), "dtype": "float32",
-                             "tokens": self.tokens}).encode()
+                             "tokens": self.tokens, "local_from": self.local_from}).encode()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
@@ -279,6 +382,7 @@ class PrefixCache:
                 header = json.loads(f.read(n_header))
                 shape = tuple(int(d) for d in header["shape"])
                 tokens = header["tokens"]
+                local_from = int(header.get("local_from", 0))
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{path}: the prefix cache's header is damaged") from None
             if header.get("version") != cls.VERSION:
@@ -294,4 +398,4 @@ class PrefixCache:
                                  f"{expected} were expected")
             keys = np.fromfile(f, dtype="<f4", count=count).reshape(shape)
             values = np.fromfile(f, dtype="<f4", count=count).reshape(shape)
-        return cls(tokens, keys, values, header["model_sha256"])
+        return cls(tokens, keys, values, header["model_sha256"], local_from)

@@ -32,13 +32,15 @@ from workbench.engine.chat_template import render as render_chat
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.grammar import Grammar, GrammarMatcher, resolve_grammar
 from workbench.engine.kv_cache import KVCache, PrefixCache
-from workbench.engine.models import llama
+from workbench.engine.models import gemma3, llama
 from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
 from workbench.engine.tokenizers.stream import StreamDecoder
 from workbench.signals import BusyCounter, Signal
 
-SUPPORTED_ARCHITECTURES = llama.ARCHITECTURES
+_MODEL_CLASSES = {**dict.fromkeys(llama.ARCHITECTURES, llama.LlamaModel),
+                  **dict.fromkeys(gemma3.ARCHITECTURES, gemma3.Gemma3Model)}
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
 LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]  # fn(ids, logits) -> logits
 PREFILL_CHUNK = 512  # prompt tokens per forward pass
 # After a prefix cache, tails up to this long run token by token on the decode path, which
@@ -213,7 +215,8 @@ class IncompleteOutputError(RuntimeError):
 
 
 class LLM:
-    """A GGUF decoder model (llama, qwen2, qwen3) ready to chat, complete and embed."""
+    """A GGUF decoder model (llama, qwen2, qwen3, their MoE variants, phi3, gemma3) ready to
+    chat, complete and embed."""
 
     def __init__(self, gguf: GGUFFile, *, device: str = "auto", kv_cache_size: int = 4096):
         arch = gguf.architecture
@@ -230,7 +233,7 @@ class LLM:
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
-        self.model = llama.LlamaModel(gguf, kv_cache_size)
+        self.model = _MODEL_CLASSES[arch](gguf, kv_cache_size)
         self.config = self.model.config
         self.chat_template: str = gguf.get("tokenizer.chat_template") or chat_template.CHATML
         self.kv_cache_size = kv_cache_size
@@ -324,11 +327,15 @@ class LLM:
         with self._cache_lock, self._busy:
             model, cache = self._require_model(), self._cache
             start, end = int(start), int(end)
-            tail = cache.tokens[end:]
-            model.kv_remove(cache, start, end)
-            if recompute and tail:
-                cache.trim(start)
-                self._prefill(tail, cache)
+            if not recompute or end == cache.offset:
+                model.kv_remove(cache, start, end)
+                return
+            if not 0 <= start <= end <= cache.offset:
+                raise ValueError(f"cannot remove positions [{start}, {end}) of "
+                                 f"{cache.offset} cached")
+            remaining = cache.tokens[:start] + cache.tokens[end:]
+            cache.trim(start)  # (a rotating sliding-window cache may have to start over)
+            self._prefill(remaining[cache.offset :], cache)
 
     def reset(self) -> None:
         """Forget the prompt kept in the KV cache: the next call prefills from scratch.
@@ -641,9 +648,10 @@ class LLM:
             n = min(prefix.common_prefix(ids), len(ids) - 1)
             if n > reuse:
                 cache.restore(prefix, n)
-                reuse, restored = n, True
-        reuse = min(reuse, len(ids) - 1)
-        cache.trim(reuse)
+                restored = cache.offset == n  # (not when a sliding window would lack keys)
+                reuse = cache.offset
+        cache.trim(min(reuse, len(ids) - 1))
+        reuse = cache.offset  # a rotating sliding-window cache may have had to start over
         self.prefilled_tokens += len(ids) - reuse
         tail = ids[reuse:]
         if restored and len(tail) <= STEPWISE_TAIL:  # the question after a cached prompt

@@ -714,6 +714,16 @@ def _dots_4rows(a, x, y, r):
         _dots42(a, x, y, r)
 
 
+@njit(fastmath=_FM, inline="always")
+def _dots_block(buf, x, y, r, N):
+    """The two-stage kernels' products for rows r .. min(r + 4, N) - 1, dequantized in buf."""
+    if r + 4 <= N:
+        _dots_4rows(buf, x, y, r)
+    else:
+        for i in range(N - r):
+            _dots(buf[i], x, y, r + i)
+
+
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv2_q8_0(x, w, f16, scratch, y, n):
     wi = w.view(np.int8)
@@ -723,11 +733,7 @@ def _gemv2_q8_0(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_q8_0(w, wi, r + i, f16, buf[i], n)
-        if r + 4 <= N:
-            _dots_4rows(buf, x, y, r)
-        else:
-            for i in range(N - r):
-                _dots(buf[i], x, y, r + i)
+        _dots_block(buf, x, y, r, N)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -738,11 +744,7 @@ def _gemv2_q4_0(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_q4_0(w, r + i, f16, buf[i], n)
-        if r + 4 <= N:
-            _dots_4rows(buf, x, y, r)
-        else:
-            for i in range(N - r):
-                _dots(buf[i], x, y, r + i)
+        _dots_block(buf, x, y, r, N)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -753,11 +755,7 @@ def _gemv2_q4_1(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_q4_1(w, r + i, f16, buf[i], n)
-        if r + 4 <= N:
-            _dots_4rows(buf, x, y, r)
-        else:
-            for i in range(N - r):
-                _dots(buf[i], x, y, r + i)
+        _dots_block(buf, x, y, r, N)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -768,11 +766,7 @@ def _gemv2_q5_0(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_q5_0(w, r + i, f16, buf[i], n)
-        if r + 4 <= N:
-            _dots_4rows(buf, x, y, r)
-        else:
-            for i in range(N - r):
-                _dots(buf[i], x, y, r + i)
+        _dots_block(buf, x, y, r, N)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -783,11 +777,7 @@ def _gemv2_q5_1(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_q5_1(w, r + i, f16, buf[i], n)
-        if r + 4 <= N:
-            _dots_4rows(buf, x, y, r)
-        else:
-            for i in range(N - r):
-                _dots(buf[i], x, y, r + i)
+        _dots_block(buf, x, y, r, N)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -798,11 +788,7 @@ def _gemv2_q4_k(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_q4_k(w, r + i, f16, buf[i], n)
-        if r + 4 <= N:
-            _dots_4rows(buf, x, y, r)
-        else:
-            for i in range(N - r):
-                _dots(buf[i], x, y, r + i)
+        _dots_block(buf, x, y, r, N)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -813,11 +799,7 @@ def _gemv2_q5_k(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_q5_k(w, r + i, f16, buf[i], n)
-        if r + 4 <= N:
-            _dots_4rows(buf, x, y, r)
-        else:
-            for i in range(N - r):
-                _dots(buf[i], x, y, r + i)
+        _dots_block(buf, x, y, r, N)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -829,11 +811,7 @@ def _gemv2_q6_k(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_q6_k(w, wi, r + i, f16, buf[i], n)
-        if r + 4 <= N:
-            _dots_4rows(buf, x, y, r)
-        else:
-            for i in range(N - r):
-                _dots(buf[i], x, y, r + i)
+        _dots_block(buf, x, y, r, N)
 
 
 # 16-bit floats. F16: the `simd.half16` steps convert 16 halves at a time (the
@@ -885,11 +863,7 @@ def _gemv2_f16(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_f16(h, r + i, f16, buf[i])
-        if r + 4 <= N:
-            _dots_4rows(buf, x, y, r)
-        else:
-            for i in range(N - r):
-                _dots(buf[i], x, y, r + i)
+        _dots_block(buf, x, y, r, N)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -925,11 +899,7 @@ def _gemv2_bf16(x, w, f16, scratch, y, n):
         r = 4 * p
         for i in range(min(4, N - r)):
             _row_table16(h, r + i, f16, buf[i])
-        if r + 4 <= N:
-            _dots_4rows(buf, x, y, r)
-        else:
-            for i in range(N - r):
-                _dots(buf[i], x, y, r + i)
+        _dots_block(buf, x, y, r, N)
 
 
 # --------------------------------------------------------------------------- dispatch

@@ -168,32 +168,9 @@ def _project(mats, parts, first, widths, layer, proj, x, f16, bf16, n_threads, n
 
 
 @njit(cache=True)
-def _attend(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, k_norm, eps,
-            keys, values, out, src, has_src):
-    """`layers.attend` from compiled code (src is read only when has_src)."""
-    layers._write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, eps,
-                     keys, values)
-    macs = 2 * n_head * keys.shape[3] * (pos.sum() + pos.shape[0])
-    group = n_head // n_kv
-    if has_src:
-        if macs >= layers.PARALLEL_ATTENTION_MACS:
-            layers._heads_parallel(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox,
-                                   q_norm, eps, keys, values, out, src)
-        else:
-            layers._heads_serial(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox,
-                                 q_norm, eps, keys, values, out, src)
-    elif macs >= layers.PARALLEL_ATTENTION_MACS:
-        layers._heads_parallel(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox,
-                               q_norm, eps, keys, values, out, None)
-    else:
-        layers._heads_serial(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox,
-                             q_norm, eps, keys, values, out, None)
-
-
-@njit(cache=True)
 def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_norm, eps,
            n_head, n_kv, head_dim, slots, pos, cos, sin, rope_dim, neox, keys, values, src,
-           has_src, f16, bf16, n_threads, n):
+           has_src, window, ring, f16, bf16, n_threads, n):
     T = x.shape[0]
     h = np.empty_like(x)  # the normed input of the next sub-layer
     layers.rms_norm(x, attn_norm[0], eps, h)
@@ -204,8 +181,9 @@ def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_n
         if bqkv.shape[1]:
             for t in range(T):
                 qkv[t] += bqkv[i]
-        _attend(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm[i], k_norm[i],
-                eps, keys[i], values[i], att, src, has_src)
+        layers.attend_compiled(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox,
+                               q_norm[i], k_norm[i], eps, keys[i], values[i], att, src,
+                               has_src, window, ring)
         a = _project(mats, parts, first, widths, i, OUT, att, f16, bf16, n_threads, n)
         layers.add_rms_norm(x, a, ffn_norm[i], eps, h)
         gu = _project(mats, parts, first, widths, i, GATE_UP, h, f16, bf16, n_threads, n)
@@ -219,23 +197,24 @@ def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_n
 def decode_stack(weights: StackWeights, x: np.ndarray, eps: float, n_head: int, n_kv: int,
                  head_dim: int, slots: np.ndarray, pos: np.ndarray, cos: np.ndarray,
                  sin: np.ndarray, rope_dim: int, neox: bool, keys: np.ndarray,
-                 values: np.ndarray, src: np.ndarray | None) -> np.ndarray:
+                 values: np.ndarray, src: np.ndarray | None, window: int = 0,
+                 ring: int = 0) -> np.ndarray:
     """All layers for one new token of each of N <= `cpu.GEMV_MAX_T` sequences.
 
     x: (N, D) float32 token embeddings, the residual stream (updated in place).
     slots, pos: (N,) int64 KV-pool slots and positions; keys, values: the pool's
     (n_layer, n_slots, n_kv, max_len, head_dim) arrays, written at each
     sequence's position; src: None or (N, L) slot of each earlier position
-    (forked sequences). Returns the final-normed hidden states (N, D).
+    (forked sequences); window, ring: every layer's sliding window and rotating
+    cache length, as in `layers.attend` (0: none). Returns the final-normed hidden
+    states (N, D).
     """
     has_src = src is not None
     if src is None:
-        src = _NO_SRC
+        src = layers.NO_SRC
     return _stack(x, weights.mats, weights.parts, weights.first, weights.widths,
                   weights.attn_norm, weights.ffn_norm, weights.bqkv, weights.q_norm,
                   weights.k_norm, np.float32(eps), n_head, n_kv, head_dim, slots, pos, cos, sin,
-                  rope_dim, neox, keys, values, src, has_src, cpu.F16_TO_F32, cpu.BF16_TO_F32,
-                  numba.config.NUMBA_NUM_THREADS, cpu._INNER)
+                  rope_dim, neox, keys, values, src, has_src, window, ring, cpu.F16_TO_F32,
+                  cpu.BF16_TO_F32, numba.config.NUMBA_NUM_THREADS, cpu._INNER)
 
-
-_NO_SRC = np.zeros((0, 0), np.int64)

@@ -8,10 +8,12 @@ exceeds their arithmetic. These kernels do each step in one call:
 - `add_rms_norm(x, h, weight, eps, out)`: the residual add `x += h`, then
   RMSNorm of the sum into `out`;
 - `silu_mul(gu, out)`: SwiGLU, `silu(gate) * up` from the fused gate/up output;
+  `gelu_mul(gu, out)` the same with tanh-GELU (GeGLU, Gemma);
 - `attend(qkv, ...)`: for N sequences at their own positions, split the fused
   Q/K/V projection into heads, apply the per-head Q/K RMSNorm (Qwen3) and
   RoPE, write the new key and value into each sequence's KV-cache slot and
-  attend over everything cached, grouped-query style.
+  attend over everything cached (or the last `window` positions, from a
+  rotating cache), grouped-query style.
 
 The NumPy code of `workbench.engine.models.llama` (used for prefill) is their
 reference; the tests compare token-by-token decoding through these kernels
@@ -84,6 +86,21 @@ def silu_mul(gu, out):
             out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[t, F + i]
 
 
+_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
+
+
+@njit(fastmath=_FM, cache=True)
+def gelu_mul(gu, out):
+    """out = gelu(gate) * up (GeGLU, with GELU's tanh approximation as Gemma uses it),
+    where gu (T, 2F) holds gate in [:, :F] and up in [:, F:]."""
+    T, F = out.shape
+    for t in range(T):
+        for i in range(F):
+            g = gu[t, i]
+            inner = _GELU_C * (g + np.float32(0.044715) * g * g * g)
+            out[t, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * gu[t, F + i]
+
+
 @njit(fastmath=_FM, inline="always")
 def _head_norm(v, weight, eps):
     """RMSNorm of one head vector v (hd,) in place (Qwen3's Q/K norm)."""
@@ -112,51 +129,58 @@ def _rope(v, cos, sin, dim, neox):
 
 @njit(fastmath=_FM, inline="always")
 def _attend_head(qkv, n, h, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                 keys, values, out, src):
+                 keys, values, out, src, window, ring):
     """Query head h of sequence n: norm, RoPE, softmax(q K^T / sqrt(hd)) V into out[n].
 
     src: None (every position of sequence n is in its own slot), or (N, L) the slot
-    holding each position (a forked branch reads its shared prefix from other slots)."""
+    holding each position (a forked branch reads its shared prefix from other slots).
+    window: 0, or attend to the last `window` positions only (sliding-window layers);
+    ring: 0, or position s is kept at s % ring (a rotating cache of a sliding-window layer)."""
     hd = keys.shape[3]
     p = pos[n]
+    lo = max(0, p - window + 1) if window else 0
     kv = h // group
     q = qkv[n, h * hd : (h + 1) * hd]
     if q_norm.shape[0]:
         _head_norm(q, q_norm, eps)
     _rope(q, cos[p], sin[p], rope_dim, neox)
     scale = np.float32(1.0 / np.sqrt(hd))
-    scores = np.empty(p + 1, np.float32)
+    scores = np.empty(p + 1 - lo, np.float32)
     m = -np.inf
-    for s in range(p + 1):
+    for s in range(lo, p + 1):
         slot = slots[n] if src is None else src[n, s]
+        at = s % ring if ring else s
         d = np.float32(0.0)
         for i in range(hd):
-            d += q[i] * keys[slot, kv, s, i]
+            d += q[i] * keys[slot, kv, at, i]
         d *= scale
-        scores[s] = d
+        scores[s - lo] = d
         m = max(m, d)
     total = np.float32(0.0)
-    for s in range(p + 1):
+    for s in range(p + 1 - lo):
         e = np.exp(scores[s] - m)
         scores[s] = e
         total += e
     o = out[n, h * hd : (h + 1) * hd]
     for i in range(hd):
         o[i] = 0.0
-    for s in range(p + 1):
+    for s in range(lo, p + 1):
         slot = slots[n] if src is None else src[n, s]
-        w = scores[s] / total
+        at = s % ring if ring else s
+        w = scores[s - lo] / total
         for i in range(hd):
-            o[i] += w * values[slot, kv, s, i]
+            o[i] += w * values[slot, kv, at, i]
 
 
 @njit(fastmath=_FM, cache=True)
 def _write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, eps, keys,
-              values):
-    """Norm and rotate each new key; write keys and values at [slot, :, pos] of the pool."""
+              values, ring):
+    """Norm and rotate each new key; write keys and values at [slot, :, pos] of the pool
+    (at [slot, :, pos % ring] with a rotating cache)."""
     hd = keys.shape[3]
     for n in range(qkv.shape[0]):
         p = pos[n]
+        at = p % ring if ring else p
         for h in range(n_kv):
             k = qkv[n, (n_head + h) * hd : (n_head + h + 1) * hd]
             if k_norm.shape[0]:
@@ -164,24 +188,24 @@ def _write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, e
             _rope(k, cos[p], sin[p], rope_dim, neox)
             v0 = (n_head + n_kv + h) * hd
             for i in range(hd):
-                keys[slots[n], h, p, i] = k[i]
-                values[slots[n], h, p, i] = qkv[n, v0 + i]
+                keys[slots[n], h, at, i] = k[i]
+                values[slots[n], h, at, i] = qkv[n, v0 + i]
 
 
 @njit(fastmath=_FM, cache=True)
 def _heads_serial(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                  keys, values, out, src):
+                  keys, values, out, src, window, ring):
     for job in range(qkv.shape[0] * n_head):
         _attend_head(qkv, job // n_head, job % n_head, n_head, group, slots, pos, cos, sin,
-                     rope_dim, neox, q_norm, eps, keys, values, out, src)
+                     rope_dim, neox, q_norm, eps, keys, values, out, src, window, ring)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _heads_parallel(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                    keys, values, out, src):
+                    keys, values, out, src, window, ring):
     for job in prange(qkv.shape[0] * n_head):
         _attend_head(qkv, job // n_head, job % n_head, n_head, group, slots, pos, cos, sin,
-                     rope_dim, neox, q_norm, eps, keys, values, out, src)
+                     rope_dim, neox, q_norm, eps, keys, values, out, src, window, ring)
 
 
 # Below this many multiply-adds (all heads, all cached positions) the heads run on
@@ -192,7 +216,8 @@ PARALLEL_ATTENTION_MACS = 1 << 16
 def attend(qkv: np.ndarray, n_head: int, n_kv: int, slots: np.ndarray, pos: np.ndarray,
            cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: bool, q_norm: np.ndarray,
            k_norm: np.ndarray, eps: float, keys: np.ndarray, values: np.ndarray,
-           out: np.ndarray, src: np.ndarray | None = None) -> None:
+           out: np.ndarray, src: np.ndarray | None = None, window: int = 0,
+           ring: int = 0) -> None:
     """Self-attention of N new tokens, one per sequence, each at its own position.
 
     qkv: (N, (n_head + 2 n_kv) * hd) float32, the fused Q, K, V projections
@@ -205,13 +230,41 @@ def attend(qkv: np.ndarray, n_head: int, n_kv: int, slots: np.ndarray, pos: np.n
     out: (N, n_head * hd) the attention output (before the output projection).
     src: None, or (N, L > max(pos)) int64: the slot holding each earlier position of
         each sequence (forked branches share their prefix with other slots).
+    window: 0, or the sliding window: each token sees itself and the `window - 1`
+        positions before it.
+    ring: 0, or the length of a rotating cache: position s lives at [slot, :, s % ring]
+        (needs ring >= window; src must be None).
     """
+    has_src = src is not None
+    attend_compiled(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, k_norm,
+                    eps, keys, values, out, src if has_src else NO_SRC, has_src, window, ring)
+
+
+NO_SRC = np.zeros((0, 0), np.int64)  # `attend_compiled`'s src when no sequence is a fork
+
+
+@njit(cache=True)
+def attend_compiled(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, k_norm,
+                    eps, keys, values, out, src, has_src, window, ring):
+    """`attend` callable from compiled code: src is always an array, read only when has_src."""
     _write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, eps, keys,
-              values)
-    macs = 2 * n_head * keys.shape[3] * (int(pos.sum()) + len(pos))
-    heads = _heads_parallel if macs >= PARALLEL_ATTENTION_MACS else _heads_serial
-    heads(qkv, n_head, n_head // n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-          keys, values, out, src)
+              values, ring)
+    seen = pos.sum() + pos.shape[0] if window == 0 else pos.shape[0] * window
+    macs = 2 * n_head * keys.shape[3] * seen
+    group = n_head // n_kv
+    if has_src:
+        if macs >= PARALLEL_ATTENTION_MACS:
+            _heads_parallel(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm,
+                            eps, keys, values, out, src, window, ring)
+        else:
+            _heads_serial(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm,
+                          eps, keys, values, out, src, window, ring)
+    elif macs >= PARALLEL_ATTENTION_MACS:
+        _heads_parallel(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
+                        keys, values, out, None, window, ring)
+    else:
+        _heads_serial(qkv, n_head, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
+                      keys, values, out, None, window, ring)
 
 
 # -- encoder layers -------------------------------------------------------------------------

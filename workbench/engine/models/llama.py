@@ -1,17 +1,29 @@
-"""Llama-family decoders: llama (Llama 2/3, SmolLM2, Mistral-style), qwen2, qwen3.
+"""Llama-family decoders: llama (Llama 2/3, SmolLM2, Mistral, Mixtral), qwen2, qwen3,
+their mixture-of-experts variants qwen2moe and qwen3moe, and phi3.
 
-One module serves all three; the differences are flags in `LlamaConfig`:
+One module serves them all; the differences are flags in `LlamaConfig`:
 
 - llama: RoPE on interleaved pairs (llama.cpp's converter permutes the Q/K rows
   of Hugging Face checkpoints into that layout), optional Llama 3 frequency
-  factors (`rope_freqs.weight`) or linear RoPE scaling;
+  factors (`rope_freqs.weight`) or linear RoPE scaling; Mistral is a llama
+  whose file sets `llama.attention.sliding_window`, Mixtral a llama with experts;
 - qwen2: biases on the Q, K and V projections, NEOX RoPE (rotate halves);
 - qwen3: RMS norm on each head of Q and K before RoPE, NEOX RoPE, an explicit
-  head size.
+  head size;
+- qwen2moe / qwen3moe: qwen2 / qwen3 with a mixture-of-experts feed-forward
+  (`workbench.engine.models.moe`; qwen2moe adds a gated shared expert);
+- phi3: NEOX RoPE, the Q/K/V projections stored as one matrix (`attn_qkv`) and
+  gate/up as one (`ffn_up`, gate rows first), an optional sliding window.
 
-All use grouped-query attention, RMSNorm and a SwiGLU feed-forward; the output
-matrix is `output.weight` or, when the file has none, the tied token embedding.
-Weights stay in the file's format (`workbench.kernels.linear.QuantizedWeight`).
+All use grouped-query attention, RMSNorm and a SwiGLU feed-forward (or experts);
+the output matrix is `output.weight` or, when the file has none, the tied token
+embedding. Weights stay in the file's format
+(`workbench.kernels.linear.QuantizedWeight`).
+
+Sliding-window layers attend to their last `sliding_window` positions (the
+token itself included); their KV cache rotates when the context is longer than
+the window (`workbench.engine.kv_cache`). `workbench.engine.models.gemma3`
+builds on the classes here.
 """
 
 from __future__ import annotations
@@ -23,11 +35,16 @@ import numpy as np
 
 from workbench.engine.gguf import GGUFError, GGUFFile
 from workbench.engine.kv_cache import KVCache, KVPool, LayerKVCache
+from workbench.engine.models.moe import MoEFeedForward
 from workbench.engine.models.weights import fused, linear, vector
 from workbench.kernels import cpu, layers
 from workbench.kernels.decode import StackWeights, decode_stack
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3")
+_NEOX = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma3")
+_QK_NORM = ("qwen3", "qwen3moe", "gemma3")
+# whether the chosen experts' weights are rescaled to sum to 1, when the file does not say
+_EXPERT_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 
 @dataclass(frozen=True)
@@ -47,11 +64,27 @@ class LlamaConfig:
     rope_neox: bool  # rotate (x[i], x[i + d/2]) pairs instead of (x[2i], x[2i+1])
     rope_linear_factor: float  # positions are divided by this (1.0: no scaling)
     qk_norm: bool
+    sliding_window: int = 0  # local layers see this many positions, themselves included
+    # with a window: every `swa_pattern`-th layer is global, the others local (0: all local),
+    # unless `swa_layers` flags each layer (True: local)
+    swa_pattern: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    n_expert: int = 0  # mixture of experts: experts per layer (0: a dense feed-forward)
+    n_expert_used: int = 0  # experts each token is routed to
+    expert_weights_norm: bool = True  # the chosen experts' weights are rescaled to sum to 1
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        if not self.sliding_window:
+            return False
+        if self.swa_layers:
+            return self.swa_layers[layer]
+        return not self.swa_pattern or (layer + 1) % self.swa_pattern != 0
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> LlamaConfig:
         arch = g.architecture
-        if arch not in ARCHITECTURES:
+        if arch not in ARCHITECTURES + ("gemma3",):
             raise GGUFError(f"{arch!r} is not a llama-family architecture")
 
         def key(name: str, default=None):
@@ -71,6 +104,11 @@ class LlamaConfig:
             raise GGUFError(f"RoPE scaling {scaling!r} is not supported (none, linear and "
                             "Llama 3 frequency factors are)")
         n_vocab = g.get(f"{arch}.vocab_size") or len(g.require("tokenizer.ggml.tokens"))
+        n_expert = int(g.get(f"{arch}.expert_count", 0) or 0)
+        pattern = g.get(f"{arch}.attention.sliding_window_pattern", 0)
+        swa_layers = () if np.isscalar(pattern) else tuple(bool(v) for v in pattern)
+        if arch in ("qwen2moe", "qwen3moe") and not n_expert:
+            raise GGUFError(f"{g.path.name} lacks the metadata key {arch}.expert_count")
         return cls(
             arch=arch,
             n_layer=int(key("block_count")),
@@ -84,9 +122,16 @@ class LlamaConfig:
             norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_base=float(key("rope.freq_base", 10000.0)),
             rope_dim=int(key("rope.dimension_count", head_dim)),
-            rope_neox=arch != "llama",
+            rope_neox=arch in _NEOX,
             rope_linear_factor=factor if scaling == "linear" else 1.0,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in _QK_NORM,
+            sliding_window=int(g.get(f"{arch}.attention.sliding_window", 0) or 0),
+            swa_pattern=int(pattern) if np.isscalar(pattern) else 0,
+            swa_layers=swa_layers,
+            n_expert=n_expert,
+            n_expert_used=int(key("expert_used_count")) if n_expert else 0,
+            expert_weights_norm=bool(g.get(f"{arch}.expert_weights_norm",
+                                           _EXPERT_NORM.get(arch, True))),
         )
 
 
@@ -103,17 +148,21 @@ def silu(x: np.ndarray) -> np.ndarray:
 class Rope:
     """Rotary position embedding with cos/sin tables precomputed for `max_len` positions."""
 
-    def __init__(self, cfg: LlamaConfig, max_len: int, freq_factors: np.ndarray | None):
+    def __init__(self, cfg: LlamaConfig, max_len: int, freq_factors: np.ndarray | None,
+                 base: float | None = None, linear_factor: float | None = None):
+        """`base` and `linear_factor` override the config's (Gemma 3's local layers)."""
+        base = cfg.rope_base if base is None else base
+        factor = cfg.rope_linear_factor if linear_factor is None else linear_factor
         half = cfg.rope_dim // 2
-        inv_freq = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
+        inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
         if freq_factors is not None:  # Llama 3 long-context scaling, stored per dimension pair
             inv_freq = inv_freq / freq_factors.astype(np.float64)
-        pos = np.arange(max_len, dtype=np.float64) / cfg.rope_linear_factor
+        pos = np.arange(max_len, dtype=np.float64) / factor
         angles = np.outer(pos, inv_freq)  # (max_len, half)
         self.cos = np.cos(angles).astype(np.float32)
         self.sin = np.sin(angles).astype(np.float32)
         self.dim, self.neox = cfg.rope_dim, cfg.rope_neox
-        self._inv_freq = inv_freq / cfg.rope_linear_factor
+        self._inv_freq = inv_freq / factor
 
     def __call__(self, x: np.ndarray, start: int) -> np.ndarray:
         """Rotate x of shape (T, n_head, head_dim) for positions start .. start+T-1."""
@@ -143,7 +192,8 @@ class Rope:
 
 
 class Attention:
-    """Grouped-query self-attention with RoPE (and Qwen's Q/K/V biases or Q/K norms).
+    """Grouped-query self-attention with RoPE (and Qwen's Q/K/V biases or Q/K norms),
+    over all earlier positions or, in a local layer, over a sliding window.
 
     The Q, K and V projections are fused into one matrix when they share a
     format (one matmul per token instead of three).
@@ -152,7 +202,12 @@ class Attention:
     def __init__(self, cfg: LlamaConfig, g: GGUFFile, i: int, rope: Rope):
         p = f"blk.{i}."
         self.cfg, self.rope = cfg, rope
-        self.wqkv = fused(g, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
+        self.window = cfg.sliding_window if cfg.is_local(i) else 0
+        if p + "attn_qkv.weight" in g.tensors:  # phi3: stored as one matrix
+            self.wqkv = linear(g, p + "attn_qkv.weight")
+        else:
+            self.wqkv = fused(g, [p + "attn_q.weight", p + "attn_k.weight",
+                                  p + "attn_v.weight"])
         self.wo = linear(g, p + "attn_output.weight")
         widths = [cfg.n_head * cfg.head_dim] + [cfg.n_head_kv * cfg.head_dim] * 2
         biases = [vector(g, p + f"attn_{n}.bias", optional=True) for n in "qkv"]
@@ -183,15 +238,24 @@ class Attention:
             q = rms_norm(q, self.q_norm, cfg.norm_eps)
             k = rms_norm(k, self.k_norm, cfg.norm_eps)
         q, k = self.rope(q, start), self.rope(k, start)
-        keys, values = cache.update_and_fetch(k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-        S = keys.shape[1]  # keys, values: (n_kv, S, hd) with S = start + T
+        if self.window:
+            keys, values, lo = cache.update_and_fetch_window(
+                k.transpose(1, 0, 2), v.transpose(1, 0, 2), self.window)
+        else:
+            keys, values = cache.update_and_fetch(k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+            lo = 0
+        S = keys.shape[1]  # keys, values: (n_kv, S, hd), positions lo .. start + T - 1
         group = n_head // n_kv
         q = q.reshape(T, n_kv, group, hd).transpose(1, 2, 0, 3)  # (n_kv, group, T, hd)
         scores = np.matmul(q, keys[:, None].transpose(0, 1, 3, 2))  # (n_kv, group, T, S)
         scores *= np.float32(1.0 / np.sqrt(hd))
-        if T > 1:  # causal mask: query t sees keys up to start + t
-            future = np.arange(S)[None, :] > (start + np.arange(T))[:, None]  # (T, S)
-            scores[..., future] = -np.inf
+        key_pos = lo + np.arange(S)[None, :]  # (1, S)
+        query_pos = (start + np.arange(T))[:, None]  # (T, 1)
+        hidden = key_pos > query_pos  # causal: query t sees keys up to start + t
+        if self.window:  # ... and not those `window` or more positions back
+            hidden |= key_pos <= query_pos - self.window
+        if hidden.any():
+            scores[..., hidden] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -207,64 +271,107 @@ class Attention:
         cfg = self.cfg
         qkv = self.qkv(x)
         out = np.empty((x.shape[0], cfg.n_head * cfg.head_dim), np.float32)
+        ring = pool.ring if self.window else 0
         layers.attend(qkv, cfg.n_head, cfg.n_head_kv, slots, pos, self.rope.cos, self.rope.sin,
                       self.rope.dim, self.rope.neox,
                       _NONE if self.q_norm is None else self.q_norm,
                       _NONE if self.k_norm is None else self.k_norm,
-                      cfg.norm_eps, pool.keys[layer], pool.values[layer], out, src)
+                      cfg.norm_eps, pool.keys[layer], pool.values[layer], out,
+                      None if ring else src,  # a fork has its own copy of a ring
+                      self.window, ring)
         return self.wo.matmul(out)
 
 
 class FeedForward:
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused when they share a format."""
+    """SwiGLU, down(silu(gate(x)) * up(x)), or GeGLU with `act="gelu"` (tanh GELU, Gemma);
+    gate and up fused when they share a format (phi3 stores them as one `ffn_up`)."""
 
-    def __init__(self, g: GGUFFile, i: int):
+    def __init__(self, g: GGUFFile, i: int, act: str = "silu", suffix: str = ""):
+        """`suffix`: "_shexp" for a mixture of experts' shared expert."""
         p = f"blk.{i}."
-        self.gate_up = fused(g, [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        self.down = linear(g, p + "ffn_down.weight")
+        if p + f"ffn_gate{suffix}.weight" in g.tensors:
+            self.gate_up = fused(g, [p + f"ffn_gate{suffix}.weight", p + f"ffn_up{suffix}.weight"])
+        else:  # phi3: gate and up rows in one matrix
+            self.gate_up = linear(g, p + f"ffn_up{suffix}.weight")
+        self.down = linear(g, p + f"ffn_down{suffix}.weight")
+        self.act = layers.gelu_mul if act == "gelu" else layers.silu_mul
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         gu = self.gate_up.matmul(x)  # (T, 2 n_ff): gate, then up
         h = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
-        layers.silu_mul(gu, h)
+        self.act(gu, h)
         return self.down.matmul(h)
 
 
 class Block:
+    """Pre-norm residual layer: x + attn(norm(x)), then h + ffn(norm(h))."""
+
     def __init__(self, cfg: LlamaConfig, g: GGUFFile, i: int, rope: Rope):
         self.eps = cfg.norm_eps
         self.attn_norm = vector(g, f"blk.{i}.attn_norm.weight")
         self.ffn_norm = vector(g, f"blk.{i}.ffn_norm.weight")
         self.attn = Attention(cfg, g, i, rope)
-        self.ffn = FeedForward(g, i)
+        if cfg.n_expert:
+            self.ffn = MoEFeedForward(g, i, cfg.n_expert_used, cfg.expert_weights_norm)
+        else:
+            self.ffn = FeedForward(g, i)
 
     def __call__(self, x: np.ndarray, cache: LayerKVCache, start: int) -> np.ndarray:
         h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), cache, start)
         return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
 
+    def decode(self, x: np.ndarray, h: np.ndarray, pool: KVPool, layer: int,
+               slots: np.ndarray, pos: np.ndarray, src: np.ndarray | None,
+               next_norm: np.ndarray) -> None:
+        """One token per sequence: x (N, D) the residual stream and h = attn_norm(x), both
+        updated in place; h ends as `next_norm` of the new x (the next layer's input)."""
+        a = self.attn.decode(h, pool, layer, slots, pos, src)
+        layers.add_rms_norm(x, a, self.ffn_norm, self.eps, h)
+        f = self.ffn(h)
+        layers.add_rms_norm(x, f, next_norm, self.eps, h)
+
 
 class LlamaModel:
     """A llama-family decoder over the weights of an open GGUF file."""
 
+    embed_scale = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(n_embd))
+
     def __init__(self, g: GGUFFile, max_len: int):
-        self.config = cfg = LlamaConfig.from_gguf(g)
+        self.config = cfg = self.read_config(g)
         self.max_len = max_len
-        freq_factors = vector(g, "rope_freqs.weight", optional=True)
-        rope = Rope(cfg, max(max_len, 1), freq_factors)
         self.embed = linear(g, "token_embd.weight")
-        self.blocks = [Block(cfg, g, i, rope) for i in range(cfg.n_layer)]
+        self.blocks = self.build_blocks(g, cfg, max(max_len, 1))
         self.norm = vector(g, "output_norm.weight")
         self.output = linear(g, "output.weight") if "output.weight" in g.tensors else self.embed
-        # decode runs all layers in one compiled call when every matrix has a packed kernel;
-        # set `fused_decode = False` for the per-kernel path (the reference in the tests)
-        self._stack = StackWeights.build(self.blocks, self.norm)
+        # decode runs all layers in one compiled call when they are plain llama blocks,
+        # alike in their window, and every matrix has a packed kernel; set
+        # `fused_decode = False` for the per-kernel path (the reference in the tests)
+        alike = len({cfg.is_local(i) for i in range(cfg.n_layer)}) == 1
+        plain = all(type(b) is Block and isinstance(b.ffn, FeedForward)
+                    and b.ffn.act is layers.silu_mul for b in self.blocks)
+        self._stack = StackWeights.build(self.blocks, self.norm) if alike and plain else None
         self.fused_decode = self._stack is not None
+
+    @staticmethod
+    def read_config(g: GGUFFile) -> LlamaConfig:
+        """The architecture's settings from the file's metadata."""
+        return LlamaConfig.from_gguf(g)
+
+    def build_blocks(self, g: GGUFFile, cfg: LlamaConfig, max_len: int) -> list[Block]:
+        """The layers, with RoPE tables for `max_len` positions."""
+        rope = Rope(cfg, max_len, vector(g, "rope_freqs.weight", optional=True))
+        for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            if name in g.tensors:
+                raise GGUFError(f"{g.path.name}: LongRoPE scaling ({name}) is not supported")
+        return [Block(cfg, g, i, rope) for i in range(cfg.n_layer)]
 
     def new_pool(self, n_slots: int, max_len: int | None = None) -> KVPool:
         """KV-cache room for `n_slots` sequences of up to `max_len` positions each."""
         cfg = self.config
         max_len = min(max_len or self.max_len, self.max_len)
-        return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, max_len)
+        local = np.array([cfg.is_local(i) for i in range(cfg.n_layer)])
+        return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, max_len,
+                      window=cfg.sliding_window, local=local)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """An empty KV cache for one sequence."""
@@ -283,12 +390,17 @@ class LlamaModel:
         if ids.size == 1:
             return self.decode(ids, [cache])
         start = cache.offset  # layer 0 raises ContextFullError before any write if T won't fit
-        x = self.embed.rows(ids)  # (T, n_embd)
+        x = self._embed(ids)  # (T, n_embd)
         for block, layer_cache in zip(self.blocks, cache.layers):
             x = block(x, layer_cache, start)
-        cache.offset = start + ids.size
-        cache.tokens.extend(int(i) for i in ids)
+        cache.advance(ids)
         return rms_norm(x, self.norm, self.config.norm_eps)
+
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        x = self.embed.rows(ids)  # (T, n_embd)
+        if self.embed_scale != 1.0:
+            x *= np.float32(self.embed_scale)
+        return x
 
     def decode(self, ids: np.ndarray, caches: Sequence[KVCache]) -> np.ndarray:
         """One token for each of N sequences in one forward pass.
@@ -314,31 +426,28 @@ class LlamaModel:
         if any(c.shared_until for c in caches):
             src = np.stack([c.sources[: int(pos.max()) + 1] for c in caches])  # (N, L)
         eps = self.config.norm_eps
-        x = self.embed.rows(ids)  # (N, n_embd): the residual stream
+        x = self._embed(ids)  # (N, n_embd): the residual stream
         if self.fused_decode and ids.size <= cpu.GEMV_MAX_T:
-            cfg, rope = self.config, self.blocks[0].attn.rope
+            cfg, attn = self.config, self.blocks[0].attn
+            ring = pool.ring if attn.window else 0
             h = decode_stack(self._stack, x, eps, cfg.n_head, cfg.n_head_kv, cfg.head_dim,
-                             slots, pos, rope.cos, rope.sin, rope.dim, rope.neox, pool.keys,
-                             pool.values, src)
+                             slots, pos, attn.rope.cos, attn.rope.sin, attn.rope.dim,
+                             attn.rope.neox, pool.keys, pool.values, None if ring else src,
+                             attn.window, ring)
         else:
             h = self._decode_layers(x, pool, slots, pos, src)
         for c, t in zip(caches, ids):
-            c.offset += 1
-            c.tokens.append(int(t))
+            c.advance([t])
         return h
 
     def _decode_layers(self, x: np.ndarray, pool: KVPool, slots: np.ndarray, pos: np.ndarray,
                        src: np.ndarray | None) -> np.ndarray:
         """`decode`'s layers one kernel call at a time (x: (N, n_embd), updated in place)."""
-        eps = self.config.norm_eps
         h = np.empty_like(x)  # normed input of the next sub-layer
-        layers.rms_norm(x, self.blocks[0].attn_norm, eps, h)
+        layers.rms_norm(x, self.blocks[0].attn_norm, self.config.norm_eps, h)
         for i, block in enumerate(self.blocks):
-            a = block.attn.decode(h, pool, i, slots, pos, src)
-            layers.add_rms_norm(x, a, block.ffn_norm, eps, h)
-            f = block.ffn(h)
             nxt = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.norm
-            layers.add_rms_norm(x, f, nxt, eps, h)
+            block.decode(x, h, pool, i, slots, pos, src, nxt)
         return h
 
     def kv_remove(self, cache: KVCache, start: int, end: int) -> None:
@@ -352,11 +461,29 @@ class LlamaModel:
             cache.materialize()  # the moved positions must be this cache's own
         if start == end:
             return
+        if end == n:  # nothing moves (a rotating cache that lacks the window starts over)
+            cache.trim(start)
+            return
         shift = end - start
-        keys, values = cache.pool.keys[:, cache.slot], cache.pool.values[:, cache.slot]
-        # keys, values: (n_layer, n_kv_head, max_len, head_dim)
-        keys[:, :, start : n - shift] = self.blocks[0].attn.rope.shift(keys[:, :, end:n], -shift)
-        values[:, :, start : n - shift] = values[:, :, end:n].copy()
+        ring, floor = cache.pool.ring, cache.ring_floor
+        if ring and floor > start and max(floor, end) > n - cache.pool.window + 1:
+            raise ValueError(f"positions [{start}, {end}) cannot be removed: the sliding-window "
+                             f"layers no longer hold the positions before {start} that would "
+                             "come into their window; run the remaining tokens again instead")
+        for i, block in enumerate(self.blocks):
+            keys, values = cache.pool.keys[i, cache.slot], cache.pool.values[i, cache.slot]
+            # keys, values: (n_kv_head, max_len, head_dim)
+            rope = block.attn.rope
+            if ring and block.attn.window:  # a rotating cache holds positions floor .. n - 1
+                first = max(floor, end)
+                old, new = np.arange(first, n) % ring, np.arange(first - shift, n - shift) % ring
+                keys[:, new] = rope.shift(keys[:, old], -shift)
+                values[:, new] = values[:, old]
+            else:
+                keys[:, start : n - shift] = rope.shift(keys[:, end:n], -shift)
+                values[:, start : n - shift] = values[:, end:n].copy()
+        if ring and floor > start:
+            cache.ring_floor = max(floor, end) - shift
         cache.offset = n - shift
         del cache.tokens[start:end]
 

@@ -1,6 +1,6 @@
 """GGUF tensors as model weights: matrices as `QuantizedWeight`, vectors as float32.
 
-Every architecture module builds its layers from these three functions, so a
+Every architecture module builds its layers from these functions, so a
 tensor in a format the kernels cannot run gives the same clear error (file and
 tensor named) whichever model it belongs to.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench.engine.gguf import GGUFFile, UnsupportedTensorTypeError
+from workbench.engine.gguf import GGUFError, GGUFFile, UnsupportedTensorTypeError
 from workbench.kernels.linear import QuantizedWeight
 from workbench.kernels.quants import UnsupportedQuantError
 
@@ -36,6 +36,20 @@ def fused(g: GGUFFile, names: list[str]) -> QuantizedWeight | Stacked:
         return QuantizedWeight.from_gguf_tensor(raw, infos[0].qtype, (n_rows, infos[0].shape[1]))
     except UnsupportedQuantError as exc:
         raise UnsupportedTensorTypeError(f"{g.path.name}: tensor {names[0]!r}: {exc}") from None
+
+
+def experts(g: GGUFFile, name: str) -> list[QuantizedWeight]:
+    """The 3-D tensor `name`, (n_expert, N, K), as one (N, K) matrix per expert (views of
+    the mapped file: an expert no token is routed to is never read)."""
+    t = g.tensor(name)
+    if len(t.shape) != 3:
+        raise GGUFError(f"{g.path.name}: tensor {name!r} has shape {t.shape}, expected "
+                        "(n_expert, N, K)")
+    try:
+        return [QuantizedWeight.from_gguf_tensor(t.data[e], t.qtype, t.shape[1:])
+                for e in range(t.shape[0])]
+    except UnsupportedQuantError as exc:
+        raise UnsupportedTensorTypeError(f"{g.path.name}: tensor {name!r}: {exc}") from None
 
 
 class Stacked:

@@ -1,0 +1,184 @@
+"""Tiny random-weight Gemma 3, Phi-3, Mistral, Mixtral, Qwen2-MoE and Qwen3-MoE models:
+transformers -> GGUF (tests/hf_to_gguf.py) -> our engine, logits compared.
+
+Each variant has a sliding window of 8 positions where the family has one, and
+the prompt is 600 tokens long: longer than the window and than the rotating
+cache of the sliding-window layers (window + `RING_SLACK` = 264 positions), so
+the ring wraps twice, during one long prefill chunk, across chunks and while
+decoding one token at a time. Gemma 3 has six layers (five local, one
+global). The metric is the one of tests/test_tiny_models.py:
+
+    max |ours - ref| <= 1e-4 * max |ref|    (over all T x V entries)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.hf_to_gguf import F32, snap_to_qtype, tiny_vocab, write_gguf
+from tests.test_tiny_models import _assert_close, _randomize
+from workbench.engine.kv_cache import RING_SLACK
+
+WINDOW = 8
+VOCAB = tiny_vocab()
+V = len(VOCAB.tokens)
+PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, V - 1, 600)]  # no EOS
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+              attn_implementation="eager")
+Q8_0 = 8
+
+# name -> (GGUF arch, config class, model class, config kwargs, storage type)
+VARIANTS = {
+    "gemma3": ("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+        rms_norm_eps=1e-6), F32),
+    "gemma3-q8_0": ("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=WINDOW,
+        rms_norm_eps=1e-6), Q8_0),
+    "phi3": ("phi3", "Phi3Config", "Phi3ForCausalLM", dict(sliding_window=WINDOW), F32),
+    "mistral": ("llama", "MistralConfig", "MistralForCausalLM", dict(
+        sliding_window=WINDOW, head_dim=16), F32),
+    "mixtral": ("llama", "MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2), F32),
+    "qwen2moe": ("qwen2moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False), F32),
+    "qwen3moe": ("qwen3moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        head_dim=16), F32),
+}
+
+
+class Built:
+    def __init__(self, name: str, tmp_dir):
+        arch, cfg_name, model_name, kwargs, qtype = VARIANTS[name]
+        torch.manual_seed(0)
+        config = getattr(transformers, cfg_name)(
+            **{**COMMON, **kwargs}, bos_token_id=VOCAB.eos_id, eos_token_id=VOCAB.eos_id,
+            pad_token_id=VOCAB.eos_id)
+        model = getattr(transformers, model_name)(config).float().eval()
+        _randomize(model, seed=4321 + sum(map(ord, name)))
+        snap_to_qtype(model, qtype)
+        self.name, self.model = name, model
+        self.path = tmp_dir / f"{name}.gguf"
+        write_gguf(model, self.path, arch, qtype=qtype)
+        with torch.no_grad():
+            self.ref = model(torch.tensor([PROMPT])).logits[0].float().numpy()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def built(request, tmp_path_factory):
+    return Built(request.param, tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture
+def engine(built):
+    from workbench import LLM
+
+    m = LLM.load(built.path, kv_cache_size=1024)
+    yield m
+    m.close()
+
+
+def _windowed(engine) -> bool:
+    return bool(engine.config.sliding_window)
+
+
+def test_the_files_say_what_the_models_are(built, engine):
+    cfg = engine.config
+    kwargs = VARIANTS[built.name][3]
+    assert cfg.sliding_window == kwargs.get("sliding_window", 0)
+    assert cfg.n_expert == kwargs.get("num_experts", kwargs.get("num_local_experts", 0))
+    if built.name.startswith("gemma3"):
+        assert [cfg.is_local(i) for i in range(6)] == [True] * 5 + [False]
+    pool = engine.model.new_pool(1)
+    assert pool.ring == (WINDOW + RING_SLACK if _windowed(engine) else 0)
+
+
+def test_logits_whole_prompt(built, engine):
+    ours = engine.forward(PROMPT, engine.new_cache())
+    _assert_close(np.asarray(ours), built.ref, f"{built.name}: forward(600 tokens at once)")
+
+
+def test_logits_chunks_then_decode(built, engine):
+    cache = engine.new_cache()
+    parts = [engine.forward(PROMPT[:300], cache), engine.forward(PROMPT[300:560], cache)]
+    for t in PROMPT[560:]:
+        parts.append(engine.forward([t], cache))
+    ours = np.concatenate([np.asarray(p) for p in parts], axis=0)
+    _assert_close(ours, built.ref, f"{built.name}: chunks of 300 and 260, then 40 single tokens")
+    if _windowed(engine) and engine.model.new_pool(1).ring:
+        # the sliding-window layers never wrote past their ring: that memory stays untouched
+        pool, local = cache.pool, np.nonzero(cache.pool.local)[0]
+        assert not pool.keys[local, cache.slot, :, pool.ring :].any()
+
+
+def test_greedy_generation(built, engine):
+    prompt, n = PROMPT[:40], 8
+    with torch.no_grad():
+        out = built.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                   eos_token_id=VOCAB.eos_id, pad_token_id=VOCAB.eos_id)
+    ref = [int(t) for t in out[0, len(prompt):]]
+    if ref and ref[-1] == VOCAB.eos_id:
+        ref = ref[:-1]
+    assert engine.generate(prompt, max_tokens=n, temperature=0).token_ids == ref
+
+
+def test_batched_decode_equals_one_by_one(built, engine):
+    prompts = [PROMPT[:290], PROMPT[100:130], PROMPT[200:480]]
+    batch = engine.generate_batch(prompts, max_tokens=12, temperature=0)
+    for prompt, got in zip(prompts, batch):
+        assert got.token_ids == engine.generate(prompt, max_tokens=12,
+                                                temperature=0).token_ids
+
+
+def test_stepping_back_and_forking_a_rotating_cache(built, engine):
+    if not _windowed(engine):
+        pytest.skip(f"{built.name} has no sliding window")
+    model = engine.model
+    tail = PROMPT[:5]
+
+    def fresh(ids):
+        return model.forward(np.asarray(ids), model.new_cache())[-len(tail):]
+
+    cache = model.new_cache()
+    model.forward(np.asarray(PROMPT), cache)
+    cache.trim(590)  # within the ring's slack: kept
+    assert cache.offset == 590
+    _assert_close(model.forward(np.asarray(tail), cache), fresh(PROMPT[:590] + tail),
+                  f"{built.name}: 10 positions back")
+    cache.trim(300)  # the ring no longer holds the window before 300: starts over
+    assert cache.offset == 0
+
+    pool = model.new_pool(2)
+    parent, _ = pool.caches()
+    model.forward(np.asarray(PROMPT[:500]), parent)
+    child = parent.fork(1)
+    model.forward(np.asarray(PROMPT[500:]), parent)  # the parent's ring moves on
+    _assert_close(model.forward(np.asarray(tail), child), fresh(PROMPT[:500] + tail),
+                  f"{built.name}: a fork of a rotating cache")
+
+
+def test_prefix_cache_of_a_rotating_cache(built, engine, tmp_path):
+    if not _windowed(engine):
+        pytest.skip(f"{built.name} has no sliding window")
+    prefix = engine.prefix(PROMPT[:500])
+    assert prefix.local_from == 500 - WINDOW - RING_SLACK
+    prefix = engine.load_prefix(prefix.save(tmp_path / "p.wbp"))
+    assert prefix.local_from == 500 - WINDOW - RING_SLACK
+    cache = engine.new_cache()
+    cache.restore(prefix, 495)
+    assert cache.offset == 495
+    tail = PROMPT[520:525]
+    ours = engine.forward(tail, cache)
+    ref = engine.forward(PROMPT[:495] + tail, engine.new_cache())[-len(tail):]
+    _assert_close(np.asarray(ours), np.asarray(ref), f"{built.name}: restored prefix")
+    cache.restore(prefix, 100)  # the window before 100 was not kept: nothing restored
+    assert cache.offset == 0
+    opts = dict(max_tokens=6, temperature=0)
+    assert engine.generate(PROMPT[:510], prefix=prefix, **opts).token_ids == \
+        engine.generate(PROMPT[:510], **opts).token_ids

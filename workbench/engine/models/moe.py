@@ -1,0 +1,77 @@
+"""Mixture-of-experts feed-forward: Mixtral (llama), Qwen2-MoE, Qwen3-MoE.
+
+Each token's hidden state is scored by a router (`ffn_gate_inp`, one row per
+expert); the softmax of those scores picks the `n_used` best experts, whose
+SwiGLU outputs are summed with the chosen probabilities as weights, rescaled to
+sum to 1 when the family does so (Mixtral, Qwen3-MoE; not Qwen2-MoE). The
+experts of a layer are stored as one 3-D tensor per projection
+(`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`: (n_expert, N, K)); each
+expert's slice stays in the file's format and only the experts some token is
+routed to are read. Qwen2-MoE adds a shared expert that every token goes
+through, scaled by sigmoid(x . ffn_gate_inp_shexp).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from workbench.engine.gguf import GGUFFile
+from workbench.engine.models.weights import Stacked, experts, fused, linear, vector
+from workbench.kernels import layers
+
+
+class MoEFeedForward:
+    """The feed-forward of one mixture-of-experts layer."""
+
+    def __init__(self, g: GGUFFile, i: int, n_used: int, normalize: bool):
+        p = f"blk.{i}."
+        self.router = linear(g, p + "ffn_gate_inp.weight")  # (n_expert, n_embd)
+        if p + "ffn_gate_up_exps.weight" in g.tensors:  # gate and up rows in one tensor
+            self.gate_up = experts(g, p + "ffn_gate_up_exps.weight")
+        else:
+            self.gate_up = [Stacked([a, b]) for a, b in zip(
+                experts(g, p + "ffn_gate_exps.weight"), experts(g, p + "ffn_up_exps.weight"))]
+        self.down = experts(g, p + "ffn_down_exps.weight")
+        n_expert = self.router.shape[0]
+        if not 0 < n_used <= n_expert or len(self.down) != n_expert:
+            raise ValueError(f"layer {i}: {n_used} of {n_expert} router rows and "
+                             f"{len(self.down)} experts do not fit together")
+        self.n_used, self.normalize = n_used, normalize
+        self.shared = None  # Qwen2-MoE: (gate_up, down, gate vector (n_embd,))
+        if p + "ffn_up_shexp.weight" in g.tensors:
+            self.shared = (fused(g, [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]),
+                           linear(g, p + "ffn_down_shexp.weight"),
+                           vector(g, p + "ffn_gate_inp_shexp.weight", optional=True))
+
+    def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """x (T, n_embd) -> the chosen experts (T, n_used), best first, and their weights."""
+        logits = self.router.matmul(x)  # (T, n_expert)
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+        chosen = np.argsort(-probs, axis=1, kind="stable")[:, : self.n_used]
+        weights = np.take_along_axis(probs, chosen, axis=1)
+        if self.normalize:
+            weights /= weights.sum(axis=1, keepdims=True)
+        return chosen, weights
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        chosen, weights = self.route(x)
+        out = np.zeros_like(x)
+        for e in np.unique(chosen):
+            rows, rank = np.nonzero(chosen == e)  # the tokens routed to expert e
+            out[rows] += weights[rows, rank, None] * _swiglu(self.gate_up[e], self.down[e],
+                                                             x[rows])
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            y = _swiglu(gate_up, down, x)
+            if gate is not None:
+                y *= 1.0 / (1.0 + np.exp(-(x @ gate)))[:, None]
+            out += y
+        return out
+
+
+def _swiglu(gate_up, down, x: np.ndarray) -> np.ndarray:
+    gu = gate_up.matmul(x)  # (T, 2 F): gate, then up
+    h = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
+    layers.silu_mul(gu, h)
+    return down.matmul(h)
