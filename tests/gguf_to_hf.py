@@ -77,7 +77,7 @@ def hf_model_from_gguf(g: GGUFFile):
         return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
     sd = {"model.embed_tokens.weight": weight("token_embd.weight"),
-          "model.norm.weight": weight("output_norm.weight") - (arch == "gemma3"),
+          "model.norm.weight": weight("output_norm.weight") - float(arch == "gemma3"),
           "lm_head.weight": weight("token_embd.weight" if tied else "output.weight")}
     for i in range(key("block_count")):
         p, q = f"blk.{i}.", f"model.layers.{i}."

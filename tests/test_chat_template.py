@@ -325,6 +325,20 @@ def test_chatml_fallback_handles_none_and_content_parts():
         "<|im_start|>assistant\n<|im_end|>\n")
 
 
+def test_gemma_fallback_for_gemma_vocabularies():
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi "},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+            {"role": "user", "content": "Colors?"}, {"role": "assistant"}]
+    assert render(chat_template.GEMMA, msgs) == (
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello<end_of_turn>\n"
+        "<start_of_turn>user\nColors?<end_of_turn>\n"
+        "<start_of_turn>model\n<end_of_turn>\n<start_of_turn>model\n")
+    gemma_like = ["<pad>", "<eos>", "<start_of_turn>", "<end_of_turn>", "a"]
+    assert chat_template.fallback_template(gemma_like) == chat_template.GEMMA
+    assert chat_template.fallback_template(["<|im_start|>", "a"]) == CHATML
+
+
 def test_chat_template_wrapper():
     t = ChatTemplate("{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}"
                      "{% endfor %}{% if add_generation_prompt %}>{% endif %}{{ extra }}",

@@ -82,7 +82,8 @@ def test_truncated_gguf(tmp_path, smollm2_path, keep):
 def test_unknown_architecture(tmp_path):
     path = tmp_path / "mamba9.gguf"
     _write_gguf(path, "mamba9")
-    with pytest.raises(UnsupportedArchitectureError, match="'mamba9'.*llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedArchitectureError,
+                       match="'mamba9'.*llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma3"):
         LLM.load(path)
     assert issubclass(UnsupportedArchitectureError, ValueError)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NoReturn
 
@@ -40,7 +40,8 @@ from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["CHATML", "ChatTemplate", "ChatTemplateError", "render"]
+__all__ = ["CHATML", "GEMMA", "ChatTemplate", "ChatTemplateError", "fallback_template",
+           "render"]
 
 #: The fallback template for models whose GGUF carries no `tokenizer.chat_template`:
 #: plain ChatML (`<|im_start|>role\ncontent<|im_end|>\n` per message, then
@@ -62,6 +63,42 @@ CHATML = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+#: The fallback for Gemma-style vocabularies (with `<start_of_turn>` and `<end_of_turn>`
+#: tokens) whose GGUF carries no template: `<start_of_turn>user\n...<end_of_turn>\n`,
+#: the assistant's turns under the role `model`, system messages folded into the start
+#: of the next user turn (Gemma has no system role), and `<start_of_turn>model\n` as the
+#: generation prompt. BOS is left to the tokenizer's `add_bos`.
+GEMMA = (
+    "{%- macro text(content) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- elif content is iterable %}"
+    "{%- for part in content %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{%- endmacro %}"
+    "{%- set ns = namespace(system='') %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}"
+    "{%- set ns.system = ns.system + text(message['content']) + '\n\n' %}"
+    "{%- else %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\n' }}"
+    "{%- if role == 'user' %}{{- ns.system }}{%- set ns.system = '' %}{%- endif %}"
+    "{{- text(message['content']) | trim }}"
+    "{{- '<end_of_turn>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
+
+
+def fallback_template(tokens: Sequence[str]) -> str:
+    """The template for a model whose GGUF has none: `GEMMA` for a vocabulary with Gemma's
+    turn tokens, else `CHATML`."""
+    return GEMMA if {"<start_of_turn>", "<end_of_turn>"} <= set(tokens) else CHATML
+
 
 _MAX_REPEAT = 1_000_000  # longest string or list a template may build with `*`
 _MAX_EXPONENT = 4096  # largest integer exponent `**` may use

@@ -235,7 +235,8 @@ class LLM:
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
         self.model = _MODEL_CLASSES[arch](gguf, kv_cache_size)
         self.config = self.model.config
-        self.chat_template: str = gguf.get("tokenizer.chat_template") or chat_template.CHATML
+        self.chat_template: str = (gguf.get("tokenizer.chat_template")
+                                   or chat_template.fallback_template(self.tokenizer.tokens))
         self.kv_cache_size = kv_cache_size
         self._gguf = gguf
         self._forward_lock = threading.Lock()  # one forward pass at a time per model
