@@ -43,7 +43,7 @@ VARIANTS = {
     "mistral": ("llama", "MistralConfig", "MistralForCausalLM", dict(
         sliding_window=WINDOW, head_dim=16), F32),
     "mixtral": ("llama", "MixtralConfig", "MixtralForCausalLM", dict(
-        num_local_experts=4, num_experts_per_tok=2), F32),
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW), F32),
     "qwen2moe": ("qwen2moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, norm_topk_prob=False), F32),
