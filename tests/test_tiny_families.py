@@ -170,6 +170,34 @@ def test_stepping_back_and_forking_a_rotating_cache(built, engine):
                   f"{built.name}: a fork of a rotating cache")
 
 
+def test_removing_positions_from_a_rotating_cache(built, engine):
+    """`kv_remove` (llama.cpp's context shift) on a rotating cache moves what the ring
+    holds the way it moves a cache that keeps every position."""
+    if not _windowed(engine):
+        pytest.skip(f"{built.name} has no sliding window")
+    model = engine.model
+    rotating, plain = model.new_cache(), model.new_cache()
+    plain.pool.ring = 0  # the same pool, every position at its own index
+    tail = np.asarray(PROMPT[:5])
+    for cache in (rotating, plain):
+        model.forward(np.asarray(PROMPT), cache)
+        model.kv_remove(cache, 4, 104)  # a sink of 4, then 100 positions dropped
+        assert cache.offset == 500 and cache.tokens == PROMPT[:4] + PROMPT[104:]
+    assert rotating.ring_floor == 600 - WINDOW - RING_SLACK - 100
+    _assert_close(model.forward(tail, rotating), model.forward(tail, plain),
+                  f"{built.name}: kv_remove on a rotating cache")
+    with pytest.raises(ValueError, match="sliding-window"):  # the window's keys are gone
+        model.kv_remove(rotating, 4, 500)
+    engine.generate(PROMPT, max_tokens=1, temperature=0).token_ids  # noqa: B018 (fills the cache)
+    assert engine._cache.offset == 600
+    engine.kv_remove(4, 580)  # recomputed: the remaining 24 tokens run again from 0
+    assert engine._cache.offset == 24
+    ref = engine.model.forward(np.asarray(PROMPT[:4] + PROMPT[580:] + PROMPT[:5]),
+                               engine.new_cache())[-5:]
+    got = engine.forward(PROMPT[:5], engine._cache)
+    _assert_close(np.asarray(got), ref, f"{built.name}: LLM.kv_remove, recomputed")
+
+
 def test_prefix_cache_of_a_rotating_cache(built, engine, tmp_path):
     if not _windowed(engine):
         pytest.skip(f"{built.name} has no sliding window")

@@ -286,14 +286,13 @@ class FeedForward:
     """SwiGLU, down(silu(gate(x)) * up(x)), or GeGLU with `act="gelu"` (tanh GELU, Gemma);
     gate and up fused when they share a format (phi3 stores them as one `ffn_up`)."""
 
-    def __init__(self, g: GGUFFile, i: int, act: str = "silu", suffix: str = ""):
-        """`suffix`: "_shexp" for a mixture of experts' shared expert."""
+    def __init__(self, g: GGUFFile, i: int, act: str = "silu"):
         p = f"blk.{i}."
-        if p + f"ffn_gate{suffix}.weight" in g.tensors:
-            self.gate_up = fused(g, [p + f"ffn_gate{suffix}.weight", p + f"ffn_up{suffix}.weight"])
+        if p + "ffn_gate.weight" in g.tensors:
+            self.gate_up = fused(g, [p + "ffn_gate.weight", p + "ffn_up.weight"])
         else:  # phi3: gate and up rows in one matrix
-            self.gate_up = linear(g, p + f"ffn_up{suffix}.weight")
-        self.down = linear(g, p + f"ffn_down{suffix}.weight")
+            self.gate_up = linear(g, p + "ffn_up.weight")
+        self.down = linear(g, p + "ffn_down.weight")
         self.act = layers.gelu_mul if act == "gelu" else layers.silu_mul
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
