@@ -294,12 +294,13 @@ def test_generate_batch_context_full():
         assert a.token_ids == m.generate(PROMPT, max_tokens=100, **GREEDY).token_ids
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
 def test_fused_decode_equals_kernel_by_kernel(name):
     """`decode_stack` (all layers in one compiled call) against the per-kernel Python loop:
     1 and 5 sequences at their own positions, the second batch with a forked sequence
     that reads its prefix from its parent's slot. Qwen's Q4_K_M mixes formats inside a
-    layer (Q/K in Q5_0, V in Q6_K), so its fused projections run part by part."""
+    layer (Q/K in Q5_0, V in Q6_K), so its fused projections run part by part; Gemma 3
+    has its post-norms, GeGLU, and local layers with their own RoPE table."""
     from workbench import LLM
 
     with LLM.load(name) as m:
@@ -323,6 +324,9 @@ def test_fused_decode_equals_kernel_by_kernel(name):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
         if name.startswith("qwen"):
             assert parts_per_layer.max() > 1, "expected a projection with mixed formats"
+        if name.startswith("gemma"):
+            assert model._stack.gelu and model._stack.post_ffn_norm.shape[1]
+            assert model._stack.cos.shape[0] == 2 and model._stack.windows.min() == 0
 
 
 def test_decode_many_equals_decode_one(smollm2):

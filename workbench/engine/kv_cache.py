@@ -157,19 +157,21 @@ class KVCache:
 
     def fork(self, slot: int) -> KVCache:
         """A cache in `slot` of the same pool that shares every position cached so far
-        (nothing is copied but rotating sliding-window layers, which are small; the caller
-        must keep this cache's first `offset` positions as they are while the fork lives)."""
+        (nothing is copied but the rotating caches of sliding-window layers, at most
+        `ring` positions each; the caller must keep this cache's first `offset` positions
+        as they are while the fork lives)."""
         child = KVCache(self.pool, slot)
         child.sources[: self.offset] = self.sources[: self.offset]
         child.shared_until = self.offset
         child.offset = self.offset
         child.tokens = list(self.tokens)
-        ringed, ring = self._ringed(), self.pool.ring
-        if ringed.size:  # the parent goes on writing its ring: the fork needs its own
-            self.pool.keys[ringed, slot, :, :ring] = self.pool.keys[ringed, self.slot, :, :ring]
-            self.pool.values[ringed, slot, :, :ring] = \
-                self.pool.values[ringed, self.slot, :, :ring]
-            child.ring_floor = self.ring_floor
+        # the parent goes on writing its rings: the fork needs its own copy of what they hold
+        at = np.arange(self.ring_floor, self.offset) % max(self.pool.ring, 1)
+        for layer in self._ringed():
+            keys, values = self.pool.keys[layer], self.pool.values[layer]
+            keys[slot][:, at] = keys[self.slot][:, at]
+            values[slot][:, at] = values[self.slot][:, at]
+        child.ring_floor = self.ring_floor
         return child
 
     def gather(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:

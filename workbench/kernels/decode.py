@@ -1,4 +1,4 @@
-"""One decode step of a whole llama-family layer stack in a single Numba call.
+"""One decode step of a whole llama-family (or Gemma 3) layer stack in a single Numba call.
 
 Decoding one token per sequence calls ~8 kernels per layer (Q/K/V, attention,
 output projection, norm, gate/up, SwiGLU, down, norm); driven from Python that
@@ -12,11 +12,13 @@ parallel region of its own.
 `StackWeights.build(blocks)` gathers what the loop needs once per model:
 every projection matrix in a typed list with its GGML type code (a projection
 whose parts differ in format, `weights.Stacked`, contributes one entry per
-part, each writing its own output columns), the norms stacked by layer, and
-the optional Q/K/V biases and Qwen3 head norms. It returns None when some
-matrix has no packed-block kernel (F32, or Q2_K/Q3_K kept as fp32 copies); the
-model then keeps the per-kernel path of `LlamaModel.decode`, which is also the
-reference that tests compare this with.
+part, each writing its own output columns), the norms stacked by layer, the
+optional Q/K/V biases, head norms and Gemma's post-attention and post-FFN
+norms, each layer's sliding window and RoPE table. It returns None when some
+matrix has no packed-block kernel (F32, or Q2_K/Q3_K kept as fp32 copies) or
+the feed-forward is a mixture of experts; the model then keeps the per-kernel
+path of `LlamaModel.decode`, which is also the reference that tests compare
+this with.
 
 The first call compiles the stack with every format's kernels (minutes, once
 per machine; later processes load it from Numba's disk cache in ~0.3 s).
@@ -59,10 +61,20 @@ class StackWeights:
     bqkv: np.ndarray  # (n_layer, W_qkv) float32 or (n_layer, 0) without biases
     q_norm: np.ndarray  # (n_layer, head_dim) float32 or (n_layer, 0) without Q/K norms
     k_norm: np.ndarray
+    post_attn_norm: np.ndarray  # (n_layer, D) float32 or (n_layer, 0): Gemma's output norms
+    post_ffn_norm: np.ndarray
+    gelu: bool  # GeGLU instead of SwiGLU
+    windows: np.ndarray  # (n_layer,) int64: each layer's sliding window (0: none)
+    rope: np.ndarray  # (n_layer,) int64: each layer's row of cos / sin
+    cos: np.ndarray  # (n_tables, max_len, rope_dim // 2) float32 RoPE tables
+    sin: np.ndarray
 
     @classmethod
     def build(cls, blocks, final_norm: np.ndarray) -> StackWeights | None:
-        """From `llama.Block`s and the output norm; None if a matrix has no packed kernel."""
+        """From `llama.Block`s (or `gemma3.Gemma3Block`s) and the output norm; None if a
+        matrix has no packed kernel or a feed-forward has experts."""
+        if not all(hasattr(b.ffn, "act") for b in blocks):  # experts
+            return None
         mats = List.empty_list(_MATRIX)
         parts, first, widths = [], [], []
         for block in blocks:
@@ -87,6 +99,9 @@ class StackWeights:
                 return np.zeros((n_layer, 0), np.float32)
             return np.ascontiguousarray(np.stack(vectors), dtype=np.float32).reshape(-1, width)
 
+        ropes = list({id(b.attn.rope): b.attn.rope for b in blocks}.values())
+        D = final_norm.shape[0]
+
         return cls(
             mats=mats,
             parts=np.array(parts, np.int64).reshape(-1, 4),
@@ -97,6 +112,14 @@ class StackWeights:
             bqkv=stacked([b.attn.bqkv for b in blocks], widths[0][QKV]),
             q_norm=stacked([b.attn.q_norm for b in blocks], attn.cfg.head_dim),
             k_norm=stacked([b.attn.k_norm for b in blocks], attn.cfg.head_dim),
+            post_attn_norm=stacked([getattr(b, "post_attn_norm", None) for b in blocks], D),
+            post_ffn_norm=stacked([getattr(b, "post_ffn_norm", None) for b in blocks], D),
+            gelu=blocks[0].ffn.act is layers.gelu_mul,
+            windows=np.array([b.attn.window for b in blocks], np.int64),
+            rope=np.array([next(j for j, r in enumerate(ropes) if r is b.attn.rope)
+                           for b in blocks], np.int64),
+            cos=np.stack([r.cos for r in ropes]),
+            sin=np.stack([r.sin for r in ropes]),
         )
 
 
@@ -168,9 +191,10 @@ def _project(mats, parts, first, widths, layer, proj, x, f16, bf16, n_threads, n
 
 
 @njit(cache=True)
-def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_norm, eps,
-           n_head, n_kv, head_dim, slots, pos, cos, sin, rope_dim, neox, keys, values, src,
-           has_src, window, ring, f16, bf16, n_threads, n):
+def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_norm,
+           post_attn_norm, post_ffn_norm, gelu, windows, rope, eps, n_head, n_kv, head_dim,
+           slots, pos, cos, sin, rope_dim, neox, keys, values, src, has_src, ring, f16, bf16,
+           n_threads, n):
     T = x.shape[0]
     h = np.empty_like(x)  # the normed input of the next sub-layer
     layers.rms_norm(x, attn_norm[0], eps, h)
@@ -181,23 +205,30 @@ def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_n
         if bqkv.shape[1]:
             for t in range(T):
                 qkv[t] += bqkv[i]
-        layers.attend_compiled(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox,
-                               q_norm[i], k_norm[i], eps, keys[i], values[i], att, src,
-                               has_src, window, ring)
+        ring_i = ring if windows[i] else 0  # a rotating layer: each fork has its own ring
+        layers.attend_compiled(qkv, n_head, n_kv, slots, pos, cos[rope[i]], sin[rope[i]],
+                               rope_dim, neox, q_norm[i], k_norm[i], eps, keys[i], values[i],
+                               att, src, has_src and ring_i == 0, windows[i], ring_i)
         a = _project(mats, parts, first, widths, i, OUT, att, f16, bf16, n_threads, n)
+        if post_attn_norm.shape[1]:
+            layers.rms_norm(a, post_attn_norm[i], eps, a)
         layers.add_rms_norm(x, a, ffn_norm[i], eps, h)
         gu = _project(mats, parts, first, widths, i, GATE_UP, h, f16, bf16, n_threads, n)
         hf = np.empty((T, gu.shape[1] // 2), np.float32)
-        layers.silu_mul(gu, hf)
+        if gelu:
+            layers.gelu_mul(gu, hf)
+        else:
+            layers.silu_mul(gu, hf)
         f = _project(mats, parts, first, widths, i, DOWN, hf, f16, bf16, n_threads, n)
+        if post_ffn_norm.shape[1]:
+            layers.rms_norm(f, post_ffn_norm[i], eps, f)
         layers.add_rms_norm(x, f, attn_norm[i + 1], eps, h)
     return h
 
 
 def decode_stack(weights: StackWeights, x: np.ndarray, eps: float, n_head: int, n_kv: int,
-                 head_dim: int, slots: np.ndarray, pos: np.ndarray, cos: np.ndarray,
-                 sin: np.ndarray, rope_dim: int, neox: bool, keys: np.ndarray,
-                 values: np.ndarray, src: np.ndarray | None, window: int = 0,
+                 head_dim: int, slots: np.ndarray, pos: np.ndarray, rope_dim: int, neox: bool,
+                 keys: np.ndarray, values: np.ndarray, src: np.ndarray | None,
                  ring: int = 0) -> np.ndarray:
     """All layers for one new token of each of N <= `cpu.GEMV_MAX_T` sequences.
 
@@ -205,16 +236,16 @@ def decode_stack(weights: StackWeights, x: np.ndarray, eps: float, n_head: int, 
     slots, pos: (N,) int64 KV-pool slots and positions; keys, values: the pool's
     (n_layer, n_slots, n_kv, max_len, head_dim) arrays, written at each
     sequence's position; src: None or (N, L) slot of each earlier position
-    (forked sequences); window, ring: every layer's sliding window and rotating
-    cache length, as in `layers.attend` (0: none). Returns the final-normed hidden
-    states (N, D).
+    (forked sequences); ring: the pool's rotating-cache length for the
+    sliding-window layers, as in `layers.attend` (0: none). Returns the
+    final-normed hidden states (N, D).
     """
     has_src = src is not None
     if src is None:
         src = layers.NO_SRC
-    return _stack(x, weights.mats, weights.parts, weights.first, weights.widths,
-                  weights.attn_norm, weights.ffn_norm, weights.bqkv, weights.q_norm,
-                  weights.k_norm, np.float32(eps), n_head, n_kv, head_dim, slots, pos, cos, sin,
-                  rope_dim, neox, keys, values, src, has_src, window, ring, cpu.F16_TO_F32,
+    w = weights
+    return _stack(x, w.mats, w.parts, w.first, w.widths, w.attn_norm, w.ffn_norm, w.bqkv,
+                  w.q_norm, w.k_norm, w.post_attn_norm, w.post_ffn_norm, w.gelu, w.windows,
+                  w.rope, np.float32(eps), n_head, n_kv, head_dim, slots, pos, w.cos, w.sin,
+                  rope_dim, neox, keys, values, src, has_src, ring, cpu.F16_TO_F32,
                   cpu.BF16_TO_F32, numba.config.NUMBA_NUM_THREADS, cpu._INNER)
-

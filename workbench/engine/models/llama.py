@@ -342,13 +342,10 @@ class LlamaModel:
         self.blocks = self.build_blocks(g, cfg, max(max_len, 1))
         self.norm = vector(g, "output_norm.weight")
         self.output = linear(g, "output.weight") if "output.weight" in g.tensors else self.embed
-        # decode runs all layers in one compiled call when they are plain llama blocks,
-        # alike in their window, and every matrix has a packed kernel; set
-        # `fused_decode = False` for the per-kernel path (the reference in the tests)
-        alike = len({cfg.is_local(i) for i in range(cfg.n_layer)}) == 1
-        plain = all(type(b) is Block and isinstance(b.ffn, FeedForward)
-                    and b.ffn.act is layers.silu_mul for b in self.blocks)
-        self._stack = StackWeights.build(self.blocks, self.norm) if alike and plain else None
+        # decode runs all layers in one compiled call when every matrix has a packed
+        # kernel and no layer has experts; set `fused_decode = False` for the per-kernel
+        # path (the reference in the tests)
+        self._stack = StackWeights.build(self.blocks, self.norm)
         self.fused_decode = self._stack is not None
 
     @staticmethod
@@ -427,12 +424,10 @@ class LlamaModel:
         eps = self.config.norm_eps
         x = self._embed(ids)  # (N, n_embd): the residual stream
         if self.fused_decode and ids.size <= cpu.GEMV_MAX_T:
-            cfg, attn = self.config, self.blocks[0].attn
-            ring = pool.ring if attn.window else 0
+            cfg, rope = self.config, self.blocks[0].attn.rope
             h = decode_stack(self._stack, x, eps, cfg.n_head, cfg.n_head_kv, cfg.head_dim,
-                             slots, pos, attn.rope.cos, attn.rope.sin, attn.rope.dim,
-                             attn.rope.neox, pool.keys, pool.values, None if ring else src,
-                             attn.window, ring)
+                             slots, pos, rope.dim, rope.neox, pool.keys, pool.values, src,
+                             pool.ring)
         else:
             h = self._decode_layers(x, pool, slots, pos, src)
         for c, t in zip(caches, ids):
