@@ -231,6 +231,24 @@ def test_real_tensors(alias, qtype):
     assert_bits_equal(weight.rows(ids), full[ids])
 
 
+def test_gated_activation_kernels():
+    """`layers.silu_mul` (SwiGLU) and `layers.gelu_mul` (GeGLU with tanh-GELU, computed as
+    g * sigmoid(2u)) against float64 formulas, over gates from -40 to 40, NaN-poisoned
+    outputs of an odd width."""
+    from workbench.kernels import layers
+
+    rng = np.random.default_rng(11)
+    gate = np.concatenate([np.linspace(-40, 40, 2001), rng.standard_normal(1001) * 3])
+    gu = np.stack([np.concatenate([gate, rng.standard_normal(3002)])] * 2).astype(np.float32)
+    g, up = gu[:, :3002].astype(np.float64), gu[:, 3002:].astype(np.float64)
+    u = np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)
+    for kernel, want in ((layers.gelu_mul, 0.5 * g * (1 + np.tanh(u)) * up),
+                         (layers.silu_mul, g / (1 + np.exp(-g)) * up)):
+        out = np.full((2, 3002), np.nan, np.float32)
+        kernel(gu, out)
+        np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-12)  # (e^-60 floor)
+
+
 def test_exp_and_softmax_kernels():
     """`layers.exp_neg` (vectorizable float32 exp on [-60, 0]) within 3e-7 relative of
     float64 exp over its whole range, and clamped below it; `softmax_rows` equal to a float64

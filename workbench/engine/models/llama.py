@@ -255,11 +255,10 @@ class Attention:
         if self.window:  # ... and not those `window` or more positions back
             hidden |= key_pos <= query_pos - self.window
         if hidden.any():
-            scores[..., hidden] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        out = np.matmul(probs, values[:, None])  # (n_kv, group, T, hd)
+            scores += np.where(hidden, np.float32(-np.inf), np.float32(0.0))
+        rows = scores.reshape(-1, S)  # a view: (n_kv * group * T, S)
+        layers.softmax_rows(rows, rows.max(axis=1))  # in place
+        out = np.matmul(scores, values[:, None])  # (n_kv, group, T, hd)
         out = out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)
         return self.wo.matmul(out)
 
