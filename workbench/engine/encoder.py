@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from workbench import registry
 from workbench.engine.backend import resolve_device
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
-from workbench.engine.models import bert
+from workbench.engine.models import bert, gemma3, llama
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
 from workbench.signals import BusyCounter, Signal
 
@@ -76,8 +76,8 @@ class Encoder:
     def __init__(self, gguf: GGUFFile, *, device: str = "auto", max_length: int | None = None):
         arch = gguf.architecture
         if arch not in bert.ARCHITECTURES:
-            hint = " (a decoder model: load it with workbench.LLM)" if arch in (
-                "llama", "qwen2", "qwen3", "gemma3", "phi3") else ""
+            hint = (" (a decoder model: load it with workbench.LLM)"
+                    if arch in llama.ARCHITECTURES + gemma3.ARCHITECTURES else "")
             raise UnsupportedArchitectureError(
                 f"{gguf.path.name}: architecture {arch!r} is not an encoder this engine runs; "
                 f"supported: {', '.join(bert.ARCHITECTURES)}{hint}")
