@@ -1,12 +1,14 @@
 """Tiny random-weight Gemma 3, Phi-3, Mistral, Mixtral, Qwen2-MoE and Qwen3-MoE models:
 transformers -> GGUF (tests/hf_to_gguf.py) -> our engine, logits compared.
 
-Each variant has a sliding window of 8 positions where the family has one, and
-the prompt is 600 tokens long: longer than the window and than the rotating
-cache of the sliding-window layers (window + `RING_SLACK` = 264 positions), so
-the ring wraps twice, during one long prefill chunk, across chunks and while
-decoding one token at a time. Gemma 3 has six layers (five local, one
-global). The metric is the one of tests/test_tiny_models.py:
+The Gemma 3, Phi-3, Mistral and Mixtral variants have a sliding window of 8
+positions, and the prompt is 600 tokens long: longer than the window and than
+the rotating cache of the sliding-window layers (window + `RING_SLACK` = 264
+positions), so the ring wraps twice, during one long prefill chunk, across
+chunks and while decoding one token at a time. Gemma 3 has six layers (five
+local, one global). The Q8_0 variants decode through the fused stack
+(`workbench.kernels.decode`), the others kernel by kernel. The metric is the
+one of tests/test_tiny_models.py:
 
     max |ours - ref| <= 1e-4 * max |ref|    (over all T x V entries)
 """
