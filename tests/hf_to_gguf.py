@@ -19,7 +19,11 @@ random-weight models without downloading anything:
   experts as 3-D tensors (`ffn_{gate,up,down}_exps`, the fused gate/up parameter
   of transformers split in two), the router `ffn_gate_inp` and Qwen2-MoE's shared
   expert (`*_shexp`, its sigmoid gate as the vector `ffn_gate_inp_shexp`);
-- Phi-3 with its fused `attn_qkv` and `ffn_up` (gate rows first) as they are;
+- Phi-3 with its fused `attn_qkv` and `ffn_up` (gate rows first) as they are,
+  and LongRoPE as llama.cpp's converter writes it: `rope_factors_long.weight`,
+  `rope_factors_short.weight`, `rope.scaling.original_context_length` and
+  `rope.scaling.attn_factor` (sqrt(1 + ln(factor) / ln(original context)),
+  factor = context length / original context, unless the config gives it);
 - Gemma 3 with its four norms per layer, every norm weight stored as 1 + w (the
   converter folds Gemma's `x * (1 + w)` into the weight);
 - a tiny GPT-2 style byte-level BPE vocabulary (`tiny_vocab`): 256 byte symbols,
@@ -295,8 +299,9 @@ def write_gguf(model, path: str | os.PathLike, arch: str, qtype: GGMLQuantizatio
                              "config with query_pre_attn_scalar=head_dim")
     rope_type = rope["rope_type"]
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    if rope_type not in ("default", "linear", "llama3") or (
-            arch != "llama" and rope_type != "default"):
+    longrope = arch == "phi3" and rope_type == "longrope"
+    if not longrope and (rope_type not in ("default", "linear", "llama3") or (
+            arch != "llama" and rope_type != "default")):
         raise ValueError(f"RoPE type {rope_type!r} is not handled for {arch}")
 
     w = GGUFWriter(os.fspath(path), arch)
@@ -342,6 +347,16 @@ def write_gguf(model, path: str | os.PathLike, arch: str, qtype: GGMLQuantizatio
 
     if arch == "llama" and rope_type == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg, head_dim))
+    if longrope:
+        original = int(rope["original_max_position_embeddings"])
+        factor = rope.get("factor") or cfg.max_position_embeddings / original
+        attn_factor = rope.get("attention_factor") or (
+            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(float(attn_factor))
+        for which in ("long", "short"):
+            w.add_tensor(f"rope_factors_{which}.weight",
+                         np.asarray(rope[f"{which}_factor"], dtype=np.float32))
 
     seen = set()
     for name, data in _tensors(model, arch):

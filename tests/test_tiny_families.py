@@ -44,6 +44,13 @@ VARIANTS = {
     "phi3": ("phi3", "Phi3Config", "Phi3ForCausalLM", dict(sliding_window=WINDOW), F32),
     "mistral": ("llama", "MistralConfig", "MistralForCausalLM", dict(
         sliding_window=WINDOW, head_dim=16), F32),
+    # LongRoPE (Phi-3.5 / Phi-4-mini style): original context 64, so the 600-token prompt
+    # and a 1024-position cache use the long factors; `test_longrope_short_factors` the short
+    "phi3-longrope": ("phi3", "Phi3Config", "Phi3ForCausalLM", dict(
+        original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+        "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.6, 1.8, 2.0]}), F32),
     # Q8_0 matrices: decode runs through the fused stack (`kernels.decode`) with the windows
     "mistral-q8_0": ("llama", "MistralConfig", "MistralForCausalLM", dict(
         sliding_window=WINDOW, head_dim=32), Q8_0),
@@ -124,8 +131,22 @@ def test_logits_chunks_then_decode(built, engine):
         assert not pool.keys[local, cache.slot, :, pool.ring :].any()
 
 
+def test_longrope_short_factors(built):
+    """A cache no longer than the original context (64) selects the short factors, as
+    transformers does for sequences that short."""
+    from workbench import LLM
+
+    if built.name != "phi3-longrope":
+        pytest.skip("LongRoPE only")
+    with torch.no_grad():
+        ref = built.model(torch.tensor([PROMPT[:40]])).logits[0].float().numpy()
+    with LLM.load(built.path, kv_cache_size=64) as m:
+        _assert_close(np.asarray(m.forward(PROMPT[:40], m.new_cache())), ref,
+                      "phi3-longrope: 40 tokens, short factors")
+
+
 def test_greedy_generation(built, engine):
-    prompt, n = PROMPT[:40], 8
+    prompt, n = PROMPT[:100], 8  # (longer than LongRoPE's original context: long factors)
     with torch.no_grad():
         out = built.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                                    eos_token_id=VOCAB.eos_id, pad_token_id=VOCAB.eos_id)

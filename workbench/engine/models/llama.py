@@ -13,7 +13,11 @@ One module serves them all; the differences are flags in `LlamaConfig`:
 - qwen2moe / qwen3moe: qwen2 / qwen3 with a mixture-of-experts feed-forward
   (`workbench.engine.models.moe`; qwen2moe adds a gated shared expert);
 - phi3: NEOX RoPE, the Q/K/V projections stored as one matrix (`attn_qkv`) and
-  gate/up as one (`ffn_up`, gate rows first), an optional sliding window.
+  gate/up as one (`ffn_up`, gate rows first), an optional sliding window, and
+  LongRoPE (Phi-3.5, Phi-4-mini): per-pair frequency divisors `rope_factors_long`
+  when the context is longer than `rope.scaling.original_context_length`, else
+  `rope_factors_short`, and cos/sin scaled by `rope.scaling.attn_factor`
+  (chosen once from the context length, as llama.cpp does).
 
 All use grouped-query attention, RMSNorm and a SwiGLU feed-forward (or experts);
 the output matrix is `output.weight` or, when the file has none, the tied token
@@ -64,6 +68,8 @@ class LlamaConfig:
     rope_neox: bool  # rotate (x[i], x[i + d/2]) pairs instead of (x[2i], x[2i+1])
     rope_linear_factor: float  # positions are divided by this (1.0: no scaling)
     qk_norm: bool
+    rope_attn_factor: float = 1.0  # cos and sin are multiplied by this (LongRoPE)
+    rope_orig_ctx: int = 0  # LongRoPE: contexts longer than this use the long factors
     sliding_window: int = 0  # local layers see this many positions, themselves included
     # with a window: every `swa_pattern`-th layer is global, the others local (0: all local),
     # unless `swa_layers` flags each layer (True: local)
@@ -125,6 +131,8 @@ class LlamaConfig:
             rope_neox=arch in _NEOX,
             rope_linear_factor=factor if scaling == "linear" else 1.0,
             qk_norm=arch in _QK_NORM,
+            rope_attn_factor=float(g.get(f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0),
+            rope_orig_ctx=int(g.get(f"{arch}.rope.scaling.original_context_length", 0) or 0),
             sliding_window=int(g.get(f"{arch}.attention.sliding_window", 0) or 0),
             swa_pattern=int(pattern) if np.isscalar(pattern) else 0,
             swa_layers=swa_layers,
@@ -149,8 +157,11 @@ class Rope:
     """Rotary position embedding with cos/sin tables precomputed for `max_len` positions."""
 
     def __init__(self, cfg: LlamaConfig, max_len: int, freq_factors: np.ndarray | None,
-                 base: float | None = None, linear_factor: float | None = None):
-        """`base` and `linear_factor` override the config's (Gemma 3's local layers)."""
+                 base: float | None = None, linear_factor: float | None = None,
+                 scale: float = 1.0):
+        """`base` and `linear_factor` override the config's (Gemma 3's local layers);
+        `freq_factors` divide the frequencies pair by pair (Llama 3, LongRoPE); `scale`
+        multiplies cos and sin (LongRoPE's attention factor)."""
         base = cfg.rope_base if base is None else base
         factor = cfg.rope_linear_factor if linear_factor is None else linear_factor
         half = cfg.rope_dim // 2
@@ -159,8 +170,8 @@ class Rope:
             inv_freq = inv_freq / freq_factors.astype(np.float64)
         pos = np.arange(max_len, dtype=np.float64) / factor
         angles = np.outer(pos, inv_freq)  # (max_len, half)
-        self.cos = np.cos(angles).astype(np.float32)
-        self.sin = np.sin(angles).astype(np.float32)
+        self.cos = (np.cos(angles) * scale).astype(np.float32)
+        self.sin = (np.sin(angles) * scale).astype(np.float32)
         self.dim, self.neox = cfg.rope_dim, cfg.rope_neox
         self._inv_freq = inv_freq / factor
 
@@ -172,7 +183,8 @@ class Rope:
 
     def shift(self, x: np.ndarray, delta: int) -> np.ndarray:
         """Move already rotated x (..., head_dim) by `delta` positions (negative: back);
-        rotations add up, so this equals rotating at the new positions."""
+        rotations add up, so this equals rotating at the new positions (a pure rotation:
+        `scale` was applied once, when x was rotated first)."""
         angles = delta * self._inv_freq  # (half,)
         return self._rotate(x, np.cos(angles).astype(np.float32),
                             np.sin(angles).astype(np.float32))
@@ -354,10 +366,17 @@ class LlamaModel:
 
     def build_blocks(self, g: GGUFFile, cfg: LlamaConfig, max_len: int) -> list[Block]:
         """The layers, with RoPE tables for `max_len` positions."""
-        rope = Rope(cfg, max_len, vector(g, "rope_freqs.weight", optional=True))
-        for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
-            if name in g.tensors:
-                raise GGUFError(f"{g.path.name}: LongRoPE scaling ({name}) is not supported")
+        factors = vector(g, "rope_freqs.weight", optional=True)
+        if "rope_factors_long.weight" in g.tensors or "rope_factors_short.weight" in g.tensors:
+            if not cfg.rope_orig_ctx:
+                raise GGUFError(f"{g.path.name} has LongRoPE factors but no "
+                                f"{cfg.arch}.rope.scaling.original_context_length")
+            which = "long" if max_len > cfg.rope_orig_ctx else "short"
+            factors = vector(g, f"rope_factors_{which}.weight")
+        if factors is not None and factors.size != cfg.rope_dim // 2:
+            raise GGUFError(f"{g.path.name}: {factors.size} RoPE frequency factors for "
+                            f"{cfg.rope_dim // 2} rotated pairs")
+        rope = Rope(cfg, max_len, factors, scale=cfg.rope_attn_factor)
         return [Block(cfg, g, i, rope) for i in range(cfg.n_layer)]
 
     def new_pool(self, n_slots: int, max_len: int | None = None) -> KVPool:
