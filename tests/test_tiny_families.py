@@ -131,13 +131,12 @@ def test_logits_chunks_then_decode(built, engine):
         assert not pool.keys[local, cache.slot, :, pool.ring :].any()
 
 
-def test_longrope_short_factors(built):
+def test_longrope_short_factors(tmp_path):
     """A cache no longer than the original context (64) selects the short factors, as
     transformers does for sequences that short."""
     from workbench import LLM
 
-    if built.name != "phi3-longrope":
-        pytest.skip("LongRoPE only")
+    built = Built("phi3-longrope", tmp_path)
     with torch.no_grad():
         ref = built.model(torch.tensor([PROMPT[:40]])).logits[0].float().numpy()
     with LLM.load(built.path, kv_cache_size=64) as m:
