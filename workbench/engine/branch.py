@@ -248,14 +248,9 @@ class Branch:
             raise RuntimeError("this branch has live children that read its cache")
         net = self.model._require_model()
         start, end = int(start), int(end)
-        keep, tail = self.cache.tokens[:start], self.cache.tokens[end:]
         with self.model._busy:
-            if recompute and tail:
-                if not 0 <= start <= end <= self.cache.offset:
-                    raise ValueError(f"cannot remove positions [{start}, {end}) of "
-                                     f"{self.cache.offset} cached")
-                self.cache.trim(start)  # (a rotating sliding-window cache may start over)
-                self.prefill(keep[self.cache.offset :] + tail)
+            if recompute and end < self.cache.offset:
+                self.prefill(self.cache.cut(start, end))
                 return
             net.kv_remove(self.cache, start, end)
             if self.cache.offset:  # the next token's logits, from the moved cache

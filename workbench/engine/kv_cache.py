@@ -166,11 +166,13 @@ class KVCache:
         child.offset = self.offset
         child.tokens = list(self.tokens)
         # the parent goes on writing its rings: the fork needs its own copy of what they hold
-        at = np.arange(self.ring_floor, self.offset) % max(self.pool.ring, 1)
-        for layer in self._ringed():
-            keys, values = self.pool.keys[layer], self.pool.values[layer]
-            keys[slot][:, at] = keys[self.slot][:, at]
-            values[slot][:, at] = values[self.slot][:, at]
+        ringed = self._ringed()
+        if ringed.size:
+            at = np.arange(self.ring_floor, self.offset) % self.pool.ring
+            for layer in ringed:
+                keys, values = self.pool.keys[layer], self.pool.values[layer]
+                keys[slot][:, at] = keys[self.slot][:, at]
+                values[slot][:, at] = values[self.slot][:, at]
         child.ring_floor = self.ring_floor
         return child
 
@@ -228,6 +230,20 @@ class KVCache:
         if self.offset < self.shared_until:  # positions written from here on are its own
             self.sources[self.offset : self.shared_until] = self.slot
             self.shared_until = self.offset
+
+    def check_span(self, start: int, end: int) -> None:
+        """`ValueError` unless positions [start, end) are cached."""
+        if not 0 <= start <= end <= self.offset:
+            raise ValueError(f"cannot remove positions [{start}, {end}) of {self.offset} cached")
+
+    def cut(self, start: int, end: int) -> list[int]:
+        """Drop positions [start, end) by trimming back to `start`; return the tokens to run
+        again so the cache holds the rest: those after `end`, and those before `start` when
+        a rotating sliding-window cache had to start over."""
+        self.check_span(start, end)
+        remaining = self.tokens[:start] + self.tokens[end:]
+        self.trim(start)
+        return remaining[self.offset :]
 
     def reset(self) -> None:
         """Forget everything."""

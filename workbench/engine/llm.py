@@ -331,12 +331,7 @@ class LLM:
             if not recompute or end == cache.offset:
                 model.kv_remove(cache, start, end)
                 return
-            if not 0 <= start <= end <= cache.offset:
-                raise ValueError(f"cannot remove positions [{start}, {end}) of "
-                                 f"{cache.offset} cached")
-            remaining = cache.tokens[:start] + cache.tokens[end:]
-            cache.trim(start)  # (a rotating sliding-window cache may have to start over)
-            self._prefill(remaining[cache.offset :], cache)
+            self._prefill(cache.cut(start, end), cache)
 
     def reset(self) -> None:
         """Forget the prompt kept in the KV cache: the next call prefills from scratch.

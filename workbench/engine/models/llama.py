@@ -466,9 +466,8 @@ class LlamaModel:
         """Forget positions start .. end - 1 of `cache`: later positions move back by
         end - start, their keys re-rotated to their new positions (llama.cpp's
         `seq_rm` followed by `seq_add`), as if the removed tokens had never been there."""
+        cache.check_span(start, end)
         n = cache.offset
-        if not 0 <= start <= end <= n:
-            raise ValueError(f"cannot remove positions [{start}, {end}) of {n} cached")
         if cache.shared_until:
             cache.materialize()  # the moved positions must be this cache's own
         if start == end:
