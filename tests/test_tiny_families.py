@@ -20,8 +20,8 @@ import pytest
 import torch
 import transformers
 
-from tests.hf_to_gguf import F32, snap_to_qtype, tiny_vocab, write_gguf
-from tests.test_tiny_models import _assert_close, _randomize
+from tests.hf_to_gguf import F32, tiny_vocab
+from tests.test_tiny_models import _assert_close, build_tiny
 from workbench.engine.kv_cache import RING_SLACK
 
 WINDOW = 8
@@ -69,18 +69,14 @@ VARIANTS = {
 class Built:
     def __init__(self, name: str, tmp_dir):
         arch, cfg_name, model_name, kwargs, qtype = VARIANTS[name]
-        torch.manual_seed(0)
         config = getattr(transformers, cfg_name)(
             **{**COMMON, **kwargs}, bos_token_id=VOCAB.eos_id, eos_token_id=VOCAB.eos_id,
             pad_token_id=VOCAB.eos_id)
-        model = getattr(transformers, model_name)(config).float().eval()
-        _randomize(model, seed=4321 + sum(map(ord, name)))
-        snap_to_qtype(model, qtype)
-        self.name, self.model = name, model
+        self.name = name
         self.path = tmp_dir / f"{name}.gguf"
-        write_gguf(model, self.path, arch, qtype=qtype)
-        with torch.no_grad():
-            self.ref = model(torch.tensor([PROMPT])).logits[0].float().numpy()
+        self.model, self.ref = build_tiny(getattr(transformers, model_name), config,
+                                          4321 + sum(map(ord, name)), arch, qtype, self.path,
+                                          PROMPT)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

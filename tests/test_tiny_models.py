@@ -98,22 +98,30 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(0.2 * noise)
 
 
+def build_tiny(model_cls, config, seed: int, arch: str, qtype, path, prompt: list[int]):
+    """A transformers model of `config` with `_randomize`d weights rounded through `qtype`
+    (so the reference computes with the stored values), written to GGUF at `path`;
+    returns the model and its logits (T, V) over `prompt`."""
+    torch.manual_seed(0)
+    model = model_cls(config).float().eval()
+    _randomize(model, seed=seed)
+    snap_to_qtype(model, qtype)
+    write_gguf(model, path, arch, qtype=qtype)
+    with torch.no_grad():
+        return model, model(torch.tensor([prompt])).logits[0].float().numpy()
+
+
 class Built:
     def __init__(self, name: str, tmp_dir):
         arch, cfg_name, kwargs, qtype = VARIANTS[name]
         cfg_cls = getattr(transformers, cfg_name)
         model_cls = getattr(transformers, cfg_name.replace("Config", "ForCausalLM"))
-        torch.manual_seed(0)
         config = cfg_cls(**COMMON, **kwargs, bos_token_id=VOCAB.eos_id,
                          eos_token_id=VOCAB.eos_id, pad_token_id=VOCAB.eos_id)
-        model = model_cls(config).float().eval()
-        _randomize(model, seed=1234 + sum(map(ord, name)))
-        snap_to_qtype(model, qtype)  # the reference computes with the stored values
-        self.name, self.arch, self.qtype, self.model = name, arch, qtype, model
+        self.name, self.arch, self.qtype = name, arch, qtype
         self.path = tmp_dir / f"{name}.gguf"
-        write_gguf(model, self.path, arch, qtype=qtype)
-        with torch.no_grad():
-            self.ref = model(torch.tensor([PROMPT])).logits[0].float().numpy()
+        self.model, self.ref = build_tiny(model_cls, config, 1234 + sum(map(ord, name)),
+                                          arch, qtype, self.path, PROMPT)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
