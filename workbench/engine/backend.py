@@ -1,52 +1,328 @@
-"""Devices and their array modules.
+"""Devices, their array modules, and model weights resident on them.
 
-The probe order for `device="auto"` is metal, cuda, cpu. The model code is
-written against NumPy today; the CuPy (CUDA) and MLX (Metal) array paths are
-their own piece of work, so until they land an explicit request for them
-raises `DeviceUnavailableError` instead of silently running on the CPU.
+`device="auto"` probes metal, cuda, cpu in that order:
+
+- "cpu": the NumPy engine with the compiled kernels of `workbench.kernels` (the models'
+  own classes; no `Backend` object is involved).
+- "cuda": CuPy on an NVIDIA GPU. Weights are uploaded once in their GGUF formats and
+  run by the RawKernels of `workbench/kernels/gguf.cu` (`workbench.kernels.cuda`).
+- "metal": MLX on Apple silicon. "mlx" forces the MLX backend on any platform (on
+  macOS that is Metal; on Linux `pip install "mlx[cpu]"` runs it on the CPU, which is
+  how its array code is tested without a Mac). Weights whose GGUF format has affine
+  groups of 32 go to MLX's quantized matmul unchanged in value; F16 and BF16 stay as
+  they are; Q6_K, Q2_K and Q3_K are dequantized once to float32, because float16
+  would round their values (d * scale * q needs up to 20 bits; measured on Qwen2.5's
+  Q6_K matrices: logits 1.6e-4 off fp32 in float16, 4e-6 in float32).
+
+A `Backend` holds the array module `xp` (cupy or mlx.core) and the few operations
+whose spelling differs between them; the device forward passes
+(`workbench.engine.models.*.Device*`) are written once against it. Every array that
+crosses between host and device goes through `asarray` (host to device) and
+`to_host` (device to host), so a test can count the traffic by wrapping `xp`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import platform
+from typing import Any, Protocol
 
-DEVICES = ("metal", "cuda", "cpu")
-IMPLEMENTED = ("cpu",)
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from workbench.kernels import quants
+from workbench.kernels.linear import QuantizedWeight
+
+DEVICES = ("metal", "cuda", "mlx", "cpu")
+PROBE_ORDER = ("metal", "cuda", "cpu")
+Q = GGMLQuantizationType
+GROUP = 32  # weights per MLX quantization group (every affine GGUF format has runs of 32)
 
 
 class DeviceUnavailableError(RuntimeError):
-    """The requested device is absent, or the engine cannot run on it yet."""
+    """The requested device is absent, or its array library is not installed."""
+
+
+def _has_cuda() -> bool:
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device, or a broken install: not usable
+        return False
+
+
+def _has_metal() -> bool:
+    if platform.system() != "Darwin" or importlib.util.find_spec("mlx") is None:
+        return False
+    try:
+        import mlx.core as mx
+
+        return mx.metal.is_available()
+    except Exception:
+        return False
 
 
 def available_devices() -> list[str]:
-    """Devices present on this machine, in probe order (cpu is always last)."""
-    found = []
-    if platform.system() == "Darwin" and importlib.util.find_spec("mlx") is not None:
-        found.append("metal")
-    if importlib.util.find_spec("cupy") is not None:
-        try:
-            import cupy
-
-            if cupy.cuda.runtime.getDeviceCount() > 0:
-                found.append("cuda")
-        except Exception:  # driver missing or broken: not usable
-            pass
+    """Devices present on this machine, in probe order ("mlx" when MLX imports; cpu last)."""
+    found = [d for d, ok in (("metal", _has_metal), ("cuda", _has_cuda)) if ok()]
+    if importlib.util.find_spec("mlx") is not None:
+        found.append("mlx")
     found.append("cpu")
     return found
 
 
 def resolve_device(device: str = "auto") -> str:
-    """Turn "auto" or an explicit device name into the device the engine will use."""
+    """Turn "auto" or an explicit device name into the device the engine will use;
+    `DeviceUnavailableError` (saying what to install) when an explicit one is absent."""
     if device == "auto":
-        return next(d for d in available_devices() if d in IMPLEMENTED)
+        found = available_devices()
+        return next(d for d in PROBE_ORDER if d in found)
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; choose one of auto, {', '.join(DEVICES)}")
     if device not in available_devices():
-        raise DeviceUnavailableError(f"device {device!r} is not available on this machine")
-    if device not in IMPLEMENTED:
-        raise DeviceUnavailableError(
-            f"device {device!r} is present but the engine runs only on {', '.join(IMPLEMENTED)} "
-            "so far"
-        )
+        hint = {"cuda": "an NVIDIA GPU with its driver and `pip install cupy-cuda12x` "
+                        "(or cupy-cuda13x, matching the CUDA version)",
+                "metal": "Apple silicon and `pip install mlx`",
+                "mlx": '`pip install mlx` (on Linux: `pip install "mlx[cpu]"`)'}[device]
+        raise DeviceUnavailableError(f"device {device!r} is not available on this machine; "
+                                     f"it needs {hint}")
     return device
+
+
+def get_backend(device: str) -> Backend | None:
+    """The backend of a resolved device name; None for "cpu" (the NumPy engine)."""
+    if device == "cpu":
+        return None
+    if device in ("metal", "mlx"):
+        return MLXBackend(device)
+    if device == "cuda":
+        import cupy
+
+        from workbench.kernels.cuda import CudaKernels
+
+        return CupyBackend(cupy, CudaKernels(), name="cuda")
+    raise ValueError(f"unknown device {device!r}")
+
+
+class DeviceWeight(Protocol):
+    """A (N, K) weight matrix resident on a device."""
+
+    shape: tuple[int, int]
+
+    def matmul(self, x: Any) -> Any:
+        """x (T, K) float32 -> x @ W.T (T, N) float32."""
+
+    def rows(self, ids: Any) -> Any:
+        """Rows `ids` (T,) int of W as float32 (T, K): the embedding lookup."""
+
+
+class Backend:
+    """An array module and what the device forward passes need beyond it."""
+
+    name: str
+    xp: Any
+
+    # -- traffic ------------------------------------------------------------------------
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        """A host array (or list) on the device: the one way in."""
+        raise NotImplementedError
+
+    def to_host(self, a: Any) -> np.ndarray:
+        """A device array as NumPy: the one way out."""
+        raise NotImplementedError
+
+    def eval(self, *arrays: Any) -> None:
+        """Force pending computation (MLX is lazy; CuPy runs eagerly)."""
+
+    # -- weights ------------------------------------------------------------------------
+    def weight(self, w: Any) -> DeviceWeight:
+        """Upload a `QuantizedWeight` (or a `weights.Stacked` of them) once."""
+        parts = getattr(w, "parts", None)
+        if parts is not None:
+            return StackedWeight([self.weight(p) for p in parts])
+        return self._weight(w)
+
+    def _weight(self, w: QuantizedWeight) -> DeviceWeight:
+        raise NotImplementedError
+
+    def vector(self, v: np.ndarray | None) -> Any:
+        """A float32 vector (norm weight, bias) on the device; None stays None."""
+        return None if v is None else self.asarray(np.asarray(v, np.float32))
+
+    # -- operations that differ between array modules -------------------------------------
+    def zeros(self, shape: tuple[int, ...], dtype: Any = None) -> Any:
+        return self.xp.zeros(shape, dtype=dtype or self.xp.float32)
+
+    def softmax(self, x: Any, axis: int = -1) -> Any:
+        """Softmax in float32 (rows of -inf give NaN, as nowhere to attend is a bug)."""
+        xp = self.xp
+        e = xp.exp(x - x.max(axis=axis, keepdims=True))
+        return e / e.sum(axis=axis, keepdims=True)
+
+    def erf(self, x: Any) -> Any:
+        raise NotImplementedError
+
+
+class StackedWeight:
+    """Matrices of different formats standing in for one stacked matrix (Q, K, V of a
+    Q4_K_M file, say): the outputs side by side."""
+
+    def __init__(self, parts: list[DeviceWeight]):
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        self._xp_concat = None
+
+    def matmul(self, x: Any) -> Any:
+        outs = [p.matmul(x) for p in self.parts]
+        return _concatenate(outs, x)
+
+
+def _concatenate(arrays: list[Any], like: Any) -> Any:
+    mod = type(like).__module__.split(".")[0]
+    if mod == "mlx":
+        import mlx.core as mx
+
+        return mx.concatenate(arrays, axis=-1)
+    if mod == "cupy":
+        import cupy
+
+        return cupy.concatenate(arrays, axis=-1)
+    return np.concatenate(arrays, axis=-1)
+
+
+# -- CuPy -----------------------------------------------------------------------------------
+
+class CupyBackend(Backend):
+    """CuPy, with GGUF weights run by RawKernels.
+
+    `xp` and `kernels` are parameters so that tests run this class with NumPy standing
+    in for CuPy and `workbench.kernels.cuda.ReferenceKernels` for the RawKernels.
+    """
+
+    def __init__(self, xp: Any, kernels: Any, name: str = "cuda"):
+        self.xp, self.kernels, self.name = xp, kernels, name
+        self._erf = None
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        asnumpy = getattr(self.xp, "asnumpy", None)
+        return asnumpy(a) if asnumpy is not None else np.asarray(a)
+
+    def _weight(self, w: QuantizedWeight) -> DeviceWeight:
+        return CupyWeight(self, w)
+
+    def erf(self, x: Any) -> Any:
+        if self._erf is None:
+            if self.xp is np:
+                self._erf = np.vectorize(_math_erf, otypes=[np.float32])
+            else:
+                from cupyx.scipy.special import erf
+
+                self._erf = erf
+        return self._erf(x)
+
+
+def _math_erf(v: float) -> float:
+    import math
+
+    return math.erf(v)
+
+
+class CupyWeight:
+    """A weight matrix on the GPU in its GGUF format (the file's bytes, uploaded once)."""
+
+    def __init__(self, backend: CupyBackend, w: QuantizedWeight):
+        self.kernels, self.qtype, self.shape = backend.kernels, w.qtype, w.shape
+        if not self.kernels.supports(w.qtype):
+            raise DeviceUnavailableError(f"no CUDA kernel for {w.qtype.name} weights")
+        self.data = backend.asarray(np.ascontiguousarray(w.data))
+
+    def matmul(self, x: Any) -> Any:
+        return self.kernels.matmul(self.data, self.qtype, self.shape, x)
+
+    def rows(self, ids: Any) -> Any:
+        return self.kernels.dequantize(self.data, self.qtype, self.shape, ids)
+
+
+# -- MLX ------------------------------------------------------------------------------------
+
+class MLXBackend(Backend):
+    """MLX (`mlx.core`): Metal on Apple silicon, the CPU elsewhere."""
+
+    def __init__(self, name: str = "mlx"):
+        import mlx.core as mx
+
+        self.xp, self.name = mx, name
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        arr = self.xp.array(np.asarray(a))
+        return arr if dtype is None else arr.astype(dtype)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return np.array(a)
+
+    def eval(self, *arrays: Any) -> None:
+        self.xp.eval(*arrays)
+
+    def _weight(self, w: QuantizedWeight) -> DeviceWeight:
+        if w.qtype in quants.AFFINE_BITS:
+            return MLXQuantizedWeight(self, w)
+        return DenseWeight(self, w)
+
+    def erf(self, x: Any) -> Any:
+        return self.xp.erf(x)
+
+
+class MLXQuantizedWeight:
+    """A GGUF matrix with affine groups of 32 as MLX quantized weights: 4-bit codes for
+    the 4-bit formats, 8-bit codes for Q8_0 and the 5-bit ones (exact either way)."""
+
+    def __init__(self, backend: MLXBackend, w: QuantizedWeight):
+        mx = backend.xp
+        self.mx, self.shape = mx, w.shape
+        codes, scales, biases = quants.affine_groups(w.data, w.qtype)  # (N, K), (N, K/32) x2
+        self.bits = 4 if quants.AFFINE_BITS[w.qtype] == 4 else 8
+        per_word = 32 // self.bits
+        n, k = w.shape
+        # MLX packs code i of a row into bits [bits * (i % per_word), ...) of word i // per_word
+        shifts = (np.arange(per_word, dtype=np.uint32) * self.bits)[None, None, :]
+        words = (codes.reshape(n, k // per_word, per_word).astype(np.uint32) << shifts).sum(
+            axis=2, dtype=np.uint32)  # (N, K / per_word)
+        self.w = mx.array(words)
+        self.scales, self.biases = mx.array(scales), mx.array(biases)
+
+    def matmul(self, x: Any) -> Any:
+        return self.mx.quantized_matmul(x, self.w, self.scales, self.biases, transpose=True,
+                                        group_size=GROUP, bits=self.bits)
+
+    def rows(self, ids: Any) -> Any:
+        return self.mx.dequantize(self.w[ids], self.scales[ids], self.biases[ids],
+                                  group_size=GROUP, bits=self.bits)
+
+
+class DenseWeight:
+    """A matrix in a float format on the device: F16 and BF16 as they are (products in
+    float32), the rest (F32, Q6_K, Q2_K, Q3_K) as float32."""
+
+    def __init__(self, backend: Backend, w: QuantizedWeight):
+        xp = self.xp = backend.xp
+        self.shape = w.shape
+        if w.qtype == Q.F16:
+            self.w = backend.asarray(np.asarray(w.data).reshape(-1).view(np.float16)
+                                     .reshape(w.shape))
+        elif w.qtype == Q.BF16:  # NumPy has no bfloat16: widen on the host, narrow on device
+            self.w = backend.asarray(w.dequantize()).astype(xp.bfloat16)
+        else:
+            self.w = backend.asarray(w.dequantize())
+
+    def matmul(self, x: Any) -> Any:
+        w = self.w if self.w.dtype == self.xp.float32 else self.w.astype(self.xp.float32)
+        return x @ w.T
+
+    def rows(self, ids: Any) -> Any:
+        return self.w[ids].astype(self.xp.float32)

@@ -303,6 +303,85 @@ class KVCache:
         return common_prefix(self.tokens, ids)
 
 
+class DeviceKVPool:
+    """`KVPool` on a GPU backend: per layer, keys and values of shape
+    (n_slots, n_kv_head, max_len, head_dim) float32 device arrays, written in place.
+
+    Sliding-window layers keep every position here (they mask what lies outside
+    their window), so a device cache never rotates.
+    """
+
+    window, ring = 0, 0
+
+    def __init__(self, backend: Any, n_layer: int, n_slots: int, n_kv_head: int,
+                 head_dim: int, max_len: int):
+        if n_slots < 1 or max_len < 1:
+            raise ValueError("a KV pool needs at least one slot and one position")
+        self.backend = backend
+        shape = (n_slots, n_kv_head, max_len, head_dim)
+        self.keys = [backend.zeros(shape) for _ in range(n_layer)]
+        self.values = [backend.zeros(shape) for _ in range(n_layer)]
+        self.shape = (n_layer,) + shape  # as `KVPool.keys.shape`
+        self.local = np.zeros(n_layer, bool)
+
+    @property
+    def n_slots(self) -> int:
+        return self.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.shape[3]
+
+    def caches(self) -> list[DeviceKVCache]:
+        """One `DeviceKVCache` per slot."""
+        return [DeviceKVCache(self, s) for s in range(self.n_slots)]
+
+
+class DeviceKVCache(KVCache):
+    """One sequence of a `DeviceKVPool`. A fork copies its parent's positions into its
+    own slot (a device copy, nothing crosses to the host)."""
+
+    def __init__(self, pool: DeviceKVPool, slot: int):
+        self.pool, self.slot = pool, slot
+        self.offset = 0
+        self.tokens: list[int] = []
+        self.shared_until = 0
+        self.sources = np.full(pool.max_len, slot, dtype=np.int64)
+        self.ring_floor = 0
+
+    def fork(self, slot: int) -> DeviceKVCache:
+        child = DeviceKVCache(self.pool, slot)
+        n = self.offset
+        for keys, values in zip(self.pool.keys, self.pool.values):
+            keys[slot, :, :n] = keys[self.slot, :, :n]
+            values[slot, :, :n] = values[self.slot, :, :n]
+        child.offset, child.tokens = n, list(self.tokens)
+        return child
+
+    def materialize(self) -> None:
+        """Nothing to do: a device cache never shares positions."""
+
+    def snapshot(self, model_sha256: str) -> PrefixCache:
+        n, be = self.offset, self.pool.backend
+        keys = np.stack([be.to_host(k[self.slot, :, :n]) for k in self.pool.keys])
+        values = np.stack([be.to_host(v[self.slot, :, :n]) for v in self.pool.values])
+        return PrefixCache(list(self.tokens), keys, values, model_sha256)  # (L, H, n, d) x2
+
+    def restore(self, prefix: PrefixCache, n: int) -> None:
+        shape = self.pool.shape
+        if prefix.keys.shape[0] != shape[0] or prefix.keys.shape[1] != shape[2] \
+                or prefix.keys.shape[3] != shape[4]:
+            raise ValueError("the prefix cache was made by a model of another shape")
+        self.trim(0)
+        self.check_room(n)
+        be = self.pool.backend
+        for i, (keys, values) in enumerate(zip(self.pool.keys, self.pool.values)):
+            keys[self.slot, :, :n] = be.asarray(np.ascontiguousarray(prefix.keys[i, :, :n]))
+            values[self.slot, :, :n] = be.asarray(np.ascontiguousarray(prefix.values[i, :, :n]))
+        self.offset = n
+        self.tokens[:] = prefix.tokens[:n]
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = 0

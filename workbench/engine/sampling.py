@@ -133,3 +133,71 @@ def entropy(logprobs: np.ndarray) -> float:
     """Shannon entropy in nats of a distribution given as log-probabilities."""
     p = np.exp(logprobs.astype(np.float64))
     return float(-(p * np.where(p > 0, logprobs, 0.0)).sum())
+
+
+class DeviceSampler(Sampler):
+    """`Sampler` on a GPU backend's logits: the same chain on device arrays, so that only
+    the chosen token id crosses to the host (`sample_device`). The random draw is one
+    uniform number from the host generator, seeded as the host sampler's; the token
+    follows the same distribution as `Sampler.sample`'s, though not the same stream."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int, backend):
+        super().__init__(params, n_vocab)
+        self.backend = backend
+        self._dev_bias = None if self._bias is None else backend.asarray(self._bias)
+
+    def sample_device(self, logits, history: Sequence[int] = (),
+                      allowed: np.ndarray | None = None):
+        """Pick the next token from device logits (n_vocab,); returns (token id, the same
+        id as a device array of shape (1,)) after copying one integer to the host.
+
+        The history and the grammar mask go to the device only when penalties or a
+        grammar ask for them."""
+        be, p = self.backend, self.params
+        xp = be.xp
+        x = logits.astype(xp.float32)
+        if self._dev_bias is not None:
+            x = x + self._dev_bias
+        penalize = p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        if penalize and p.repeat_last_n != 0 and len(history):
+            recent = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history
+            ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+            d_ids = be.asarray(ids.astype(np.int32))
+            vals = x[d_ids]
+            if p.repeat_penalty != 1.0:
+                vals = xp.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            vals = vals - be.asarray(counts.astype(np.float32)) * p.frequency_penalty \
+                - p.presence_penalty
+            x[d_ids] = vals
+        if allowed is not None:
+            if not allowed.any():
+                raise ValueError("the grammar allows no token here")
+            x = xp.where(be.asarray(allowed), x, -np.inf)
+        if p.temperature == 0:
+            token = xp.argmax(x, axis=0).reshape(1)
+        else:
+            token = self._draw(x)
+        return int(be.to_host(token)[0]), token
+
+    def _draw(self, x):
+        """top-k -> top-p -> min-p -> temperature -> draw, on the device."""
+        be, p = self.backend, self.params
+        xp = be.xp
+        order = xp.argsort(-x)  # descending logits
+        if 0 < p.top_k < x.shape[0]:
+            order = order[: p.top_k]
+        vals = x[order]
+        probs = be.softmax(vals)  # (k,): -inf (masked) entries get 0
+        keep = xp.isfinite(vals)
+        if p.top_p < 1.0:  # the smallest prefix whose mass reaches top_p
+            before = xp.cumsum(probs) - probs
+            keep = keep & (before < p.top_p)
+        if p.min_p > 0.0:
+            keep = keep & (probs >= p.min_p * probs[0])
+        keep = keep | (xp.arange(vals.shape[0]) == 0)  # the best token always stays
+        scaled = xp.where(keep, vals / p.temperature, -np.inf)
+        w = be.softmax(scaled)
+        cdf = xp.cumsum(w)
+        u = float(self.rng.random()) * cdf[-1]
+        i = xp.minimum((cdf <= u).astype(xp.int32).sum(), vals.shape[0] - 1)
+        return order[i].reshape(1)

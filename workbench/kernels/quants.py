@@ -313,3 +313,68 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     for i in range(0, blocks.shape[0], step):
         out[i : i + step] = fn(blocks[i : i + step])
     return out.reshape(out_shape)
+
+
+# -- affine groups of 32: value = scale * code + bias, exactly ------------------------------
+# The formats whose every run of 32 weights shares one scale and one offset, as MLX's
+# quantized matmul stores weights. Each entry: blocks (n, type_size) -> codes (n, block)
+# uint8, scales and biases (n, block // 32) float32; `AFFINE_BITS` the code width.
+
+def _aff_q8_0(b: np.ndarray):
+    d = _fp16(b[:, 0], b[:, 1])[:, None]
+    codes = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # 0 .. 255
+    return codes, d, -128.0 * d
+
+
+def _aff_q4_0(b: np.ndarray):
+    d = _fp16(b[:, 0], b[:, 1])[:, None]
+    return _nibbles(b[:, 2:18], 16), d, -8.0 * d
+
+
+def _aff_q4_1(b: np.ndarray):
+    return _nibbles(b[:, 4:20], 16), _fp16(b[:, 0], b[:, 1])[:, None], _fp16(b[:, 2], b[:, 3])[:, None]
+
+
+def _aff_q5_0(b: np.ndarray):
+    d = _fp16(b[:, 0], b[:, 1])[:, None]
+    codes = _nibbles(b[:, 6:22], 16) | (_high_bits32(b[:, 2:6]) << np.uint8(4))
+    return codes, d, -16.0 * d
+
+
+def _aff_q5_1(b: np.ndarray):
+    codes = _nibbles(b[:, 8:24], 16) | (_high_bits32(b[:, 4:8]) << np.uint8(4))
+    return codes, _fp16(b[:, 0], b[:, 1])[:, None], _fp16(b[:, 2], b[:, 3])[:, None]
+
+
+def _aff_q4_k(b: np.ndarray):
+    dl, ml = _k_sub_scales(b)  # (n, 8, 1) each
+    return _nibbles(b[:, 16:144], 32), dl[:, :, 0], -ml[:, :, 0]
+
+
+def _aff_q5_k(b: np.ndarray):
+    dl, ml = _k_sub_scales(b)
+    codes = _nibbles(b[:, 48:176], 32) | (_bitplanes(b[:, 16:48]) << np.uint8(4))
+    return codes, dl[:, :, 0], -ml[:, :, 0]
+
+
+_AFFINE = {Q.Q8_0: _aff_q8_0, Q.Q4_0: _aff_q4_0, Q.Q4_1: _aff_q4_1, Q.Q5_0: _aff_q5_0,
+           Q.Q5_1: _aff_q5_1, Q.Q4_K: _aff_q4_k, Q.Q5_K: _aff_q5_k}
+AFFINE_BITS = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q4_K: 4, Q.Q5_K: 5}
+
+
+def affine_groups(raw: np.ndarray, qtype: GGMLQuantizationType
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A matrix (N, bytes_per_row) in one of the `AFFINE_BITS` formats as integer codes
+    (N, K) uint8 and per-32-weight scales and biases (N, K // 32) float32 such that
+    scale * code + bias equals `dequantize` exactly (fp16 scales times small integers
+    are exact in float32)."""
+    qtype = check_supported(qtype)
+    if qtype not in _AFFINE:
+        raise UnsupportedQuantError(f"{qtype.name} has no 32-weight affine groups")
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    rows = _as_bytes(raw)
+    n = rows.shape[0]
+    blocks = np.ascontiguousarray(rows.reshape(-1, ts))  # (N * K / bs, type_size)
+    codes, scales, biases = _AFFINE[qtype](blocks)
+    return (codes.reshape(n, -1), np.ascontiguousarray(scales, np.float32).reshape(n, -1),
+            np.ascontiguousarray(biases, np.float32).reshape(n, -1))

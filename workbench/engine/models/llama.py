@@ -508,3 +508,240 @@ class LlamaModel:
 
 
 _NONE = np.zeros(0, np.float32)  # "no per-head norm" for `layers.attend`
+
+
+class DeviceLlamaModel:
+    """The llama-family forward pass (Gemma 3 included) on a GPU backend's arrays.
+
+    Built from a loaded `LlamaModel`: every weight is uploaded once
+    (`Backend.weight`), and the host copies are dropped with the CPU model. The
+    caches are a `DeviceKVPool`'s. A decode step moves nothing between host and
+    device: positions are Python ints that slice the device's RoPE tables and
+    caches, and `hidden` / `device_logits` return device arrays. `logits` returns
+    NumPy, for the callers that read every logit (branches, speculative decoding,
+    `LLM.forward`).
+
+    Mixture-of-experts models run on the CPU only for now.
+    """
+
+    def __init__(self, model: LlamaModel, backend):
+        cfg = self.config = model.config
+        if cfg.n_expert:
+            from workbench.engine.backend import DeviceUnavailableError
+
+            raise DeviceUnavailableError(f"{cfg.arch} with experts runs on the cpu device only "
+                                         "so far")
+        self.backend, self.xp, self.max_len = backend, backend.xp, model.max_len
+        self.embed_scale = float(model.embed_scale)
+        self.embed = backend.weight(model.embed)
+        self.output = self.embed if model.output is model.embed else backend.weight(model.output)
+        self.norm = backend.vector(model.norm)
+        self.ropes = [b.attn.rope for b in model.blocks]  # host tables, for kv_remove
+        tables = {}  # one device copy of each distinct RoPE table (Gemma: local and global)
+        for rope in self.ropes:
+            if id(rope) not in tables:
+                tables[id(rope)] = (backend.asarray(rope.cos), backend.asarray(rope.sin))
+        self.layers = [_DeviceLayer(b, backend, *tables[id(b.attn.rope)]) for b in model.blocks]
+        self.gelu = isinstance(model.blocks[0].ffn, FeedForward) and \
+            model.blocks[0].ffn.act is layers.gelu_mul
+
+    # -- caches -----------------------------------------------------------------------------
+    def new_pool(self, n_slots: int, max_len: int | None = None):
+        """Device KV-cache room for `n_slots` sequences of up to `max_len` positions."""
+        from workbench.engine.kv_cache import DeviceKVPool
+
+        cfg = self.config
+        max_len = min(max_len or self.max_len, self.max_len)
+        return DeviceKVPool(self.backend, cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim,
+                            max_len)
+
+    def new_cache(self, max_len: int | None = None):
+        """An empty device KV cache for one sequence."""
+        return self.new_pool(1, max_len).caches()[0]
+
+    # -- forward ----------------------------------------------------------------------------
+    def _check_ids(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.n_vocab):
+            raise ValueError(f"token ids must lie in [0, {self.config.n_vocab})")
+        return ids
+
+    def _embed(self, ids) -> object:
+        """ids: host ints or a device int array (a token sampled on the device) -> (T, D)."""
+        if isinstance(ids, np.ndarray):
+            ids = self.backend.asarray(ids.astype(np.int32))
+        x = self.embed.rows(ids)
+        return x * self.embed_scale if self.embed_scale != 1.0 else x
+
+    def hidden(self, ids, cache, device_ids=None):
+        """Run tokens `ids` (T,) at the cache's next positions; return the final-normed
+        hidden states (T, n_embd) on the device. `device_ids`: the same tokens already on
+        the device (a sampled token), which saves uploading them."""
+        ids = self._check_ids(ids)
+        if not ids.size:
+            raise ValueError("hidden needs at least one token")
+        cache.check_room(ids.size)
+        x = self._embed(ids if device_ids is None else device_ids)  # (T, D)
+        h = self._layers(x, [cache], [ids.size])
+        cache.advance(ids)
+        return h
+
+    def decode(self, ids, caches):
+        """One token for each of N caches (of one pool): final-normed hidden states (N, D)."""
+        ids = self._check_ids(ids)
+        if len(caches) != ids.size or not caches:
+            raise ValueError(f"decode needs one cache per token: {ids.size} ids, "
+                             f"{len(caches)} caches")
+        if len({id(c.pool) for c in caches}) > 1:
+            raise ValueError("caches decoded together must come from one pool")
+        if len({c.slot for c in caches}) != len(caches):
+            raise ValueError("each sequence decoded together needs its own KV-pool slot")
+        for c in caches:
+            c.check_room(1)
+        h = self._layers(self._embed(ids), caches, [1] * len(caches))
+        for c, t in zip(caches, ids):
+            c.advance([int(t)])
+        return h
+
+    def _layers(self, x, caches, counts):
+        """x (sum(counts), D): `counts[i]` tokens of `caches[i]`, each at its next positions."""
+        cfg, be = self.config, self.backend
+        for i, layer in enumerate(self.layers):
+            h = _rms(be, x, layer.attn_norm, cfg.norm_eps)
+            a = layer.attention(be, cfg, h, caches, counts, i)
+            if layer.post_attn_norm is not None:
+                a = _rms(be, a, layer.post_attn_norm, cfg.norm_eps)
+            x = x + a
+            h = _rms(be, x, layer.ffn_norm, cfg.norm_eps)
+            gu = layer.gate_up.matmul(h)  # (T, 2 n_ff): gate, then up
+            n_ff = gu.shape[1] // 2
+            gate, up = gu[:, :n_ff], gu[:, n_ff:]
+            if self.gelu:  # tanh GELU
+                act = 0.5 * gate * (1.0 + self.xp.tanh(0.7978845608028654 * (
+                    gate + 0.044715 * gate * gate * gate)))
+            else:
+                act = gate / (1.0 + self.xp.exp(-gate))
+            f = layer.down.matmul(act * up)
+            if layer.post_ffn_norm is not None:
+                f = _rms(be, f, layer.post_ffn_norm, cfg.norm_eps)
+            x = x + f
+        return _rms(be, x, self.norm, cfg.norm_eps)
+
+    def device_logits(self, hidden):
+        """(T, n_embd) device hidden states -> (T, n_vocab) device logits."""
+        return self.output.matmul(hidden)
+
+    def logits(self, hidden) -> np.ndarray:
+        """(T, n_embd) hidden states -> (T, n_vocab) logits as NumPy."""
+        if isinstance(hidden, np.ndarray):
+            hidden = self.backend.asarray(hidden.astype(np.float32))
+        return self.backend.to_host(self.device_logits(hidden))
+
+    def forward(self, ids, cache) -> np.ndarray:
+        """Logits (T, n_vocab), as NumPy, at every position of `ids`."""
+        return self.logits(self.hidden(ids, cache))
+
+    def kv_remove(self, cache, start: int, end: int) -> None:
+        """`LlamaModel.kv_remove` on a device cache: the moved keys are re-rotated on the
+        host (a rare edit, not the decode path)."""
+        cache.check_span(start, end)
+        n, shift = cache.offset, end - start
+        if shift and end < n:
+            be = self.backend
+            for i, rope in enumerate(self.ropes):
+                keys, values = cache.pool.keys[i], cache.pool.values[i]
+                moved = be.to_host(keys[cache.slot, :, end:n])  # (n_kv, n - end, hd)
+                keys[cache.slot, :, start : n - shift] = be.asarray(rope.shift(moved, -shift))
+                values[cache.slot, :, start : n - shift] = values[cache.slot, :, end:n] + 0.0
+        cache.offset = n - shift
+        del cache.tokens[start:end]
+
+
+def _rms(be, x, weight, eps: float):
+    """RMSNorm over the last axis on device arrays."""
+    xp = be.xp
+    return x * (1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)) * weight
+
+
+class _DeviceLayer:
+    """One layer's weights on the device, and its attention."""
+
+    def __init__(self, block: Block, backend, cos, sin):
+        attn = block.attn
+        self.attn_norm = backend.vector(block.attn_norm)
+        self.ffn_norm = backend.vector(block.ffn_norm)
+        self.post_attn_norm = backend.vector(getattr(block, "post_attn_norm", None))
+        self.post_ffn_norm = backend.vector(getattr(block, "post_ffn_norm", None))
+        self.wqkv = backend.weight(attn.wqkv)
+        self.bqkv = backend.vector(attn.bqkv)
+        self.wo = backend.weight(attn.wo)
+        self.q_norm, self.k_norm = backend.vector(attn.q_norm), backend.vector(attn.k_norm)
+        self.gate_up, self.down = backend.weight(block.ffn.gate_up), backend.weight(block.ffn.down)
+        self.window = attn.window
+        self.cos, self.sin = cos, sin  # (max_len, rope_dim / 2)
+        self.rope_dim, self.neox = attn.rope.dim, attn.rope.neox
+
+    def _rope(self, xp, x, start: int):
+        """Rotate x (T, heads, head_dim) for positions start .. start + T - 1."""
+        T, d = x.shape[0], self.rope_dim
+        cos, sin = self.cos[start : start + T, None, :], self.sin[start : start + T, None, :]
+        if self.neox:
+            a, b = x[..., : d // 2], x[..., d // 2 : d]
+            parts = [a * cos - b * sin, a * sin + b * cos]
+        else:  # interleaved pairs (x[2i], x[2i+1]): rotate, then interleave back
+            a, b = x[..., 0:d:2], x[..., 1:d:2]
+            pairs = xp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)  # (T, H, d/2, 2)
+            parts = [pairs.reshape(*x.shape[:-1], d)]
+        if d < x.shape[-1]:
+            parts.append(x[..., d:])
+        return xp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+    def attention(self, be, cfg: LlamaConfig, h, caches, counts, layer: int):
+        """h (sum(counts), D) normed input -> (sum(counts), D) attention output; writes each
+        sequence's new keys and values into its cache."""
+        xp = be.xp
+        n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        qkv = self.wqkv.matmul(h)
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv
+        T = qkv.shape[0]
+        q = qkv[:, : n_head * hd].reshape(T, n_head, hd)
+        k = qkv[:, n_head * hd : (n_head + n_kv) * hd].reshape(T, n_kv, hd)
+        v = qkv[:, (n_head + n_kv) * hd :].reshape(T, n_kv, hd)
+        if self.q_norm is not None:
+            q = _rms(be, q, self.q_norm, cfg.norm_eps)
+            k = _rms(be, k, self.k_norm, cfg.norm_eps)
+        outs, row = [], 0
+        for cache, count in zip(caches, counts):  # each sequence at its own positions
+            span = slice(row, row + count)
+            outs.append(self._attend_one(be, cfg, q[span], k[span], v[span], cache, layer))
+            row += count
+        out = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=0)
+        return self.wo.matmul(out)
+
+    def _attend_one(self, be, cfg: LlamaConfig, q, k, v, cache, layer: int):
+        """One sequence: q (T, n_head, hd), k, v (T, n_kv, hd) at positions start ..
+        start + T - 1 -> (T, n_head * hd)."""
+        xp = be.xp
+        start, T = cache.offset, q.shape[0]
+        n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        q, k = self._rope(xp, q, start), self._rope(xp, k, start)
+        keys, values = cache.pool.keys[layer], cache.pool.values[layer]
+        end = start + T
+        keys[cache.slot, :, start:end] = k.transpose(1, 0, 2)
+        values[cache.slot, :, start:end] = v.transpose(1, 0, 2)
+        lo = max(0, start - self.window + 1) if self.window else 0
+        kk = keys[cache.slot, :, lo:end]  # (n_kv, S, hd), positions lo .. end - 1
+        vv = values[cache.slot, :, lo:end]
+        group = n_head // n_kv
+        qg = q.reshape(T, n_kv, group, hd).transpose(1, 2, 0, 3)  # (n_kv, group, T, hd)
+        scores = (qg @ kk[:, None].swapaxes(-1, -2)) * (1.0 / float(np.sqrt(hd)))
+        if T > 1:  # (n_kv, group, T, S): query t at start + t sees keys up to it
+            key_pos = xp.arange(lo, end)[None, :]
+            query_pos = xp.arange(start, end)[:, None]
+            hidden = key_pos > query_pos
+            if self.window:
+                hidden = hidden | (key_pos <= query_pos - self.window)
+            scores = xp.where(hidden, -np.inf, scores)
+        out = be.softmax(scores, axis=-1) @ vv[:, None]  # (n_kv, group, T, hd)
+        return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)
