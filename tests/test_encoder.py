@@ -9,6 +9,8 @@
   hidden state of every token matches transformers' to 1e-4 relative
   (max |ours - ref| <= 1e-4 * max |ref|), from safetensors and from a
   pytorch_model.bin, alone and in a padded batch.
+- Every fidelity test runs on each of `DEVICES`: the NumPy engine, the MLX backend
+  and the CuPy backend's code on NumPy (`tests/conftest.py`).
 - Bad input: empty text, over-long text (truncated, warned), a decoder GGUF
   given to Encoder.load, unsupported or malicious checkpoints.
 """
@@ -23,7 +25,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from tests.conftest import reference, shared_file
+from tests.conftest import DEVICES, open_encoder, reference, shared_file
 
 RTOL = 1e-4
 
@@ -61,15 +63,22 @@ def minilm_folder():
     return registry.source_folder("minilm-l6", progress=False)
 
 
+@pytest.fixture(scope="session", params=DEVICES)
+def minilm_on(request, minilm):
+    """all-MiniLM-L6-v2 (F32) on each device."""
+    if request.param == "cpu":
+        yield minilm
+        return
+    with open_encoder("minilm-l6", request.param) as enc:
+        yield enc
+
+
 @pytest.fixture(scope="session")
-def minilm_q8(minilm_folder, tmp_path_factory):
-    from workbench import Encoder
+def minilm_q8_path(minilm_folder, tmp_path_factory):
     from workbench.engine.convert import hf_bert_to_gguf
 
-    path = hf_bert_to_gguf(minilm_folder, tmp_path_factory.mktemp("q8") / "minilm.q8_0.gguf",
+    return hf_bert_to_gguf(minilm_folder, tmp_path_factory.mktemp("q8") / "minilm.q8_0.gguf",
                            dtype="q8_0")
-    with Encoder.load(path) as enc:
-        yield enc
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +116,8 @@ def test_registry_source_is_the_reference_checkpoint():
 
 
 @pytest.mark.slow
-def test_f32_embeddings_match_sentence_transformers(minilm):
+def test_f32_embeddings_match_sentence_transformers(minilm_on):
+    minilm = minilm_on
     ref, vectors = _minilm_reference()
     batch = minilm.embed_batch(ref["sentences"])
     assert batch.shape == (10, 384) and batch.dtype == np.float32
@@ -118,12 +128,17 @@ def test_f32_embeddings_match_sentence_transformers(minilm):
 
 
 @pytest.mark.slow
-def test_q8_0_embeddings_match_sentence_transformers(minilm_q8):
+@pytest.mark.parametrize("device", DEVICES)
+def test_q8_0_embeddings_match_sentence_transformers(minilm_q8_path, device):
     from gguf import GGMLQuantizationType
 
+    from workbench.engine.gguf import open_gguf
+
     ref, vectors = _minilm_reference()
-    assert minilm_q8.model.layers[0].up.qtype == GGMLQuantizationType.Q8_0
-    assert _cosines(minilm_q8.embed_batch(ref["sentences"]), vectors).min() >= 0.999
+    assert open_gguf(minilm_q8_path).tensor("blk.0.ffn_up.weight").qtype == \
+        GGMLQuantizationType.Q8_0
+    with open_encoder(minilm_q8_path, device) as enc:
+        assert _cosines(enc.embed_batch(ref["sentences"]), vectors).min() >= 0.999
 
 
 @pytest.mark.slow
@@ -187,7 +202,8 @@ def test_empty_text_embeds_like_transformers(minilm, hf_minilm):
 
 
 @pytest.mark.slow
-def test_batches_keep_order_and_equal_single_embeddings(minilm):
+def test_batches_keep_order_and_equal_single_embeddings(minilm_on):
+    minilm = minilm_on
     texts = ["a", "A much longer sentence with many more words in it than the others.",
              "", "Medium length text here.", "x " * 40, "Short one."] * 6
     batch = minilm.embed_batch(texts, batch_size=4)
@@ -196,7 +212,8 @@ def test_batches_keep_order_and_equal_single_embeddings(minilm):
 
 
 @pytest.mark.slow
-def test_pooling_overrides(minilm):
+def test_pooling_overrides(minilm_on):
+    minilm = minilm_on
     text = "Pooling picks one vector."
     states = minilm.token_embeddings(text)
     assert states.shape == (len(minilm.tokenize(text)), 384)
@@ -299,18 +316,18 @@ TINY_TEXTS = ["The quick brown fox jumps over the lazy dog!", "hello, world", "u
               "x"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("safetensors", [True, False], ids=["safetensors", "pytorch_bin"])
-def test_tiny_bert_matches_transformers(tmp_path, safetensors):
+def test_tiny_bert_matches_transformers(tmp_path, safetensors, device):
     import torch
     from transformers import BertTokenizerFast
 
-    from workbench import Encoder
     from workbench.engine.convert import hf_bert_to_gguf
 
     folder = tmp_path / "tiny"
     model = _tiny_bert(folder, safetensors=safetensors)
     assert (folder / ("model.safetensors" if safetensors else "pytorch_model.bin")).is_file()
-    enc = Encoder.load(hf_bert_to_gguf(folder, tmp_path / "tiny.gguf"))
+    enc = open_encoder(hf_bert_to_gguf(folder, tmp_path / "tiny.gguf"), device)
     tok = BertTokenizerFast(str(folder / "vocab.txt"), do_lower_case=True)
 
     for text in TINY_TEXTS:  # one text at a time
@@ -331,18 +348,21 @@ def test_tiny_bert_matches_transformers(tmp_path, safetensors):
         assert np.abs(ours - ref).max() <= RTOL * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,min_cos", [("f16", 0.9999), ("q8_0", 0.999)])
-def test_tiny_bert_reduced_precision(tmp_path, dtype, min_cos):
+def test_tiny_bert_reduced_precision(tmp_path, dtype, min_cos, device):
     import torch
     from gguf import GGMLQuantizationType
 
-    from workbench import Encoder
     from workbench.engine.convert import hf_bert_to_gguf
+    from workbench.engine.gguf import open_gguf
 
     folder = tmp_path / "tiny"
     model = _tiny_bert(folder)
-    enc = Encoder.load(hf_bert_to_gguf(folder, tmp_path / f"tiny.{dtype}.gguf", dtype=dtype))
-    assert enc.model.layers[0].down.qtype == GGMLQuantizationType[dtype.upper()]
+    path = hf_bert_to_gguf(folder, tmp_path / f"tiny.{dtype}.gguf", dtype=dtype)
+    assert open_gguf(path).tensor("blk.0.ffn_down.weight").qtype == \
+        GGMLQuantizationType[dtype.upper()]
+    enc = open_encoder(path, device)
     ids = enc.tokenize(TINY_TEXTS[0])
     with torch.no_grad():
         ref = model(torch.tensor([ids])).last_hidden_state[0].numpy()

@@ -8,6 +8,11 @@ disagreement is transformers running the same dequantized weights in fp32
 we part from llama.cpp where its top-2 gap is >= 0.05, the fp32 reference must
 part from llama.cpp the same way. Each such divergence is reported as a warning
 with its gap.
+
+Every check runs on the NumPy engine and on the MLX backend (`LLM(device="mlx")`), or
+on the devices `WORKBENCH_TEST_DEVICES` names (tests/conftest.py; "cuda" on a GPU). The
+CuPy backend's code on NumPy is left to the tiny models: its reference kernels
+dequantize every matrix at every product, too slow for these long runs.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.conftest import reference
+from tests.conftest import DEVICES, open_llm, reference
 from tests.gguf_to_hf import hf_logits, hf_model_from_gguf
 from workbench.engine.gguf import open_gguf
 
@@ -32,20 +37,40 @@ class LlamaCppDivergence(UserWarning):
     """We and the fp32 reference pick another token than llama.cpp at a clear (>= 0.05) gap."""
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+ALIASES = {"smollm2": "smollm2-135m", "qwen": "qwen2.5-coder-0.5b", "gemma3": "gemma3-270m"}
+_EXACT: dict[str, list[np.ndarray]] = {}  # fp32 reference logits per model, made once
+
+
+def _exact_logits(name: str, path, generations: list[dict]) -> list[np.ndarray]:
+    if name not in _EXACT:
+        hf = hf_model_from_gguf(open_gguf(path))
+        _EXACT[name] = [hf_logits(hf, gen["prompt_ids"] + gen["ids"]) for gen in generations]
+        del hf
+    return _EXACT[name]
+
+
+@pytest.fixture(scope="module", params=[(name, device) for name in CASES
+                                        for device in DEVICES if device != "cuda-on-numpy"],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def golden(request):
     """Our logits, greedy runs and the fp32 reference along llama.cpp's paths."""
-    m = request.getfixturevalue(request.param)  # the smollm2 / qwen / gemma3 session fixtures
-    ref = reference(CASES[request.param])
-    hf = hf_model_from_gguf(open_gguf(m.path))
+    name, device = request.param
+    if device == "cpu":
+        m = request.getfixturevalue(name)  # the smollm2 / qwen / gemma3 session fixtures
+    else:
+        m = open_llm(ALIASES[name], device, kv_cache_size=512)
+    ref = reference(CASES[name])
+    exact = _exact_logits(name, m.path, ref["generations"])
     runs = []
-    for gen in ref["generations"]:
+    for gen, ex in zip(ref["generations"], exact):
         path = gen["prompt_ids"] + gen["ids"]
         ours = m.forward(path, m.new_cache(len(path)))
         greedy = m.generate(gen["prompt_ids"], temperature=0, max_tokens=len(gen["ids"]))
-        runs.append(dict(gen=gen, ours=ours, exact=hf_logits(hf, path), greedy=greedy))
-    del hf
-    return request.param, m, runs
+        greedy.wait()
+        runs.append(dict(gen=gen, ours=ours, exact=ex, greedy=greedy))
+    yield f"{name} on {device}", m, runs
+    if device != "cpu":
+        m.close()
 
 
 def _step_logits(run, logits):

@@ -7,7 +7,9 @@ the rotating cache of the sliding-window layers (window + `RING_SLACK` = 264
 positions), so the ring wraps twice, during one long prefill chunk, across
 chunks and while decoding one token at a time. Gemma 3 has six layers (five
 local, one global). The Q8_0 variants decode through the fused stack
-(`workbench.kernels.decode`), the others kernel by kernel. The metric is the
+(`workbench.kernels.decode`), the others kernel by kernel. The logits, greedy and
+batched tests of the dense families also run on the GPU backends' code (`DEVICES` of
+tests/conftest.py); the rotating-cache tests are the NumPy engine's. The metric is the
 one of tests/test_tiny_models.py:
 
     max |ours - ref| <= 1e-4 * max |ref|    (over all T x V entries)
@@ -20,6 +22,7 @@ import pytest
 import torch
 import transformers
 
+from tests.conftest import DEVICES, open_llm
 from tests.hf_to_gguf import F32, tiny_vocab
 from tests.test_tiny_models import _assert_close, build_tiny
 from workbench.engine.kv_cache import RING_SLACK
@@ -86,9 +89,24 @@ def built(request, tmp_path_factory):
 
 @pytest.fixture
 def engine(built):
+    """The NumPy engine."""
     from workbench import LLM
 
     m = LLM.load(built.path, kv_cache_size=1024)
+    yield m
+    m.close()
+
+
+_MOE = ("mixtral", "qwen2moe", "qwen3moe")
+
+
+@pytest.fixture(params=DEVICES)
+def any_engine(built, request):
+    """The model on each of `DEVICES` (the mixture-of-experts ones on the NumPy engine only:
+    the GPU backends refuse them, see `test_gpu_backends_refuse_mixtures_of_experts`)."""
+    if request.param != "cpu" and built.name in _MOE:
+        pytest.skip("mixtures of experts run on the cpu device only")
+    m = open_llm(built.path, request.param, kv_cache_size=1024)
     yield m
     m.close()
 
@@ -109,19 +127,21 @@ def test_the_files_say_what_the_models_are(built, engine):
     assert engine.model.fused_decode == built.name.endswith("q8_0")
 
 
-def test_logits_whole_prompt(built, engine):
+def test_logits_whole_prompt(built, any_engine):
+    engine = any_engine
     ours = engine.forward(PROMPT, engine.new_cache())
     _assert_close(np.asarray(ours), built.ref, f"{built.name}: forward(600 tokens at once)")
 
 
-def test_logits_chunks_then_decode(built, engine):
+def test_logits_chunks_then_decode(built, any_engine):
+    engine = any_engine
     cache = engine.new_cache()
     parts = [engine.forward(PROMPT[:300], cache), engine.forward(PROMPT[300:560], cache)]
     for t in PROMPT[560:]:
         parts.append(engine.forward([t], cache))
     ours = np.concatenate([np.asarray(p) for p in parts], axis=0)
     _assert_close(ours, built.ref, f"{built.name}: chunks of 300 and 260, then 40 single tokens")
-    if _windowed(engine) and engine.model.new_pool(1).ring:
+    if engine.backend is None and _windowed(engine) and engine.model.new_pool(1).ring:
         # the sliding-window layers never wrote past their ring: that memory stays untouched
         pool, local = cache.pool, np.nonzero(cache.pool.local)[0]
         assert not pool.keys[local, cache.slot, :, pool.ring :].any()
@@ -140,7 +160,8 @@ def test_longrope_short_factors(tmp_path):
                       "phi3-longrope: 40 tokens, short factors")
 
 
-def test_greedy_generation(built, engine):
+def test_greedy_generation(built, any_engine):
+    engine = any_engine
     prompt, n = PROMPT[:100], 8  # (longer than LongRoPE's original context: long factors)
     with torch.no_grad():
         out = built.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
@@ -151,7 +172,8 @@ def test_greedy_generation(built, engine):
     assert engine.generate(prompt, max_tokens=n, temperature=0).token_ids == ref
 
 
-def test_batched_decode_equals_one_by_one(built, engine):
+def test_batched_decode_equals_one_by_one(built, any_engine):
+    engine = any_engine
     prompts = [PROMPT[:290], PROMPT[100:130], PROMPT[200:480]]
     batch = engine.generate_batch(prompts, max_tokens=12, temperature=0)
     for prompt, got in zip(prompts, batch):
@@ -235,3 +257,12 @@ def test_prefix_cache_of_a_rotating_cache(built, engine, tmp_path):
     opts = dict(max_tokens=6, temperature=0)
     assert engine.generate(PROMPT[:510], prefix=prefix, **opts).token_ids == \
         engine.generate(PROMPT[:510], **opts).token_ids
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+def test_gpu_backends_refuse_mixtures_of_experts(tmp_path, device):
+    from workbench.engine.backend import DeviceUnavailableError
+
+    built = Built("qwen3moe", tmp_path)
+    with pytest.raises(DeviceUnavailableError, match="mixture-of-experts"):
+        open_llm(built.path, device)

@@ -21,6 +21,8 @@ Metric for every logits comparison:
   token at a time with the same cache.
 - test_greedy_generation: `LLM.generate(ids, temperature=0)` gives transformers'
   `generate(do_sample=False)` tokens.
+- The engine tests run on each of `DEVICES` (tests/conftest.py): the NumPy engine,
+  the MLX backend, and the CuPy backend's code with NumPy standing in for CuPy.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import pytest
 import torch
 import transformers
 
+from tests.conftest import DEVICES, open_llm
 from tests.hf_to_gguf import F16, F32, interleave_rope_rows, snap_to_qtype, tiny_vocab, write_gguf
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -315,11 +318,9 @@ def test_numpy_reference_on_gguf(built):
 
 # -- the engine --------------------------------------------------------------------------
 
-@pytest.fixture
-def engine(built):
-    from workbench import LLM
-
-    m = LLM.load(built.path)
+@pytest.fixture(params=DEVICES)
+def engine(built, request):
+    m = open_llm(built.path, request.param)
     yield m
     m.close()
 

@@ -60,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="alias, .gguf path or hf:// URL (default: the default model)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--device", default="auto",
+                   help="our engine's device: auto, cpu, cuda, metal or mlx (llama.cpp runs "
+                        "on whatever its build uses)")
     p.add_argument("--rounds", type=int, default=3, help="runs per measurement (median)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -104,7 +107,7 @@ class Bench:
         self.args = args
         self.path = path
         n_ctx = max(args.prompt_tokens + args.decode_tokens + 64, 1024)
-        self.ours = LLM.load(path, kv_cache_size=n_ctx)
+        self.ours = LLM.load(path, device=args.device, kv_cache_size=n_ctx)
         self.peer = Llama(path, n_ctx=n_ctx, n_batch=512, n_threads=args.threads,
                           n_threads_batch=args.threads, verbose=False)
         filler = self.ours.tokenize("The quick brown fox jumps over the lazy dog. " * 200)
@@ -190,6 +193,7 @@ class Bench:
                   lambda n=n: self.peer_parallel(n), "higher") for n in a.parallel]
         size_mb = os.path.getsize(self.path) / 1e6
         print(f"{os.path.basename(self.path)} ({size_mb:.0f} MB), {a.threads} threads, "
+              f"workbench on {self.ours.device.peek()}, "
               f"median of {a.rounds} runs after a warm-up")
         print(f"{'':36}{'workbench':>11}{'llama.cpp':>11}{'ratio':>8}")
         for name, ours, peer, better in rows:
@@ -214,7 +218,8 @@ class Bench:
     def _child_rss(self, engine: str) -> float:
         a = self.args
         cmd = [sys.executable, "-m", "workbench.bench", "--rss-child", engine, "--model",
-               self.path, "--threads", str(a.threads), "--prompt-tokens", str(a.prompt_tokens),
+               self.path, "--threads", str(a.threads), "--device", a.device,
+               "--prompt-tokens", str(a.prompt_tokens),
                "--decode-tokens", str(a.decode_tokens)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         return json.loads(out.strip().splitlines()[-1])["peak_rss_mb"]
@@ -289,7 +294,7 @@ def _rss_child(engine: str, path: str, args: argparse.Namespace) -> dict:
     if engine == "workbench":
         from workbench import LLM
 
-        m = LLM.load(path, kv_cache_size=n_ctx)
+        m = LLM.load(path, device=args.device, kv_cache_size=n_ctx)
         ids = m.tokenize(text)[: args.prompt_tokens]
         m.generate(ids, max_tokens=args.decode_tokens, temperature=0).wait()
     else:

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from workbench import registry
-from workbench.engine.backend import resolve_device
+from workbench.engine.backend import Backend, get_backend, resolve_device
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.models import bert, gemma3, llama
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
@@ -73,7 +73,11 @@ def _l2_normalize(x: np.ndarray) -> np.ndarray:
 class Encoder:
     """A BERT-style sentence encoder loaded from a GGUF file."""
 
-    def __init__(self, gguf: GGUFFile, *, device: str = "auto", max_length: int | None = None):
+    def __init__(self, gguf: GGUFFile, *, device: str = "auto", max_length: int | None = None,
+                 backend: Backend | None = None):
+        """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx".
+        `backend`: a `workbench.engine.backend.Backend` to run on instead of the one
+        `device` names. `max_length`: see `load`."""
         arch = gguf.architecture
         if arch not in bert.ARCHITECTURES:
             hint = (" (a decoder model: load it with workbench.LLM)"
@@ -81,14 +85,19 @@ class Encoder:
             raise UnsupportedArchitectureError(
                 f"{gguf.path.name}: architecture {arch!r} is not an encoder this engine runs; "
                 f"supported: {', '.join(bert.ARCHITECTURES)}{hint}")
-        self.device: Signal[str] = Signal(resolve_device(device), name="device")
+        name = backend.name if backend is not None else resolve_device(device)
+        self.device: Signal[str] = Signal(name, name="device")
         self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
         self._busy = BusyCounter(self.busy)
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
-        self.model: bert.BertModel | None = bert.BertModel(gguf)
+        self.backend = backend or get_backend(name)  # None on the cpu
+        model = bert.BertModel(gguf)
+        self.config = model.config
+        if self.backend is not None:  # weights uploaded once, the host copies dropped
+            model = bert.DeviceBertModel(model, self.backend)
+        self.model: bert.BertModel | bert.DeviceBertModel | None = model
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
-        self.config = self.model.config
         if self.config.pooling == "none":  # the file does not say: sentence-transformers' default
             self.pooling = "mean"
         else:
@@ -158,7 +167,7 @@ class Encoder:
         """The last hidden state of every token of `text` (with `[CLS]` and `[SEP]`):
         float32 of shape (n_tokens, dim)."""
         ids = self.tokenize(text)
-        return self._hidden([ids])[0][: len(ids)].copy()
+        return self._run([ids], pool=None)[0][: len(ids)].copy()
 
     def embed(self, text: str, *, pool: str | None = None, normalize: bool = True
               ) -> np.ndarray:
@@ -194,7 +203,7 @@ class Encoder:
             for s in tqdm(starts, desc="embed", unit="batch", disable=not progress):
                 chunk = order[s : s + batch_size]
                 batch = [ids[i] for i in chunk]
-                out[chunk] = _pool(self._hidden(batch), [len(b) for b in batch], pool)
+                out[chunk] = self._run(batch, pool)
         return _l2_normalize(out) if normalize else out
 
     def similarity(self, a: Any, b: Any) -> float | np.ndarray:
@@ -221,8 +230,12 @@ class Encoder:
             return self.embed_batch(items)
         return np.atleast_2d(np.asarray(items, dtype=np.float32))
 
-    def _hidden(self, batch: list[list[int]]) -> np.ndarray:
-        """Last hidden states (B, T, dim) of a batch of id lists, padded to the longest."""
+    def _run(self, batch: list[list[int]], pool: str | None) -> np.ndarray:
+        """A batch of id lists, padded to the longest, through the model: the pooled
+        vectors (B, dim), or with `pool=None` the last hidden states (B, T, dim).
+
+        On a GPU backend the pooling runs on the device, so only the vectors come back.
+        """
         model = self.model
         if model is None:
             raise RuntimeError("this Encoder has been closed")
@@ -231,18 +244,24 @@ class Encoder:
         for row, b in zip(ids, batch):
             row[: len(b)] = b
         with self._busy, self._lock:
-            return model.hidden(ids, lengths)
+            hidden = model.hidden(ids, lengths)
+            if self.backend is None:
+                return hidden if pool is None else _pool(np, hidden, lengths, pool)
+            be = self.backend
+            out = hidden if pool is None else _pool(be.xp, hidden, be.asarray(lengths), pool)
+            return be.to_host(out)
 
 
-def _pool(hidden: np.ndarray, lengths: list[int], pool: str) -> np.ndarray:
-    """One vector per sequence of hidden (B, T, D), whose rows hold `lengths` real tokens."""
+def _pool(xp: Any, hidden: Any, lengths: Any, pool: str) -> Any:
+    """One vector per sequence of hidden (B, T, D), whose rows hold `lengths` (B,) real
+    tokens: (B, D). `xp` is the array module of both (NumPy, CuPy or mlx.core)."""
     if pool == "cls":
         return hidden[:, 0]
     if pool == "last":
-        return hidden[np.arange(len(lengths)), np.asarray(lengths) - 1]
-    mask = np.arange(hidden.shape[1])[None, :] < np.asarray(lengths)[:, None]  # (B, T)
-    summed = np.einsum("bt,btd->bd", mask.astype(np.float32), hidden)
-    return summed / np.asarray(lengths, dtype=np.float32)[:, None]
+        return hidden[xp.arange(hidden.shape[0]), lengths - 1]
+    mask = (xp.arange(hidden.shape[1])[None, :] < lengths[:, None]).astype(xp.float32)  # (B, T)
+    summed = (mask[:, :, None] * hidden).sum(axis=1)  # (B, D)
+    return summed / lengths[:, None].astype(xp.float32)
 
 
 def _is_single(x: Any) -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 
 from workbench import registry
 from workbench.engine import chat_template
-from workbench.engine.backend import get_backend, resolve_device
+from workbench.engine.backend import Backend, get_backend, resolve_device
 from workbench.engine.chat_template import render as render_chat
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.grammar import Grammar, GrammarMatcher, resolve_grammar
@@ -219,7 +219,12 @@ class LLM:
     """A GGUF decoder model (llama, qwen2, qwen3, their MoE variants, phi3, gemma3) ready to
     chat, complete and embed."""
 
-    def __init__(self, gguf: GGUFFile, *, device: str = "auto", kv_cache_size: int = 4096):
+    def __init__(self, gguf: GGUFFile, *, device: str = "auto", kv_cache_size: int = 4096,
+                 backend: Backend | None = None):
+        """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx"
+        (MLX on any platform). `backend`: a `workbench.engine.backend.Backend` to run on
+        instead of the one `device` names (the tests run the CuPy backend's code with
+        NumPy standing in for CuPy)."""
         arch = gguf.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitectureError(
@@ -228,13 +233,14 @@ class LLM:
             )
         if kv_cache_size < 1:
             raise ValueError("kv_cache_size must be >= 1")
-        self.device: Signal[str] = Signal(resolve_device(device), name="device")
+        name = backend.name if backend is not None else resolve_device(device)
+        self.device: Signal[str] = Signal(name, name="device")
         self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
         self._busy = BusyCounter(self.busy)
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
-        self.backend = get_backend(self.device.peek())  # None on the cpu
+        self.backend = backend or get_backend(name)  # None on the cpu
         self.model = _MODEL_CLASSES[arch](gguf, kv_cache_size)
         if self.backend is not None:  # weights uploaded once, the host copies dropped
             self.model = llama.DeviceLlamaModel(self.model, self.backend)
@@ -541,21 +547,32 @@ class LLM:
         longest = max(len(ids) for ids in prompt_ids)
         caches = model.new_pool(len(prompt_ids), min(self.kv_cache_size,
                                                      longest + max_tokens)).caches()
-        logits = np.stack([self._fill(c, ids, prefix) for ids, c in zip(prompt_ids, caches)])
+        # one logits row per active sequence; on a GPU backend they stay on the device,
+        # where each sequence's sampler picks its token
+        rows = [self._fill(c, ids, prefix, on_device=True) for ids, c in zip(prompt_ids, caches)]
         active = list(range(len(seqs)))
         while active:
             feed, still = [], []
-            for i, row in zip(active, logits):
-                token, evs = seqs[i].step(row, room=caches[i].offset < caches[i].max_len)
+            for i, row in zip(active, rows):
+                token, evs = seqs[i].step(row, room=caches[i].offset < caches[i].max_len,
+                                          on_device=self.backend is not None)
                 events[i].extend(evs)
                 if token is not None:
                     feed.append(token)
                     still.append(i)
             active = still
-            if active:
-                with self._forward_lock:
-                    hidden = model.decode(np.asarray(feed), [caches[i] for i in active])
-                    logits = model.logits(hidden)
+            if not active:
+                break
+            with self._forward_lock:
+                live = [caches[i] for i in active]
+                if self.backend is None:
+                    rows = list(model.logits(model.decode(np.asarray(feed), live)))
+                    continue
+                on_device = [seqs[i].device_token for i in active]
+                device_ids = (None if any(t is None for t in on_device)
+                              else self.backend.xp.concatenate(on_device))
+                logits = model.device_logits(model.decode(np.asarray(feed), live, device_ids))
+                rows = [logits[j] for j in range(len(active))]
 
     def embed(self, text: str | Sequence[int], *, pool: str = "last", normalize: bool = True
               ) -> np.ndarray:
@@ -727,7 +744,8 @@ class LLM:
                 return "length"
             logits = self._fill(cache, prompt_ids, prefix, on_device=True)
             while True:
-                token, events = seq.step(logits, room=cache.offset < cache.max_len)
+                token, events = seq.step(logits, room=cache.offset < cache.max_len,
+                                         on_device=self.backend is not None)
                 yield from events
                 if token is None:
                     return seq.finish_reason
@@ -769,18 +787,18 @@ class _Decoding:
         self.finish_reason: str | None = None
         self.device_token = None  # on a GPU backend: the last sampled id, still on the device
 
-    def step(self, logits: np.ndarray, room: bool) -> tuple[int | None, list[TokenEvent]]:
+    def step(self, logits: np.ndarray, room: bool, on_device: bool = False
+             ) -> tuple[int | None, list[TokenEvent]]:
         """Choose the next token from `logits` (n_vocab,); `room`: whether the KV cache can
         take one more token. Returns the token to feed back to the model, or None once
         the sequence is finished (`finish_reason` set), and the events to emit.
 
-        `logits` may be a GPU backend's array: the device sampler then picks the token
-        there, unless log-probabilities or Python logits processors need every logit
-        on the host."""
+        `on_device`: `logits` is a GPU backend's array; the device sampler then picks the
+        token there, unless log-probabilities or Python logits processors need every
+        logit on the host."""
         tok, logprobs, matcher = self.tok, self.logprobs, self.matcher
         lp = top = ent = allowed = mask_ms = None
         self.device_token = None
-        on_device = not isinstance(logits, np.ndarray)
         if on_device and (logprobs is not None or self.processors):
             logits, on_device = self.sampler.backend.to_host(logits), False
         if logprobs is not None:

@@ -200,4 +200,4 @@ class DeviceSampler(Sampler):
         cdf = xp.cumsum(w)
         u = float(self.rng.random()) * cdf[-1]
         i = xp.minimum((cdf <= u).astype(xp.int32).sum(), vals.shape[0] - 1)
-        return order[i].reshape(1)
+        return order[i.reshape(1)]  # (1,): indexed on the device, no copy to the host

@@ -136,13 +136,8 @@ class BertModel:
         (any valid id). Hidden states at padded positions are meaningless.
         """
         cfg = self.config
-        ids = np.asarray(ids, dtype=np.int64)
-        lengths = np.asarray(lengths, dtype=np.int64)
+        ids, lengths = _check_batch(cfg, ids, lengths)
         B, T = ids.shape
-        if T > cfg.n_ctx_train:
-            raise ValueError(f"{T} tokens exceed the model's {cfg.n_ctx_train}")
-        if lengths.shape != (B,) or lengths.min(initial=1) < 1 or lengths.max(initial=0) > T:
-            raise ValueError(f"lengths {lengths.tolist()} do not fit a batch of shape {ids.shape}")
         x = self.embed.rows(ids.reshape(-1)).reshape(B, T, cfg.n_embd)
         x += self.positions[:T]
         x += self.token_type
@@ -151,3 +146,102 @@ class BertModel:
         for layer in self.layers:
             layer(x, lengths)
         return x
+
+
+def _check_batch(cfg: BertConfig, ids, lengths) -> tuple[np.ndarray, np.ndarray]:
+    """ids (B, T) and lengths (B,) as int64, or a ValueError saying what does not fit."""
+    ids = np.asarray(ids, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if ids.ndim != 2:
+        raise ValueError(f"ids must be a (batch, tokens) array, not of shape {ids.shape}")
+    B, T = ids.shape
+    if T > cfg.n_ctx_train:
+        raise ValueError(f"{T} tokens exceed the model's {cfg.n_ctx_train}")
+    if lengths.shape != (B,) or lengths.min(initial=1) < 1 or lengths.max(initial=0) > T:
+        raise ValueError(f"lengths {lengths.tolist()} do not fit a batch of shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.n_vocab):
+        raise ValueError(f"token ids must lie in [0, {cfg.n_vocab})")
+    return ids, lengths
+
+
+# -- on a GPU backend --------------------------------------------------------------------------
+
+class DeviceBertModel:
+    """`BertModel`'s forward pass on a GPU backend's arrays (`workbench.engine.backend`).
+
+    Built from a loaded `BertModel`: every matrix is uploaded once (`Backend.weight`),
+    vectors and the position table with `Backend.vector` / `asarray`; the CPU model can
+    be dropped afterwards. Per batch only the token ids and lengths go to the device;
+    `hidden` returns device arrays, so the `Encoder` pools and normalizes there and
+    copies back one vector per text.
+    """
+
+    def __init__(self, model: BertModel, backend):
+        self.config, self.backend, self.xp = model.config, backend, backend.xp
+        self.embed = backend.weight(model.embed)
+        self.positions = backend.asarray(np.asarray(model.positions, np.float32))  # (n_ctx, D)
+        self.token_type = backend.vector(model.token_type)
+        self.embed_norm = tuple(backend.vector(v) for v in model.embed_norm)
+        self.layers = [_DeviceBertLayer(layer, backend) for layer in model.layers]
+
+    def hidden(self, ids: np.ndarray, lengths: np.ndarray):
+        """Last hidden states (B, T, D) float32 of a padded batch, as a device array.
+
+        ids: (B, T) token ids; row b holds `lengths[b]` real tokens, then padding
+        (any valid id). Hidden states at padded positions are meaningless.
+        """
+        cfg, be, xp = self.config, self.backend, self.xp
+        ids, lengths = _check_batch(cfg, ids, lengths)
+        B, T = ids.shape
+        D = cfg.n_embd
+        x = self.embed.rows(be.asarray(ids.reshape(-1).astype(np.int32))).reshape(B, T, D)
+        x = _layer_norm(xp, x + self.positions[:T] + self.token_type, *self.embed_norm,
+                        cfg.norm_eps)
+        padding = None  # (B, 1, 1, T) True at the keys past each sequence's end
+        if int(lengths.min()) < T:
+            lens = be.asarray(lengths.astype(np.int32))
+            padding = (xp.arange(T)[None, :] >= lens[:, None])[:, None, None, :]
+        for layer in self.layers:
+            x = layer(be, cfg, x, padding)
+        return x
+
+
+def _layer_norm(xp, x, weight, bias, eps: float):
+    """LayerNorm over the last axis of a device array."""
+    mu = xp.mean(x, axis=-1, keepdims=True)
+    d = x - mu
+    var = xp.mean(d * d, axis=-1, keepdims=True)
+    return d * (1.0 / xp.sqrt(var + eps)) * weight + bias
+
+
+class _DeviceBertLayer:
+    """One post-LN block's weights on the device, and its forward pass."""
+
+    def __init__(self, layer: BertLayer, backend):
+        self.wqkv, self.bqkv = backend.weight(layer.wqkv), backend.vector(layer.bqkv)
+        self.wo, self.bo = backend.weight(layer.wo), backend.vector(layer.bo)
+        self.attn_norm = tuple(backend.vector(v) for v in layer.attn_norm)
+        self.up, self.b_up = backend.weight(layer.up), backend.vector(layer.b_up)
+        self.down, self.b_down = backend.weight(layer.down), backend.vector(layer.b_down)
+        self.out_norm = tuple(backend.vector(v) for v in layer.out_norm)
+
+    def __call__(self, be, cfg: BertConfig, x, padding):
+        """x (B, T, D) -> (B, T, D); padding: (B, 1, 1, T) bool keys to hide, or None."""
+        xp = be.xp
+        B, T, D = x.shape
+        H = cfg.n_head
+        hd = D // H
+        flat = x.reshape(B * T, D)
+        qkv = self.wqkv.matmul(flat) + self.bqkv  # (B*T, 3D)
+        q, k, v = (qkv[:, i * D : (i + 1) * D].reshape(B, T, H, hd).transpose(0, 2, 1, 3)
+                   for i in range(3))  # (B, H, T, hd) each
+        scores = (q @ k.swapaxes(-1, -2)) * (1.0 / float(np.sqrt(hd)))  # (B, H, T, T)
+        if padding is not None:
+            scores = xp.where(padding, -np.inf, scores)
+        a = (be.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B * T, D)
+        flat = _layer_norm(xp, flat + self.wo.matmul(a) + self.bo, *self.attn_norm, cfg.norm_eps)
+        h = self.up.matmul(flat) + self.b_up  # (B*T, F)
+        h = 0.5 * h * (1.0 + be.erf(h * 0.7071067811865476))  # exact GELU
+        flat = _layer_norm(xp, flat + self.down.matmul(h) + self.b_down, *self.out_norm,
+                           cfg.norm_eps)
+        return flat.reshape(B, T, D)

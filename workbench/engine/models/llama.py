@@ -529,8 +529,9 @@ class DeviceLlamaModel:
         if cfg.n_expert:
             from workbench.engine.backend import DeviceUnavailableError
 
-            raise DeviceUnavailableError(f"{cfg.arch} with experts runs on the cpu device only "
-                                         "so far")
+            raise DeviceUnavailableError(
+                f"{cfg.arch}: mixture-of-experts models run on the cpu device only so far "
+                "(load with device='cpu')")
         self.backend, self.xp, self.max_len = backend, backend.xp, model.max_len
         self.embed_scale = float(model.embed_scale)
         self.embed = backend.weight(model.embed)
@@ -586,8 +587,9 @@ class DeviceLlamaModel:
         cache.advance(ids)
         return h
 
-    def decode(self, ids, caches):
-        """One token for each of N caches (of one pool): final-normed hidden states (N, D)."""
+    def decode(self, ids, caches, device_ids=None):
+        """One token for each of N caches (of one pool): final-normed hidden states (N, D).
+        `device_ids`: the same N tokens already on the device (sampled there)."""
         ids = self._check_ids(ids)
         if len(caches) != ids.size or not caches:
             raise ValueError(f"decode needs one cache per token: {ids.size} ids, "
@@ -598,7 +600,8 @@ class DeviceLlamaModel:
             raise ValueError("each sequence decoded together needs its own KV-pool slot")
         for c in caches:
             c.check_room(1)
-        h = self._layers(self._embed(ids), caches, [1] * len(caches))
+        h = self._layers(self._embed(ids if device_ids is None else device_ids), caches,
+                         [1] * len(caches))
         for c, t in zip(caches, ids):
             c.advance([int(t)])
         return h

@@ -1,0 +1,301 @@
+"""The CUDA kernels of workbench/kernels/gguf.cu and their NumPy stand-in.
+
+- Here (nvcc, no GPU): gguf.cu compiles for sm_80 and defines every kernel; its
+  dequantize kernels contain no FMA (each weight must round as the reference does).
+- `ReferenceKernels` against `gguf.quants.dequantize` on random blocks of every format.
+- On a CUDA device (marker `gpu`): `CudaKernels` against the reference, every format;
+  dequantize bit for bit, matmul (gemv for T <= GEMV_MAX_T, tiles + cuBLAS above) to 1e-4
+  of the sum of |x_j * w_j|. Skipped with the reason where CuPy or a device is missing.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from tests.test_quants import F16_FIELDS, assert_bits_equal, random_blocks
+from workbench.kernels import cuda, quants
+from workbench.kernels.cuda import FORMATS, GEMV_MAX_T, SOURCE, ReferenceKernels, kernel_names
+
+FLOATS = (Q.F32, Q.F16, Q.BF16)
+# (N, K): N not a multiple of the 4 rows of a gemv block; K of 24 groups (fewer than the 32
+# lanes of a warp) and of 72 groups (lanes take several groups each)
+SHAPES = [(37, 768), (300, 2304)]
+
+
+def random_weight(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(N, row_bytes) uint8: the GGUF bytes of a random (N, K) matrix. Quantized formats
+    get random bytes with finite fp16 scales; the first blocks' first scale is set to a
+    positive subnormal, a negative subnormal and -0 (the hand-written fp16 decoding)."""
+    if qtype == Q.F32:
+        return rng.standard_normal((n, k)).astype(np.float32).view(np.uint8)
+    if qtype == Q.F16:
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    if qtype == Q.BF16:
+        bits = rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16
+        return bits.astype(np.uint16).view(np.uint8)
+    raw = random_blocks(qtype, n, k, rng)
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])  # a view: (n_blocks, type_size)
+    off = F16_FIELDS[qtype][0]
+    for i, bits in enumerate((0x0001, 0x83FF, 0x8000)):
+        blocks[i, off : off + 2] = np.array([bits], np.uint16).view(np.uint8)
+    return raw
+
+
+def reference_matrix(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """gguf-py's dequantization of the (N, row_bytes) bytes: float32 (N, K)."""
+    if qtype == Q.F32:
+        return raw.view(np.float32).copy()
+    if qtype == Q.F16:
+        return raw.view(np.float16).astype(np.float32)
+    return gguf.quants.dequantize(raw, qtype)
+
+
+def check_matmul(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    """y (T, N) against x @ w.T to 1e-4 of each output's sum of |x_j * w_j|."""
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = 1e-4 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T) + 1e-30
+    err = np.abs(y.astype(np.float64) - exact)
+    assert y.dtype == np.float32 and y.shape == exact.shape
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert (err <= bound).all(), (f"{(err > bound).sum()} of {y.size} outputs off, worst at "
+                                  f"{worst}: {y[worst]} vs {exact[worst]}")
+
+
+# -- gguf.cu itself ----------------------------------------------------------------------------
+
+def test_every_supported_format_has_kernels():
+    assert set(FORMATS) == set(quants.SUPPORTED_TYPES)
+    source = SOURCE.read_text()
+    for suffix in FORMATS.values():
+        assert re.search(rf"^GGUF_KERNELS\({suffix}, \w+\)$", source, re.M), suffix
+    assert re.search(rf"constexpr int GEMV_MAX_T = {GEMV_MAX_T};", source)
+    assert "#include" not in source  # NVRTC compiles it without any header
+
+
+def _nvcc() -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found: install the CUDA toolkit (or put its bin/ on PATH) "
+                    "to compile gguf.cu")
+    return nvcc
+
+
+def _compile(tmp_path, kind: str) -> bytes:
+    out = tmp_path / f"gguf.{kind}"
+    run = subprocess.run([_nvcc(), "-arch=sm_80", f"--{kind}", "-o", str(out), str(SOURCE)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "warning" not in run.stderr.lower(), run.stderr[-4000:]
+    return out.read_bytes()
+
+
+def test_nvcc_compiles_a_cubin_with_every_kernel(tmp_path):
+    cubin = _compile(tmp_path, "cubin")
+    assert cubin[:4] == b"\x7fELF"
+    names = kernel_names()
+    assert len(names) == 2 * len(FORMATS)
+    for name in names:  # the symbol names, NUL-terminated in the ELF string table
+        assert b"\0" + name.encode() + b"\0" in cubin, name
+
+
+def test_ptx_entries_and_no_fma_when_dequantizing(tmp_path):
+    """Every kernel is an entry point; the dequantize kernels round each product and sum
+    on its own (an FMA would round differently from the NumPy reference)."""
+    ptx = _compile(tmp_path, "ptx").decode()
+    bodies = dict(re.findall(r"\.entry (\w+)\((.*?)\n}", ptx, re.S))
+    assert sorted(bodies) == sorted(kernel_names())
+    for name, body in bodies.items():
+        if name.startswith("dequantize_"):
+            assert "fma" not in body, name
+    assert "fma" in bodies["gemv_q4_k"]  # the check above does look at the bodies
+
+
+# -- ReferenceKernels ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
+def test_reference_dequantize(qtype):
+    rng = np.random.default_rng(int(qtype))
+    n, k = 9, 512
+    raw = random_weight(qtype, n, k, rng)
+    w = reference_matrix(raw, qtype)
+    ref = ReferenceKernels()
+    assert ref.supports(qtype) and ref.supports(int(qtype))
+    assert_bits_equal(ref.dequantize(raw, qtype, (n, k)), w)
+    assert_bits_equal(ref.dequantize(raw, qtype, (n, k), None), w)
+    ids = np.array([8, 0, 3, 3], np.int32)
+    assert_bits_equal(ref.dequantize(raw, qtype, (n, k), ids), w[ids])
+    assert_bits_equal(ref.dequantize(raw.reshape(-1), qtype, (n, k), ids.astype(np.int64)),
+                      w[ids])  # any shape of the bytes
+    assert ref.dequantize(raw, qtype, (n, k), np.zeros(0, np.int64)).shape == (0, k)
+
+
+@pytest.mark.parametrize("T", [1, 3, 20])
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
+def test_reference_matmul(qtype, T):
+    rng = np.random.default_rng(10 * int(qtype) + T)
+    n, k = 11, 768
+    raw = random_weight(qtype, n, k, rng)
+    w = reference_matrix(raw, qtype)
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    y = ReferenceKernels().matmul(raw, qtype, (n, k), x)
+    check_matmul(y, x, w)
+    y2 = ReferenceKernels().matmul(raw, qtype, (n, k), np.asfortranarray(x))
+    np.testing.assert_array_equal(y2, y)
+
+
+def test_reference_f32_as_float32_data():
+    """F32 weights arrive as float32 (N, K) arrays (`QuantizedWeight.data`)."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((5, 64)).astype(np.float32)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    ref = ReferenceKernels()
+    assert_bits_equal(ref.dequantize(w, Q.F32, w.shape, [4, 1]), w[[4, 1]])
+    check_matmul(ref.matmul(w, Q.F32, w.shape, x), x, w)
+
+
+def test_bad_inputs_raise_clear_errors():
+    ref = ReferenceKernels()
+    raw = np.zeros((4, 2 * 144), np.uint8)  # 4 rows of Q4_K with K = 512
+    assert not ref.supports(Q.IQ2_XXS) and not ref.supports(999)
+    with pytest.raises(quants.UnsupportedQuantError, match="IQ2_XXS"):
+        ref.dequantize(raw, Q.IQ2_XXS, (4, 512))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        ref.dequantize(raw, Q.Q4_K, (8, 256 + 32))
+    with pytest.raises(ValueError, match="needs 1152 bytes, the data has 1008"):
+        ref.dequantize(raw[:, :252], Q.Q4_K, (4, 512))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ref.matmul(np.zeros((2, 40), np.float32), Q.F32, (2, 40), np.zeros((1, 40), np.float32))
+    with pytest.raises(ValueError, match=r"shape \(T, 512\)"):
+        ref.matmul(raw, Q.Q4_K, (4, 512), np.zeros((1, 256), np.float32))
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        ref.dequantize(raw, Q.Q4_K, (4, 512), [4])
+
+
+# -- CudaKernels on a GPU --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cp():
+    try:
+        import cupy
+    except ImportError as exc:
+        pytest.skip(f"cupy is not installed ({exc})")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, or a driver too old for this CuPy
+        pytest.skip(f"no CUDA device: {exc}")
+    if not n:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def kernels(cp):
+    return cuda.CudaKernels()
+
+
+@pytest.mark.gpu
+def test_cuda_module_has_every_kernel(kernels):
+    module = cuda._module()
+    for name in kernel_names():
+        module.get_function(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
+def test_cuda_dequantize(cp, kernels, qtype, shape):
+    n, k = shape
+    rng = np.random.default_rng(int(qtype) + n)
+    raw = random_weight(qtype, n, k, rng)
+    want = ReferenceKernels().dequantize(raw, qtype, shape)
+    data = cp.asarray(raw)
+    assert_bits_equal(cp.asnumpy(kernels.dequantize(data, qtype, shape)), want)
+    ids = rng.integers(0, n, size=50)
+    ids[:3] = [n - 1, 0, n - 1]
+    for dtype in (np.int32, np.int64):
+        got = kernels.dequantize(data, qtype, shape, cp.asarray(ids.astype(dtype)))
+        assert_bits_equal(cp.asnumpy(got), want[ids])
+    assert_bits_equal(cp.asnumpy(kernels.dequantize(data, qtype, shape, ids[:2])), want[ids[:2]])
+    assert kernels.dequantize(data, qtype, shape, cp.zeros(0, cp.int32)).shape == (0, k)
+    bad = cp.asnumpy(kernels.dequantize(data, qtype, shape, cp.asarray([n, -1, 1])))
+    assert np.isnan(bad[:2]).all()  # out of range: NaN rows, never a read past W
+    assert_bits_equal(bad[2], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 8, 9, 40])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
+def test_cuda_matmul(cp, kernels, qtype, shape, T):
+    n, k = shape
+    rng = np.random.default_rng(100 * int(qtype) + T + n)
+    raw = random_weight(qtype, n, k, rng)
+    w = ReferenceKernels().dequantize(raw, qtype, shape)
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    data = cp.asarray(raw)
+    y = cp.asnumpy(kernels.matmul(data, qtype, shape, cp.asarray(x)))
+    check_matmul(y, x, w)
+    check_matmul(ReferenceKernels().matmul(raw, qtype, shape, x), x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [3, 40])
+def test_cuda_matmul_layouts_of_x_and_w(cp, kernels, monkeypatch, T):
+    """x transposed or at an offset not 16-byte aligned; F32 W as float32 (N, K);
+    prefill in several tiles of W."""
+    n, k, qtype = 300, 512, Q.Q4_K
+    rng = np.random.default_rng(T)
+    raw = random_weight(qtype, n, k, rng)
+    w = ReferenceKernels().dequantize(raw, qtype, (n, k))
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    data = cp.asarray(raw)
+    flat = cp.zeros(T * k + 1, cp.float32)
+    flat[1:] = cp.asarray(x).reshape(-1)
+    for xs in (cp.asarray(np.asfortranarray(x)), flat[1:].reshape(T, k)):
+        check_matmul(cp.asnumpy(kernels.matmul(data, qtype, (n, k), xs)), x, w)
+    monkeypatch.setattr(cuda, "TILE_WEIGHTS", 64 * k)  # 5 tiles: 4 of 64 rows, one of 44
+    check_matmul(cp.asnumpy(kernels.matmul(data, qtype, (n, k), cp.asarray(x))), x, w)
+    check_matmul(cp.asnumpy(kernels.matmul(cp.asarray(w), Q.F32, (n, k), cp.asarray(x))), x, w)
+    assert kernels.matmul(data, qtype, (n, k), cp.zeros((0, k), cp.float32)).shape == (0, n)
+
+
+@pytest.mark.gpu
+def test_cuda_f16_special_values(cp, kernels):
+    """Subnormals, signed zeros, infinities and NaN decode as NumPy's fp16 -> fp32 does."""
+    bits = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x0400, 0x7BFF, 0xFBFF,
+                     0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE00, 0x3C00, 0xBC00, 0x3555],
+                    np.uint16)
+    raw = np.tile(bits, 4).reshape(2, 32)  # (N=2, K=32)
+    want = raw.view(np.float16).astype(np.float32)
+    got = kernels.dequantize(cp.asarray(raw.view(np.uint8)), Q.F16, (2, 32))
+    assert_bits_equal(cp.asnumpy(got), want)
+
+
+@pytest.mark.gpu
+def test_cuda_weight_past_2_gib(cp, kernels):
+    """Byte offsets of rows beyond 2**31: the last row of a 2.1 GB Q8_0 matrix."""
+    k = 4096
+    row_bytes = quants.row_bytes(Q.Q8_0, k)
+    n = (2**31 + row_bytes - 1) // row_bytes + 4  # rows n - 4.. start past 2 GiB
+    data = cp.zeros(n * row_bytes, cp.uint8)  # all-zero blocks: weights 0
+    last = np.zeros((k // 32, 34), np.uint8)
+    last[:, :2] = np.array([0.5], np.float16).view(np.uint8)
+    last[:, 2:] = np.arange(-16, 16, dtype=np.int8).view(np.uint8)
+    data[(n - 1) * row_bytes :] = cp.asarray(last.reshape(-1))
+    want = np.tile(0.5 * np.arange(-16, 16, dtype=np.float32), k // 32)
+    rows = cp.asnumpy(kernels.dequantize(data, Q.Q8_0, (n, k), cp.asarray([n - 1, 0])))
+    np.testing.assert_array_equal(rows, np.stack([want, np.zeros(k, np.float32)]))
+    x = np.random.default_rng(0).standard_normal((2, k)).astype(np.float32)
+    y = cp.asnumpy(kernels.matmul(data, Q.Q8_0, (n, k), cp.asarray(x)))  # (2, n)
+    assert not y[:, : n - 1].any()
+    check_matmul(y[:, n - 1 :], x, want[None])
+    del data
+    cp.get_default_memory_pool().free_all_blocks()

@@ -1,0 +1,183 @@
+"""Devices: the probe, explicit choices, and what crosses between host and device.
+
+- `resolve_device("auto")` takes the first of metal, cuda, cpu that this machine has;
+  an explicit device that is absent is a `DeviceUnavailableError` naming what to
+  install; "mlx" runs MLX on any platform; the choice is the `device` signal.
+- Traffic: the CuPy backend's code runs with a counting stand-in for CuPy (NumPy
+  underneath; device arrays are a subclass of `np.ndarray` so that every implicit
+  copy to the host, `int()`, `float()`, `bool()`, `.item()`, `.tolist()`, is
+  counted as well as `asarray` / `asnumpy`). After the prompt, each decode step
+  copies one token id to the host and nothing to the device, greedy or sampled.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from tests.conftest import open_llm, require_device
+from tests.hf_to_gguf import F32, tiny_vocab
+from tests.test_tiny_models import VARIANTS, build_tiny
+
+VOCAB = tiny_vocab()
+PROMPT = [266, 55, 3, 201, 87, 260, 12, 140, 99, 7, 265, 33]
+
+
+# -- the probe --------------------------------------------------------------------------------
+
+def test_auto_takes_the_first_device_present(monkeypatch):
+    from workbench.engine import backend
+
+    present = backend.available_devices()
+    assert backend.resolve_device("auto") == next(d for d in backend.PROBE_ORDER
+                                                  if d in present)
+    assert "mlx" in present  # a dev dependency; "auto" still never picks it off a Mac
+    monkeypatch.setattr(backend, "_has_metal", lambda: False)
+    monkeypatch.setattr(backend, "_has_cuda", lambda: True)
+    assert backend.resolve_device("auto") == "cuda"
+    monkeypatch.setattr(backend, "_has_metal", lambda: True)
+    assert backend.resolve_device("auto") == "metal"
+    monkeypatch.setattr(backend, "_has_metal", lambda: False)
+    monkeypatch.setattr(backend, "_has_cuda", lambda: False)
+    assert backend.resolve_device("auto") == "cpu"
+
+
+def test_an_absent_device_is_a_clear_error(monkeypatch):
+    from workbench.engine import backend
+
+    monkeypatch.setattr(backend, "_has_cuda", lambda: False)
+    monkeypatch.setattr(backend, "_has_metal", lambda: False)
+    with pytest.raises(backend.DeviceUnavailableError, match="cupy"):
+        backend.resolve_device("cuda")
+    with pytest.raises(backend.DeviceUnavailableError, match="mlx"):
+        backend.resolve_device("metal")
+    with pytest.raises(ValueError, match="unknown device .tpu.; choose one of auto"):
+        backend.resolve_device("tpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    import transformers
+
+    from tests.test_tiny_models import COMMON
+
+    arch, cfg_name, kwargs, _ = VARIANTS["qwen3"]
+    config = getattr(transformers, cfg_name)(
+        **{**COMMON, **kwargs}, bos_token_id=VOCAB.eos_id, eos_token_id=VOCAB.eos_id,
+        pad_token_id=VOCAB.eos_id)
+    path = tmp_path_factory.mktemp("device") / "qwen3.gguf"
+    build_tiny(transformers.Qwen3ForCausalLM, config, 99, arch, F32, path, PROMPT)
+    return path
+
+
+def test_mlx_is_the_device_signal(tiny_path):
+    require_device("mlx")
+    with open_llm(tiny_path, "mlx") as m:
+        assert m.device.peek() == "mlx"
+        assert type(m.backend).__name__ == "MLXBackend"
+        assert m.generate(PROMPT, max_tokens=4, temperature=0).token_ids == \
+            open_llm(tiny_path, "cpu").generate(PROMPT, max_tokens=4, temperature=0).token_ids
+
+
+# -- traffic ----------------------------------------------------------------------------------
+
+class DeviceArray(np.ndarray):
+    """A NumPy array standing for one in GPU memory: reading it on the host is counted."""
+
+    traffic: list | None = None
+
+    def _read(self, what: str):
+        if DeviceArray.traffic is not None:
+            DeviceArray.traffic.append(("down", what, self.nbytes))
+
+    def __int__(self):
+        self._read("int")
+        return int(np.asarray(self))
+
+    def __float__(self):
+        self._read("float")
+        return float(np.asarray(self))
+
+    def __bool__(self):
+        self._read("bool")
+        return bool(np.asarray(self))
+
+    def __index__(self):
+        self._read("index")
+        return np.asarray(self).__index__()
+
+    def item(self, *args):
+        self._read("item")
+        return np.asarray(self).item(*args)
+
+    def tolist(self):
+        self._read("tolist")
+        return np.asarray(self).tolist()
+
+
+def _on_device(x):
+    """What the module returned, as CuPy would: a device array (0-d for a reduction)."""
+    if isinstance(x, np.generic):
+        return np.asarray(x).view(DeviceArray)
+    return x.view(DeviceArray) if isinstance(x, np.ndarray) and not isinstance(
+        x, DeviceArray) else x
+
+
+class CountingNumPy(types.SimpleNamespace):
+    """NumPy as a CuPy stand-in: what `asarray` takes from the host and `asnumpy` gives
+    back is logged; everything the module makes is a `DeviceArray`."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list = []
+
+    def __getattr__(self, name):
+        value = getattr(np, name)
+        if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, np.ufunc)) or (
+                callable(value) and type(value).__name__ == "_ArrayFunctionDispatcher"):
+            def device_call(*args, **kwargs):
+                out = value(*args, **kwargs)
+                return tuple(map(_on_device, out)) if isinstance(out, tuple) else _on_device(out)
+            return device_call
+        return value
+
+    def asarray(self, a, dtype=None):
+        if not isinstance(a, DeviceArray):
+            self.log.append(("up", "asarray", np.asarray(a).nbytes))
+        return np.asarray(a, dtype=dtype).view(DeviceArray)
+
+    def asnumpy(self, a):
+        self.log.append(("down", "asnumpy", np.asarray(a).nbytes))
+        return np.array(a)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, top_k=40,
+                                                                 top_p=0.9, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_decode_copies_one_token_id_per_step(tiny_path, sampling):
+    from workbench import LLM
+    from workbench.engine.backend import CupyBackend
+    from workbench.engine.gguf import open_gguf
+    from workbench.kernels.cuda import ReferenceKernels
+
+    xp = CountingNumPy()
+    with LLM(open_gguf(tiny_path), backend=CupyBackend(xp, ReferenceKernels())) as m:
+        steps = []  # the traffic logged between one token and the next
+        DeviceArray.traffic = xp.log
+        try:
+            run = m.generate(PROMPT, max_tokens=9, logit_bias={VOCAB.eos_id: -100.0},
+                             **sampling)
+            for event in run.iter_events():
+                if event.id is not None:
+                    steps.append(list(xp.log))
+                    xp.log.clear()
+        finally:
+            DeviceArray.traffic = None
+    assert len(steps) == 9
+    assert any(d == "up" for d, _, _ in steps[0])  # the prompt went up
+    for step in steps[1:]:  # each later token: one id down, nothing up
+        assert len(step) == 1, step
+        direction, _, nbytes = step[0]
+        assert direction == "down" and nbytes <= 8, step

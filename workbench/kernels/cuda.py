@@ -1,0 +1,241 @@
+"""CUDA kernels for GGUF weight matrices (`gguf.cu`), and their NumPy stand-in.
+
+A weight matrix of logical shape (N, K) lives on the GPU as the GGUF file stores it: a
+uint8 array of N rows of `quants.row_bytes(qtype, K)` bytes each, rows contiguous (F32
+matrices may arrive as float32 (N, K); only their bytes are used). Nothing is inflated to
+float32 in memory. The kernels of `gguf.cu` decode it in groups of 32 consecutive weights
+of a row (one block of the 32-weight formats, one eighth of a K-quant super-block, or 32
+floats), for every format in `FORMATS`:
+
+- `gemv_<fmt>`: y = x @ W.T for T <= `GEMV_MAX_T` tokens (decode; short prompts): one warp
+  per row of W, each group decoded once and multiplied with every token's 32 inputs.
+- `dequantize_<fmt>`: chosen rows of W as float32 (the embedding lookup), and on the
+  prefill path (T > `GEMV_MAX_T`) tiles of `TILE_WEIGHTS` weights that cuBLAS multiplies
+  (`x @ tile.T`), so the float32 copy of W never exceeds one tile.
+
+The decoders round each product and sum as `workbench.kernels.quants` (the NumPy reference,
+bit-identical to gguf-py) does, so `dequantize` gives the same float32 values; `matmul`
+differs only by float32 summation order.
+
+`CudaKernels` compiles `gguf.cu` with NVRTC through `cupy.RawModule` on first use, once per
+process (CuPy keeps the compiled module in its disk cache). `ReferenceKernels` has the same
+API in plain NumPy, so that `CupyBackend` runs in tests with NumPy standing in for CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from workbench.kernels import quants
+
+Q = GGMLQuantizationType
+
+SOURCE = Path(__file__).with_name("gguf.cu")
+"""The CUDA C++ source of the kernels."""
+
+GEMV_MAX_T = 8
+"""Most tokens (rows of x) the gemv kernels take; `matmul` with more dequantizes tiles and
+uses cuBLAS. Must equal `GEMV_MAX_T` in gguf.cu."""
+
+TILE_WEIGHTS = 1 << 24
+"""Weights dequantized at once on the prefill path (64 MiB of float32)."""
+
+FORMATS: dict[GGMLQuantizationType, str] = {
+    Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16",
+    Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q5_0: "q5_0", Q.Q5_1: "q5_1",
+    Q.Q2_K: "q2_k", Q.Q3_K: "q3_k", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k",
+}
+"""The formats with kernels, and the suffix of their kernels' names in gguf.cu."""
+
+GROUP = 32  # weights one thread decodes at once; every K must be a multiple
+_GEMV_THREADS = 128  # 4 warps per block, one row of W each
+_DEQUANT_THREADS = 256
+_DEQUANT_MAX_BLOCKS = 1 << 16  # the kernel's grid-stride loop covers the rest
+_INT32_MAX = 2**31 - 1
+
+
+def kernel_names() -> list[str]:
+    """The extern "C" kernel names that gguf.cu defines: `dequantize_<fmt>`, `gemv_<fmt>`."""
+    return [f"{kind}_{suffix}" for suffix in FORMATS.values() for kind in ("dequantize", "gemv")]
+
+
+def _supports(qtype: Any) -> bool:
+    try:
+        return GGMLQuantizationType(qtype) in FORMATS
+    except ValueError:
+        return False
+
+
+def _layout(data: Any, qtype: Any, shape: tuple[int, int]) -> tuple[Q, int, int, int]:
+    """Check a weight's data against its format and shape: (qtype, N, K, row_bytes), or a
+    ValueError naming the problem."""
+    if not _supports(qtype):
+        raise quants.UnsupportedQuantError(
+            f"no CUDA kernel for GGML type {getattr(qtype, 'name', qtype)}; supported: "
+            + ", ".join(t.name for t in FORMATS))
+    qtype = GGMLQuantizationType(qtype)
+    if len(shape) != 2:
+        raise ValueError(f"a weight matrix has shape (N, K), got {tuple(shape)}")
+    n, k = (int(v) for v in shape)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if k <= 0 or k % GROUP or k % bs:
+        raise ValueError(f"{qtype.name} kernels need a row length K that is a positive "
+                         f"multiple of {max(GROUP, bs)}, got K={k}")
+    row_bytes = k // bs * ts
+    if data.nbytes != n * row_bytes:
+        raise ValueError(f"{qtype.name} weight of shape ({n}, {k}) needs {n * row_bytes} "
+                         f"bytes, the data has {data.nbytes}")
+    if max(n, k, row_bytes) > _INT32_MAX:
+        raise ValueError(f"weight of shape ({n}, {k}) is too large for the kernels "
+                         "(N, K and the bytes of one row must fit in int32)")
+    return qtype, n, k, row_bytes
+
+
+@functools.cache
+def _module() -> Any:
+    """gguf.cu compiled and loaded (once per process; CuPy also caches it on disk)."""
+    import cupy
+
+    return cupy.RawModule(code=SOURCE.read_text(), options=("--std=c++17",))
+
+
+class CudaKernels:
+    """The RawKernels of gguf.cu for `workbench.engine.backend.CupyBackend`.
+
+    All arrays are CuPy arrays on the current device; the module is compiled on the first
+    call that needs it.
+    """
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.cp = cupy
+
+    def supports(self, qtype: GGMLQuantizationType | int) -> bool:
+        """Whether gguf.cu has kernels for this format."""
+        return _supports(qtype)
+
+    def _kernel(self, kind: str, qtype: Q) -> Any:
+        return _module().get_function(f"{kind}_{FORMATS[qtype]}")
+
+    def _bytes(self, data: Any) -> Any:
+        """The weight's bytes as a flat uint8 array (a view when `data` is contiguous)."""
+        w = self.cp.ascontiguousarray(data).reshape(-1).view(self.cp.uint8)
+        if w.data.ptr % 4:  # F32/F16/BF16 rows are read as 4- and 2-byte words
+            raise ValueError("weight data on the device must be 4-byte aligned")
+        return w
+
+    def matmul(self, data: Any, qtype: GGMLQuantizationType, shape: tuple[int, int],
+               x: Any) -> Any:
+        """x (T, K) float32 @ W.T -> (T, N) float32, for W (N, K) stored in `qtype`.
+
+        data: the GGUF bytes of W on the device (N * row_bytes of them, any shape).
+        T <= `GEMV_MAX_T` runs the gemv kernel; larger T dequantizes W in tiles of
+        `TILE_WEIGHTS` weights and multiplies each with cuBLAS.
+        """
+        cp = self.cp
+        qtype, n, k, row_bytes = _layout(data, qtype, shape)
+        w = self._bytes(data)
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        if x.ndim != 2 or x.shape[1] != k:
+            raise ValueError(f"x must have shape (T, {k}) for a ({n}, {k}) weight, "
+                             f"got {tuple(x.shape)}")
+        t = x.shape[0]
+        if t == 0 or n == 0:
+            return cp.zeros((t, n), dtype=cp.float32)
+        if x.data.ptr % 16:  # a view at an odd offset: the kernels read x as float4
+            x = x.copy()
+
+        if t <= GEMV_MAX_T:
+            y = cp.empty((t, n), dtype=cp.float32)
+            rows_per_block = _GEMV_THREADS // 32
+            grid = (n + rows_per_block - 1) // rows_per_block
+            self._kernel("gemv", qtype)(
+                (grid,), (_GEMV_THREADS,),
+                (w, x, y, np.int32(n), np.int32(k), np.int32(row_bytes), np.int32(t)))
+            return y
+
+        if qtype == Q.F32:  # already float32: cuBLAS on the data itself
+            return x @ w.view(cp.float32).reshape(n, k).T
+        tile_rows = max(1, TILE_WEIGHTS // k)
+        if n <= tile_rows:
+            return x @ self._rows(w, qtype, None, n, n, k, row_bytes).T
+        y = cp.empty((t, n), dtype=cp.float32)
+        for r0 in range(0, n, tile_rows):
+            r1 = min(n, r0 + tile_rows)
+            tile = self._rows(w[r0 * row_bytes : r1 * row_bytes], qtype, None, r1 - r0,
+                              r1 - r0, k, row_bytes)  # (r1 - r0, K)
+            y[:, r0:r1] = x @ tile.T
+        return y
+
+    def dequantize(self, data: Any, qtype: GGMLQuantizationType, shape: tuple[int, int],
+                   ids: Any = None) -> Any:
+        """Rows `ids` of W (N, K) as float32 (len(ids), K); all N rows when ids is None.
+
+        ids: device (or host) integers in [0, N); the kernel cannot raise, so an id
+        outside that range gives a row of NaN.
+        """
+        cp = self.cp
+        qtype, n, k, row_bytes = _layout(data, qtype, shape)
+        w = self._bytes(data)
+        if ids is None:
+            return self._rows(w, qtype, None, n, n, k, row_bytes)
+        ids = cp.ascontiguousarray(cp.asarray(ids, dtype=cp.int64).reshape(-1))
+        if ids.size > _INT32_MAX:
+            raise ValueError(f"too many row ids ({ids.size}) for one call")
+        return self._rows(w, qtype, ids, ids.size, n, k, row_bytes)
+
+    def _rows(self, w: Any, qtype: Q, ids: Any, n_rows: int, n: int, k: int,
+              row_bytes: int) -> Any:
+        """Run dequantize_<fmt>: rows ids (int64), or rows 0..n_rows when ids is None."""
+        cp = self.cp
+        out = cp.empty((n_rows, k), dtype=cp.float32)
+        if n_rows == 0:
+            return out
+        total = n_rows * (k // GROUP)  # one thread per group of 32 weights
+        grid = min((total + _DEQUANT_THREADS - 1) // _DEQUANT_THREADS, _DEQUANT_MAX_BLOCKS)
+        ids_arg = np.uint64(0) if ids is None else ids  # 8 zero bytes: a null pointer
+        self._kernel("dequantize", qtype)(
+            (grid,), (_DEQUANT_THREADS,),
+            (w, ids_arg, out, np.int32(n_rows), np.int32(n), np.int32(k),
+             np.int32(row_bytes)))
+        return out
+
+
+class ReferenceKernels:
+    """The API of `CudaKernels` in plain NumPy (`quants.dequantize` on the bytes): the
+    numerical reference for the kernels, and what `CupyBackend` runs in tests with NumPy
+    standing in for CuPy. Unlike the kernels it raises on an id outside [0, N)."""
+
+    def supports(self, qtype: GGMLQuantizationType | int) -> bool:
+        """Whether `CudaKernels` has kernels for this format."""
+        return _supports(qtype)
+
+    def matmul(self, data: np.ndarray, qtype: GGMLQuantizationType,
+               shape: tuple[int, int], x: np.ndarray) -> np.ndarray:
+        """x (T, K) float32 @ W.T -> (T, N) float32."""
+        qtype, n, k, _ = _layout(data, qtype, shape)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != k:
+            raise ValueError(f"x must have shape (T, {k}) for a ({n}, {k}) weight, "
+                             f"got {x.shape}")
+        return x @ self.dequantize(data, qtype, shape).T
+
+    def dequantize(self, data: np.ndarray, qtype: GGMLQuantizationType,
+                   shape: tuple[int, int], ids: Any = None) -> np.ndarray:
+        """Rows `ids` of W (N, K) as float32 (len(ids), K); all N rows when ids is None."""
+        qtype, n, k, row_bytes = _layout(data, qtype, shape)
+        rows = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(n, row_bytes)
+        if ids is not None:
+            ids = np.asarray(ids).reshape(-1)
+            if ids.dtype.kind not in "iu":
+                raise ValueError(f"row ids must be integers, got {ids.dtype}")
+            if ids.size and (ids.min() < 0 or ids.max() >= n):
+                raise ValueError(f"row ids must lie in [0, {n})")
+            rows = rows[ids]
+        return quants.dequantize(rows, qtype).reshape(-1, k)
