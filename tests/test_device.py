@@ -17,7 +17,7 @@ import types
 import numpy as np
 import pytest
 
-from tests.conftest import open_llm, require_device
+from tests.conftest import DEVICES, open_llm, require_device
 from tests.hf_to_gguf import F32, tiny_vocab
 from tests.test_tiny_models import VARIANTS, build_tiny
 
@@ -181,3 +181,59 @@ def test_decode_copies_one_token_id_per_step(tiny_path, sampling):
         assert len(step) == 1, step
         direction, _, nbytes = step[0]
         assert direction == "down" and nbytes <= 8, step
+
+
+# -- sampling on the device ---------------------------------------------------------------------
+
+def _backend(device: str):
+    from tests.conftest import cuda_on_numpy
+    from workbench.engine.backend import get_backend
+
+    require_device(device)
+    return cuda_on_numpy() if device == "cuda-on-numpy" else get_backend(device)
+
+
+GPU_DEVICES = [d for d in DEVICES if d != "cpu"]
+HISTORY = [3, 3, 7, 11, 3, 20]
+
+
+@pytest.mark.parametrize("device", GPU_DEVICES)
+def test_device_greedy_equals_the_host_sampler(device):
+    from workbench.engine.sampling import DeviceSampler, Sampler, SamplingParams
+
+    be = _backend(device)
+    rng = np.random.default_rng(0)
+    mask = rng.random(300) < 0.3
+    for i in range(20):
+        logits = (rng.standard_normal(300) * 3).astype(np.float32)
+        params = SamplingParams(temperature=0, repeat_penalty=1.3, frequency_penalty=0.4,
+                                presence_penalty=0.2, logit_bias={5: 2.5, 9: -100.0})
+        allowed = mask if i % 2 else None
+        want = Sampler(params, 300).sample(logits, HISTORY, allowed)
+        got, token = DeviceSampler(params, 300, be).sample_device(be.asarray(logits), HISTORY,
+                                                                   allowed)
+        assert got == want and int(be.to_host(token)[0]) == got
+
+
+@pytest.mark.parametrize("device", GPU_DEVICES)
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+    dict(temperature=1.5, top_k=0, top_p=0.7, min_p=0.0),
+    dict(temperature=0.5, top_k=5, top_p=1.0, min_p=0.0, repeat_penalty=1.5),
+], ids=["defaults", "top-p", "top-k"])
+def test_device_sampling_draws_from_the_host_distribution(device, params):
+    """Many draws on the device and on the host: the same tokens, with frequencies within
+    a total variation distance of 0.05 (2000 draws each; the seeds are fixed)."""
+    from workbench.engine.sampling import DeviceSampler, Sampler, SamplingParams
+
+    be = _backend(device)
+    logits = (np.random.default_rng(1).standard_normal(64) * 2).astype(np.float32)
+    p = SamplingParams(**params, seed=11)
+    host, dev = Sampler(p, 64), DeviceSampler(p, 64, be)
+    on_device = be.asarray(logits)
+    n = 2000
+    a = np.bincount([host.sample(logits, HISTORY) for _ in range(n)], minlength=64) / n
+    b = np.bincount([dev.sample_device(on_device, HISTORY)[0] for _ in range(n)],
+                    minlength=64) / n
+    assert set(np.flatnonzero(b)) <= set(np.flatnonzero(a))
+    assert 0.5 * np.abs(a - b).sum() < 0.05, (a, b)
