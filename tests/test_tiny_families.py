@@ -97,15 +97,9 @@ def engine(built):
     m.close()
 
 
-_MOE = ("mixtral", "qwen2moe", "qwen3moe")
-
-
 @pytest.fixture(params=DEVICES)
 def any_engine(built, request):
-    """The model on each of `DEVICES` (the mixture-of-experts ones on the NumPy engine only:
-    the GPU backends refuse them, see `test_gpu_backends_refuse_mixtures_of_experts`)."""
-    if request.param != "cpu" and built.name in _MOE:
-        pytest.skip("mixtures of experts run on the cpu device only")
+    """The model on each of `DEVICES`."""
     m = open_llm(built.path, request.param, kv_cache_size=1024)
     yield m
     m.close()
@@ -258,11 +252,3 @@ def test_prefix_cache_of_a_rotating_cache(built, engine, tmp_path):
     assert engine.generate(PROMPT[:510], prefix=prefix, **opts).token_ids == \
         engine.generate(PROMPT[:510], **opts).token_ids
 
-
-@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
-def test_gpu_backends_refuse_mixtures_of_experts(tmp_path, device):
-    from workbench.engine.backend import DeviceUnavailableError
-
-    built = Built("qwen3moe", tmp_path)
-    with pytest.raises(DeviceUnavailableError, match="mixture-of-experts"):
-        open_llm(built.path, device)

@@ -214,6 +214,10 @@ class CupyBackend(Backend):
         return asnumpy(a) if asnumpy is not None else np.asarray(a)
 
     def _weight(self, w: QuantizedWeight) -> DeviceWeight:
+        # F32 goes to cuBLAS as it is; so do F16/BF16 rows that are not whole groups of 32,
+        # which the kernels decode (a 48-wide expert, say)
+        if w.qtype == Q.F32 or (w.qtype in (Q.F16, Q.BF16) and w.shape[1] % GROUP):
+            return DenseWeight(self, w)
         return CupyWeight(self, w)
 
     def erf(self, x: Any) -> Any:
@@ -306,8 +310,9 @@ class MLXQuantizedWeight:
 
 
 class DenseWeight:
-    """A matrix in a float format on the device: F16 and BF16 as they are (products in
-    float32), the rest (F32, Q6_K, Q2_K, Q3_K) as float32."""
+    """A matrix in a float format on the device: F16, and BF16 where the array module has
+    bfloat16 (MLX), as they are (products in float32); the rest as float32 (MLX: Q6_K,
+    Q2_K, Q3_K; CuPy: F32, and F16/BF16 rows the kernels cannot decode)."""
 
     def __init__(self, backend: Backend, w: QuantizedWeight):
         xp = self.xp = backend.xp
@@ -315,7 +320,8 @@ class DenseWeight:
         if w.qtype == Q.F16:
             self.w = backend.asarray(np.asarray(w.data).reshape(-1).view(np.float16)
                                      .reshape(w.shape))
-        elif w.qtype == Q.BF16:  # NumPy has no bfloat16: widen on the host, narrow on device
+        elif w.qtype == Q.BF16 and hasattr(xp, "bfloat16"):  # MLX: widen on the host,
+            # narrow on the device (NumPy and CuPy have no bfloat16: they keep float32)
             self.w = backend.asarray(w.dequantize()).astype(xp.bfloat16)
         else:
             self.w = backend.asarray(w.dequantize())

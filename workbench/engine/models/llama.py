@@ -39,7 +39,7 @@ import numpy as np
 
 from workbench.engine.gguf import GGUFError, GGUFFile
 from workbench.engine.kv_cache import KVCache, KVPool, LayerKVCache
-from workbench.engine.models.moe import MoEFeedForward
+from workbench.engine.models.moe import DeviceMoEFeedForward, MoEFeedForward
 from workbench.engine.models.weights import fused, linear, vector
 from workbench.kernels import cpu, layers
 from workbench.kernels.decode import StackWeights, decode_stack
@@ -519,19 +519,12 @@ class DeviceLlamaModel:
     device: positions are Python ints that slice the device's RoPE tables and
     caches, and `hidden` / `device_logits` return device arrays. `logits` returns
     NumPy, for the callers that read every logit (branches, speculative decoding,
-    `LLM.forward`).
-
-    Mixture-of-experts models run on the CPU only for now.
+    `LLM.forward`). Mixture-of-experts layers copy their routing to the host
+    (`DeviceMoEFeedForward`).
     """
 
     def __init__(self, model: LlamaModel, backend):
         cfg = self.config = model.config
-        if cfg.n_expert:
-            from workbench.engine.backend import DeviceUnavailableError
-
-            raise DeviceUnavailableError(
-                f"{cfg.arch}: mixture-of-experts models run on the cpu device only so far "
-                "(load with device='cpu')")
         self.backend, self.xp, self.max_len = backend, backend.xp, model.max_len
         self.embed_scale = float(model.embed_scale)
         self.embed = backend.weight(model.embed)
@@ -616,19 +609,22 @@ class DeviceLlamaModel:
                 a = _rms(be, a, layer.post_attn_norm, cfg.norm_eps)
             x = x + a
             h = _rms(be, x, layer.ffn_norm, cfg.norm_eps)
-            gu = layer.gate_up.matmul(h)  # (T, 2 n_ff): gate, then up
-            n_ff = gu.shape[1] // 2
-            gate, up = gu[:, :n_ff], gu[:, n_ff:]
-            if self.gelu:  # tanh GELU
-                act = 0.5 * gate * (1.0 + self.xp.tanh(0.7978845608028654 * (
-                    gate + 0.044715 * gate * gate * gate)))
-            else:
-                act = gate / (1.0 + self.xp.exp(-gate))
-            f = layer.down.matmul(act * up)
+            f = layer.moe(h) if layer.moe is not None else self._feed_forward(layer, h)
             if layer.post_ffn_norm is not None:
                 f = _rms(be, f, layer.post_ffn_norm, cfg.norm_eps)
             x = x + f
         return _rms(be, x, self.norm, cfg.norm_eps)
+
+    def _feed_forward(self, layer, h):
+        gu = layer.gate_up.matmul(h)  # (T, 2 n_ff): gate, then up
+        n_ff = gu.shape[1] // 2
+        gate, up = gu[:, :n_ff], gu[:, n_ff:]
+        if self.gelu:  # tanh GELU
+            act = 0.5 * gate * (1.0 + self.xp.tanh(0.7978845608028654 * (
+                gate + 0.044715 * gate * gate * gate)))
+        else:
+            act = gate / (1.0 + self.xp.exp(-gate))
+        return layer.down.matmul(act * up)
 
     def device_logits(self, hidden):
         """(T, n_embd) device hidden states -> (T, n_vocab) device logits."""
@@ -679,7 +675,12 @@ class _DeviceLayer:
         self.bqkv = backend.vector(attn.bqkv)
         self.wo = backend.weight(attn.wo)
         self.q_norm, self.k_norm = backend.vector(attn.q_norm), backend.vector(attn.k_norm)
-        self.gate_up, self.down = backend.weight(block.ffn.gate_up), backend.weight(block.ffn.down)
+        self.moe = None
+        if isinstance(block.ffn, MoEFeedForward):
+            self.moe = DeviceMoEFeedForward(block.ffn, backend)
+        else:
+            self.gate_up = backend.weight(block.ffn.gate_up)
+            self.down = backend.weight(block.ffn.down)
         self.window = attn.window
         self.cos, self.sin = cos, sin  # (max_len, rope_dim / 2)
         self.rope_dim, self.neox = attn.rope.dim, attn.rope.neox

@@ -75,3 +75,54 @@ def _swiglu(gate_up, down, x: np.ndarray) -> np.ndarray:
     h = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
     layers.silu_mul(gu, h)
     return down.matmul(h)
+
+
+class DeviceMoEFeedForward:
+    """`MoEFeedForward` on a GPU backend's arrays (`workbench.engine.backend`).
+
+    The router, the top-k choice and the weights run on the device; the chosen expert
+    ids (T, n_used) are then copied to the host, so that only the experts some token
+    is routed to are run, each on its own tokens. That is one small copy per layer and
+    step, the one exception to "nothing but the token id leaves the device".
+    """
+
+    def __init__(self, ffn: MoEFeedForward, backend):
+        self.backend, self.n_used, self.normalize = backend, ffn.n_used, ffn.normalize
+        self.router = backend.weight(ffn.router)
+        self.gate_up = [backend.weight(w) for w in ffn.gate_up]
+        self.down = [backend.weight(w) for w in ffn.down]
+        self.shared = None
+        if ffn.shared is not None:
+            gate_up, down, gate = ffn.shared
+            self.shared = (backend.weight(gate_up), backend.weight(down), backend.vector(gate))
+
+    def __call__(self, x):
+        """x (T, n_embd) device array -> (T, n_embd)."""
+        be = self.backend
+        xp = be.xp
+        probs = be.softmax(self.router.matmul(x), axis=-1)  # (T, n_expert)
+        chosen = xp.argsort(-probs, axis=1)[:, : self.n_used]  # (T, n_used), best first
+        weights = xp.take_along_axis(probs, chosen, axis=1)
+        if self.normalize:
+            weights = weights / weights.sum(axis=1, keepdims=True)
+        routes = be.to_host(chosen)
+        out = xp.zeros_like(x)
+        for e in np.unique(routes):
+            rows, rank = np.nonzero(routes == e)  # the tokens routed to expert e (once each)
+            r, k = be.asarray(rows.astype(np.int32)), be.asarray(rank.astype(np.int32))
+            y = _device_swiglu(xp, self.gate_up[e], self.down[e], x[r])
+            out[r] = out[r] + weights[r, k][:, None] * y
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            y = _device_swiglu(xp, gate_up, down, x)
+            if gate is not None:
+                y = y * (1.0 / (1.0 + xp.exp(-(x @ gate))))[:, None]
+            out = out + y
+        return out
+
+
+def _device_swiglu(xp, gate_up, down, x):
+    gu = gate_up.matmul(x)  # (T, 2 F): gate, then up
+    n = gu.shape[1] // 2
+    gate = gu[:, :n]
+    return down.matmul(gate / (1.0 + xp.exp(-gate)) * gu[:, n:])
