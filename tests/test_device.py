@@ -237,3 +237,33 @@ def test_device_sampling_draws_from_the_host_distribution(device, params):
                     minlength=64) / n
     assert set(np.flatnonzero(b)) <= set(np.flatnonzero(a))
     assert 0.5 * np.abs(a - b).sum() < 0.05, (a, b)
+
+
+# -- branches and prefix caches on a device cache -------------------------------------------
+
+@pytest.mark.parametrize("device", GPU_DEVICES)
+def test_branches_and_prefixes_on_a_device(tiny_path, device):
+    """A fork of a device cache (copied on the device) continues like a fresh run; a
+    prefix cache saved from it (via the host) restores into another."""
+    from workbench.engine.branch import Branch, BranchStore
+
+    with open_llm(tiny_path, device) as m, open_llm(tiny_path, "cpu") as ref:
+        store = BranchStore(m, max_active=3)
+        root = Branch.create(m, {"temperature": 0}, store=store)
+        root.prefill(PROMPT)
+        child = root.fork()
+        child.commit(int(np.argsort(-child.logits)[1]))  # off the greedy path
+        for b in (root, child):
+            history = b.tokens
+            got = []
+            for _ in range(6):
+                token, stop = b.produce()
+                if stop:
+                    break
+                b.commit(token)
+                got.append(token)
+            assert got == ref.generate(history, temperature=0, max_tokens=len(got)).token_ids
+        prefix = m.prefix(PROMPT[:8])
+        opts = dict(max_tokens=5, temperature=0)
+        assert m.generate(PROMPT, prefix=prefix, **opts).token_ids == \
+            ref.generate(PROMPT, **opts).token_ids

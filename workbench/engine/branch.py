@@ -149,7 +149,7 @@ class Branch:
         constraint = resolve_grammar(grammar, schema)
         n_vocab = model.config.n_vocab
         matcher = constraint.matcher(model.tokenizer, n_vocab) if constraint else None
-        cache = KVCache(store.pool, store._lease())
+        cache = store.pool.cache(store._lease())
         return cls(store, cache, Sampler(params, n_vocab), matcher, max_tokens=max_tokens,
                    logprobs=logprobs, logits_processors=logits_processors)
 

@@ -79,7 +79,11 @@ class KVPool:
 
     def caches(self) -> list[KVCache]:
         """One `KVCache` per slot."""
-        return [KVCache(self, s) for s in range(self.n_slots)]
+        return [self.cache(s) for s in range(self.n_slots)]
+
+    def cache(self, slot: int) -> KVCache:
+        """A cache on slot `slot` (empty; whatever the slot held is overwritten as it fills)."""
+        return KVCache(self, slot)
 
 
 class LayerKVCache:
@@ -334,7 +338,11 @@ class DeviceKVPool:
 
     def caches(self) -> list[DeviceKVCache]:
         """One `DeviceKVCache` per slot."""
-        return [DeviceKVCache(self, s) for s in range(self.n_slots)]
+        return [self.cache(s) for s in range(self.n_slots)]
+
+    def cache(self, slot: int) -> DeviceKVCache:
+        """A cache on slot `slot`."""
+        return DeviceKVCache(self, slot)
 
 
 class DeviceKVCache(KVCache):
