@@ -10,6 +10,12 @@
   error rate <= 0.15, long audio in chunks with silence skipped; base detects English
   and French. whisper.cpp itself (pywhispercpp) loads the converted file.
 - Bad input: stereo 44.1 kHz files, empty audio, NaN samples, truncated files.
+
+The fidelity checks run on every device: the NumPy engine ("cpu"), the MLX backend
+("mlx", `mlx[cpu]` here) and, for the tiny model and one short transcription, the CuPy
+backend's code with NumPy standing in for CuPy ("cuda-on-numpy"). Off the cpu a
+transcript must be the cpu's token for token, and the logits of a real model must stay
+within 1e-4 relative of the cpu's.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import wave
 import numpy as np
 import pytest
 
-from tests.conftest import reference, shared_file
+from tests.conftest import DEVICES, cuda_on_numpy, reference, require_device, shared_file
 
 JFK = ("And so, my fellow Americans, ask not what your country can do for you, "
        "ask what you can do for your country.")
@@ -49,6 +55,21 @@ def jfk_pcm() -> np.ndarray:
     from workbench.engine.audio import load_audio
 
     return load_audio(shared_file("data", "whisper", "jfk.wav"))
+
+
+def _backend(device: str):
+    """The `Backend` of a test device other than "cpu"."""
+    from workbench.engine.backend import get_backend
+
+    require_device(device)
+    return cuda_on_numpy() if device == "cuda-on-numpy" else get_backend(device)
+
+
+def net_on(net, device: str):
+    """A loaded `Whisper` as it runs on `device`: itself on the cpu, else a `DeviceWhisper`."""
+    from workbench.engine.models.whisper import DeviceWhisper
+
+    return net if device == "cpu" else DeviceWhisper(net, _backend(device))
 
 
 # -- the file format -------------------------------------------------------------------------
@@ -136,8 +157,9 @@ def _tiny_whisper(f16: bool):
     return model
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
-def test_tiny_whisper_matches_transformers(tmp_path, f16):
+def test_tiny_whisper_matches_transformers(tmp_path, f16, device):
     import torch
 
     from tests.whisper_to_bin import F16, F32, write_bin
@@ -148,7 +170,7 @@ def test_tiny_whisper_matches_transformers(tmp_path, f16):
     model = _tiny_whisper(f16)
     path = write_bin(model, tmp_path / "tiny.bin", mel_filters(80),
                      [bytes([i]) for i in range(100)], F16 if f16 else F32)
-    net = Whisper(WhisperFile(path))
+    net = net_on(Whisper(WhisperFile(path)), device)
     mel = np.random.default_rng(0).standard_normal((80, 3000)).astype(np.float32)
     tokens = [1, 5, 7, 9, 11, 13, 17, 19]
     with torch.no_grad():
@@ -156,6 +178,9 @@ def test_tiny_whisper_matches_transformers(tmp_path, f16):
         ref_logits = model(input_features=torch.from_numpy(mel)[None],
                            decoder_input_ids=torch.tensor([tokens])).logits[0].numpy()
     enc = net.encode(mel)
+    if device != "cpu":  # the encoder output stays on the device
+        assert not isinstance(enc, np.ndarray) or device == "cuda-on-numpy"
+        enc = net.backend.to_host(enc)
     assert np.abs(enc - ref_enc).max() <= RTOL * np.abs(ref_enc).max()
     # the whole sequence in one call
     logits = net.decode(np.array([tokens]), net.new_cache(enc), all_logits=True)[0]
@@ -166,14 +191,20 @@ def test_tiny_whisper_matches_transformers(tmp_path, f16):
     steps += [net.decode(np.array([[t]]), cache)[0] for t in tokens[3:]]
     assert np.abs(np.stack(steps) - ref_logits[2:]).max() <= RTOL * np.abs(ref_logits).max()
     # three sequences at once, reordered as beam search does
+    other = [1, 13, 11, 17]
     cache = net.new_cache(enc, batch=3)
-    net.decode(np.array([tokens[:4]] * 3), cache)
+    net.decode(np.array([tokens[:4], [1, 9, 7, 5], other]), cache)
     cache.reorder([2, 0, 0])
     out = net.decode(np.array([[tokens[4]]] * 3), cache)
-    assert np.abs(out - ref_logits[4]).max() <= RTOL * np.abs(ref_logits).max()
+    assert np.abs(out[1:] - ref_logits[4]).max() <= RTOL * np.abs(ref_logits).max()
+    alone = net.decode(np.array([other + [tokens[4]]]), net.new_cache(enc))[0]
+    assert np.abs(out[0] - alone).max() <= RTOL * np.abs(alone).max()
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        net.decode(np.array([[120]]), net.new_cache(enc))
 
 
-def test_tiny_whisper_q8_0(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_whisper_q8_0(tmp_path, device):
     """Q8_0 matrices (whisper.cpp's quantized files) run on the quantized kernels."""
     import torch
     from gguf import GGMLQuantizationType
@@ -189,6 +220,7 @@ def test_tiny_whisper_q8_0(tmp_path):
     assert f.tensors["encoder.blocks.0.mlp.0.weight"].qtype == GGMLQuantizationType.Q8_0
     net = Whisper(f)
     assert net.encoder_blocks[0].up.qtype == GGMLQuantizationType.Q8_0
+    net = net_on(net, device)
     mel = np.random.default_rng(1).standard_normal((80, 3000)).astype(np.float32)
     tokens = [1, 5, 7, 9]
     with torch.no_grad():
@@ -216,39 +248,105 @@ def test_log_mel_matches_transformers_feature_extractor():
 # -- the real models --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny_en():
-    from workbench import WhisperModel
+def whisper():
+    """`whisper(alias, device)`: the model, loaded once per alias and device in this module."""
+    from workbench import WhisperModel, registry
+    from workbench.engine.whisper_file import WhisperFile
 
-    with WhisperModel.load("whisper-tiny.en") as w:
-        yield w
+    models = {}
+
+    def get(alias: str, device: str = "cpu") -> WhisperModel:
+        if (alias, device) not in models:
+            if device == "cuda-on-numpy":
+                models[alias, device] = WhisperModel(WhisperFile(registry.resolve(alias)),
+                                                     backend=_backend(device))
+            else:
+                require_device(device)
+                models[alias, device] = WhisperModel.load(alias, device=device)
+        return models[alias, device]
+
+    yield get
+    for m in models.values():
+        m.close()
 
 
 @pytest.fixture(scope="module")
-def base():
-    from workbench import WhisperModel
+def tiny_en(whisper):
+    return whisper("whisper-tiny.en")
 
-    with WhisperModel.load("whisper-base") as w:
-        yield w
+
+_CPU_TRANSCRIPTS: dict[tuple, object] = {}  # the cpu's transcripts, made once per input
+
+
+def transcribe(whisper, alias: str, device: str, audio_id: str, audio, **options):
+    """`whisper(alias, device).transcribe(audio, **options)`; off the cpu the transcript must
+    be the cpu's, token for token and segment for segment."""
+    t = whisper(alias, device).transcribe(audio, **options)
+    key = (alias, audio_id, tuple(sorted(options.items())))
+    if device == "cpu":
+        _CPU_TRANSCRIPTS[key] = t
+    else:
+        if key not in _CPU_TRANSCRIPTS:
+            _CPU_TRANSCRIPTS[key] = whisper(alias).transcribe(audio, **options)
+        cpu = _CPU_TRANSCRIPTS[key]
+        assert (t, t.tokens, t.segments) == (cpu, cpu.tokens, cpu.segments), \
+            f"{device}: {str(t)!r}\ncpu: {str(cpu)!r}"
+    return t
+
+
+REAL_DEVICES = ("cpu", "mlx")  # the real models' long runs (cuda-on-numpy: one, below)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", REAL_DEVICES)
 @pytest.mark.parametrize("beam_size", [1, 5])
-def test_jfk_word_for_word(tiny_en, beam_size):
-    t = tiny_en.transcribe(shared_file("data", "whisper", "jfk.wav"), beam_size=beam_size)
+def test_jfk_word_for_word(whisper, beam_size, device):
+    t = transcribe(whisper, "whisper-tiny.en", device, "jfk",
+                   shared_file("data", "whisper", "jfk.wav"), beam_size=beam_size)
     assert wer(t, JFK) == 0, str(t)
     assert t.language == "en" and len(t.segments) == 1
     assert t.segments[0].start == 0 and t.segments[0].end == pytest.approx(11.0, abs=0.02)
-    assert t.tokens[0] == tiny_en.tokenizer.sot
+    assert t.tokens[0] == whisper("whisper-tiny.en").tokenizer.sot
 
 
 @pytest.mark.slow
-def test_jfk_timestamps(tiny_en):
-    t = tiny_en.transcribe(jfk_pcm(), timestamps=True)
+@pytest.mark.parametrize("device", REAL_DEVICES)
+def test_jfk_timestamps(whisper, device):
+    t = transcribe(whisper, "whisper-tiny.en", device, "jfk", jfk_pcm(), timestamps=True)
     assert wer(t, JFK) == 0
     assert len(t.segments) >= 2
     starts = [s.start for s in t.segments]
     assert starts == sorted(starts) and starts[0] <= 1.0
     assert all(s.start < s.end <= 11.0 for s in t.segments)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["mlx", "cuda-on-numpy"])
+def test_device_logits_match_cpu(whisper, device):
+    """tiny.en on JFK: the encoder output and the decoder's logits along the cpu's greedy
+    path (one call, and step by step with beams reordered) against the cpu's."""
+    cpu, dev = whisper("whisper-tiny.en"), whisper("whisper-tiny.en", device)
+    mel = cpu.log_mel(jfk_pcm())[:, :3000]
+    ref_enc = cpu.net.encode(mel)
+    enc = dev.net.encode(mel)
+    assert np.abs(dev.backend.to_host(enc) - ref_enc).max() <= RTOL * np.abs(ref_enc).max()
+    path = cpu.transcribe_mel(mel, 1100).tokens  # the prompt, the text, EOT
+    ref = cpu.net.decode(np.array([path]), cpu.net.new_cache(ref_enc), all_logits=True)[0]
+    ours = dev.net.decode(np.array([path]), dev.net.new_cache(enc), all_logits=True)[0]
+    assert np.abs(ours - ref).max() <= RTOL * np.abs(ref).max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    cache = dev.net.new_cache(enc, batch=2)
+    dev.net.decode(np.array([path[:3], path[:2] + [path[5]]]), cache)
+    cache.reorder([0, 0])
+    steps = [dev.net.decode(np.array([[t], [t]]), cache) for t in path[3:8]]
+    assert np.abs(np.stack(steps)[:, 1] - ref[3:8]).max() <= RTOL * np.abs(ref).max()
+
+
+@pytest.mark.slow
+def test_cuda_backend_on_numpy_transcribes_like_cpu(whisper):
+    """The CuPy backend's code path (NumPy standing in for CuPy) gives the cpu's transcript."""
+    t = transcribe(whisper, "whisper-tiny.en", "cuda-on-numpy", "jfk", jfk_pcm(), max_tokens=8)
+    assert words(t)[:4] == ["and", "so", "my", "fellow"]
 
 
 def _espeak(text: str, voice: str, tmp_path) -> np.ndarray:
@@ -268,10 +366,12 @@ def _espeak(text: str, voice: str, tmp_path) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_espeak_sentences_beam5(tiny_en, base, tmp_path):
+@pytest.mark.parametrize("device", REAL_DEVICES)
+def test_espeak_sentences_beam5(whisper, tmp_path, device):
+    base = whisper("whisper-base", device)
     text = reference("whisper_tiny_en_faster_whisper.json")["espeak_text"]
     pcm = _espeak(text, "en-us", tmp_path)
-    t = tiny_en.transcribe(pcm, beam_size=5)
+    t = transcribe(whisper, "whisper-tiny.en", device, "espeak", pcm, beam_size=5)
     assert wer(t, text) <= 0.15, str(t)
     language, p = base.detect_language(pcm)
     assert language == "en" and p > 0.5
@@ -279,19 +379,20 @@ def test_espeak_sentences_beam5(tiny_en, base, tmp_path):
                      "Le train pour Paris part à huit heures.", "fr", tmp_path)
     language, p = base.detect_language(french)
     assert language == "fr" and p > 0.5
-    t = base.transcribe(french, language="auto")
+    t = transcribe(whisper, "whisper-base", device, "espeak-fr", french, language="auto")
     assert t.language == "fr" and "paris" in words(t)
     with pytest.raises(ValueError, match="unknown language 'xx'"):
         base.transcribe(french, language="xx")
 
 
 @pytest.mark.slow
-def test_long_audio_in_chunks_skips_silence(tiny_en):
+@pytest.mark.parametrize("device", REAL_DEVICES)
+def test_long_audio_in_chunks_skips_silence(whisper, device):
     pcm = jfk_pcm()
     gap = np.zeros(30 * 16000 - len(pcm), np.float32)
     audio = np.concatenate([pcm, gap, pcm, gap, np.zeros(5 * 16000, np.float32)])
     assert len(audio) == 65 * 16000
-    t = tiny_en.transcribe(audio)
+    t = transcribe(whisper, "whisper-tiny.en", device, "jfk-long", audio)
     assert [(s.start, round(s.end)) for s in t.segments] == [(0.0, 30), (30.0, 60)]
     for segment in t.segments:
         assert wer(segment.text, JFK) == 0, segment.text

@@ -165,6 +165,13 @@ class Backend:
     def erf(self, x: Any) -> Any:
         raise NotImplementedError
 
+    def layer_norm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any:
+        """LayerNorm over the last axis (BERT's and Whisper's)."""
+        xp = self.xp
+        d = x - xp.mean(x, axis=-1, keepdims=True)
+        var = xp.mean(d * d, axis=-1, keepdims=True)
+        return d * (1.0 / xp.sqrt(var + eps)) * weight + bias
+
 
 class StackedWeight:
     """Matrices of different formats standing in for one stacked matrix (Q, K, V of a

@@ -33,8 +33,7 @@ from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_g
 from workbench.engine.grammar import Grammar, GrammarMatcher, resolve_grammar
 from workbench.engine.kv_cache import KVCache, PrefixCache
 from workbench.engine.models import gemma3, llama
-from workbench.engine.sampling import (DeviceSampler, Sampler, SamplingParams, entropy,
-                                       log_softmax)
+from workbench.engine.sampling import DeviceSampler, Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
 from workbench.engine.tokenizers.stream import StreamDecoder
 from workbench.signals import BusyCounter, Signal

@@ -15,6 +15,12 @@ and language tokens never sampled, no blank or end at the start, timestamps in
 increasing pairs (`timestamps=True`) that begin each segment within its first
 second. Whisper's non-speech annotations (`[BLANK_AUDIO]`, `[silent]`,
 `[music]`, `[inaudible]` ...) are removed from the text.
+
+`device` picks where the network runs, as for `LLM`: "auto" (metal, then cuda, then
+cpu), "cpu" (NumPy), "cuda" (CuPy), "metal" or "mlx". On a GPU the encoder, the
+decoder and its caches stay on the device; the spectrogram goes up once per chunk and
+one row of logits per sequence comes back per step, for the search, which runs on the
+host whatever the device.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import numpy as np
 
 from workbench import registry
 from workbench.engine.audio import SAMPLE_RATE, AudioError, load_audio
-from workbench.engine.backend import resolve_device
+from workbench.engine.backend import Backend, get_backend, resolve_device
 from workbench.engine.models import whisper as arch
 from workbench.engine.sampling import log_softmax
 from workbench.engine.tokenizers.whisper import WhisperTokenizer
@@ -88,13 +94,22 @@ def clean_text(text: str) -> str:
 class WhisperModel:
     """A Whisper speech recognizer loaded from a whisper.cpp `.bin` file."""
 
-    def __init__(self, f: WhisperFile, *, device: str = "auto"):
-        self.device: Signal[str] = Signal(resolve_device(device), name="device")
+    def __init__(self, f: WhisperFile, *, device: str = "auto", backend: Backend | None = None):
+        """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx"
+        (MLX on any platform). `backend`: a `workbench.engine.backend.Backend` to run on
+        instead of the one `device` names (the tests run the CuPy backend's code with
+        NumPy standing in for CuPy)."""
+        name = backend.name if backend is not None else resolve_device(device)
+        self.device: Signal[str] = Signal(name, name="device")
         self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
         self._busy = BusyCounter(self.busy)
         self.path: Path = f.path
-        self.net: arch.Whisper | None = arch.Whisper(f)
-        self.config = self.net.config
+        self.backend = backend or get_backend(name)  # None on the cpu
+        net = arch.Whisper(f)
+        self.config = net.config
+        if self.backend is not None:  # weights uploaded once, the host copies dropped
+            net = arch.DeviceWhisper(net, self.backend)
+        self.net: arch.Whisper | arch.DeviceWhisper | None = net
         self.tokenizer = WhisperTokenizer(f.tokens, f.hparams.n_vocab)
         self._lock = threading.Lock()
 
@@ -182,7 +197,7 @@ class WhisperModel:
         return arch.log_mel_spectrogram(pcm, self._net().mel_filters, padding=padding)
 
     # -- internals -------------------------------------------------------------------------
-    def _net(self) -> arch.Whisper:
+    def _net(self) -> arch.Whisper | arch.DeviceWhisper:
         if self.net is None:
             raise RuntimeError("this WhisperModel has been closed")
         return self.net
@@ -238,7 +253,7 @@ class WhisperModel:
                           language_probability=language_probability,
                           segments=[s for s in segments if s.text], tokens=all_tokens)
 
-    def _language_probs(self, features: np.ndarray) -> np.ndarray:
+    def _language_probs(self, features) -> np.ndarray:
         """Probabilities of the language tokens after `<|startoftranscript|>`."""
         tok = self.tokenizer
         cache = self._net().new_cache(features)
@@ -275,8 +290,10 @@ class WhisperModel:
         return out
 
     # -- decoding --------------------------------------------------------------------------
-    def _decode(self, features: np.ndarray, prompt: list[int], beam_size: int,
-                max_tokens: int, timestamps: bool) -> list[int]:
+    def _decode(self, features, prompt: list[int], beam_size: int, max_tokens: int,
+                timestamps: bool) -> list[int]:
+        """The tokens decoded after `prompt` from one chunk's encoder output `features`
+        (NumPy, or a device array on a GPU backend)."""
         net = self._net()
         cache = net.new_cache(features)
         logits = net.decode(np.array([prompt]), cache)  # (1, V)
@@ -284,8 +301,8 @@ class WhisperModel:
             return self._greedy(cache, logits, max_tokens, timestamps)
         return self._beam(cache, logits, beam_size, max_tokens, timestamps)
 
-    def _greedy(self, cache: arch.DecoderCache, logits: np.ndarray, max_tokens: int,
-                timestamps: bool) -> list[int]:
+    def _greedy(self, cache: arch.DecoderCache | arch.DeviceDecoderCache, logits: np.ndarray,
+                max_tokens: int, timestamps: bool) -> list[int]:
         eot = self.tokenizer.eot
         out: list[int] = []
         for _ in range(max_tokens):
@@ -297,8 +314,8 @@ class WhisperModel:
             logits = self._net().decode(np.array([[token]]), cache)
         return out
 
-    def _beam(self, cache: arch.DecoderCache, logits: np.ndarray, beam_size: int,
-              max_tokens: int, timestamps: bool) -> list[int]:
+    def _beam(self, cache: arch.DecoderCache | arch.DeviceDecoderCache, logits: np.ndarray,
+              beam_size: int, max_tokens: int, timestamps: bool) -> list[int]:
         """Beam search: each beam's best `beam_size + 1` continuations compete on
         cumulative log-probability; going down that ranking until `beam_size` continue,
         those that end in EOT are set aside as finished. The search stops once

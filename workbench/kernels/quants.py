@@ -332,7 +332,8 @@ def _aff_q4_0(b: np.ndarray):
 
 
 def _aff_q4_1(b: np.ndarray):
-    return _nibbles(b[:, 4:20], 16), _fp16(b[:, 0], b[:, 1])[:, None], _fp16(b[:, 2], b[:, 3])[:, None]
+    d, m = _fp16(b[:, 0], b[:, 1])[:, None], _fp16(b[:, 2], b[:, 3])[:, None]
+    return _nibbles(b[:, 4:20], 16), d, m
 
 
 def _aff_q5_0(b: np.ndarray):

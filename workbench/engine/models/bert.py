@@ -195,7 +195,7 @@ class DeviceBertModel:
         B, T = ids.shape
         D = cfg.n_embd
         x = self.embed.rows(be.asarray(ids.reshape(-1).astype(np.int32))).reshape(B, T, D)
-        x = _layer_norm(xp, x + self.positions[:T] + self.token_type, *self.embed_norm,
+        x = be.layer_norm(x + self.positions[:T] + self.token_type, *self.embed_norm,
                         cfg.norm_eps)
         padding = None  # (B, 1, 1, T) True at the keys past each sequence's end
         if int(lengths.min()) < T:
@@ -204,14 +204,6 @@ class DeviceBertModel:
         for layer in self.layers:
             x = layer(be, cfg, x, padding)
         return x
-
-
-def _layer_norm(xp, x, weight, bias, eps: float):
-    """LayerNorm over the last axis of a device array."""
-    mu = xp.mean(x, axis=-1, keepdims=True)
-    d = x - mu
-    var = xp.mean(d * d, axis=-1, keepdims=True)
-    return d * (1.0 / xp.sqrt(var + eps)) * weight + bias
 
 
 class _DeviceBertLayer:
@@ -239,9 +231,9 @@ class _DeviceBertLayer:
         if padding is not None:
             scores = xp.where(padding, -np.inf, scores)
         a = (be.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B * T, D)
-        flat = _layer_norm(xp, flat + self.wo.matmul(a) + self.bo, *self.attn_norm, cfg.norm_eps)
+        flat = be.layer_norm(flat + self.wo.matmul(a) + self.bo, *self.attn_norm, cfg.norm_eps)
         h = self.up.matmul(flat) + self.b_up  # (B*T, F)
         h = 0.5 * h * (1.0 + be.erf(h * 0.7071067811865476))  # exact GELU
-        flat = _layer_norm(xp, flat + self.down.matmul(h) + self.b_down, *self.out_norm,
+        flat = be.layer_norm(flat + self.down.matmul(h) + self.b_down, *self.out_norm,
                            cfg.norm_eps)
         return flat.reshape(B, T, D)

@@ -524,7 +524,7 @@ class DeviceLlamaModel:
     """
 
     def __init__(self, model: LlamaModel, backend):
-        cfg = self.config = model.config
+        self.config = model.config
         self.backend, self.xp, self.max_len = backend, backend.xp, model.max_len
         self.embed_scale = float(model.embed_scale)
         self.embed = backend.weight(model.embed)
