@@ -3,7 +3,8 @@
 Each fidelity module runs again in a child pytest with `WORKBENCH_TEST_DEVICES=cuda`
 (tests/conftest.py), so every device-parametrized check (llama.cpp golden runs,
 tiny transformers models, sentence-transformers embeddings, Whisper transcripts)
-runs on `device="cuda"`; `bench/llm.py --device cuda` then prints the speed table.
+runs on `device="cuda"`, and so does the device sampler's comparison with the host's
+(tests/test_device.py); `bench/llm.py --device cuda` then prints the speed table.
 The CUDA kernels themselves are checked in tests/test_cuda_kernels.py. Without a GPU
 every test here is skipped, with the reason.
 """
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 FIDELITY = ["tests/test_tiny_models.py", "tests/test_tiny_families.py",
             "tests/test_llamacpp_reference.py", "tests/test_encoder.py",
-            "tests/test_whisper.py"]
+            "tests/test_whisper.py", "tests/test_device.py"]
 
 
 def _cuda_reason() -> str | None:
