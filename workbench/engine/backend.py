@@ -142,7 +142,7 @@ class Backend:
         """Upload a `QuantizedWeight` (or a `weights.Stacked` of them) once."""
         parts = getattr(w, "parts", None)
         if parts is not None:
-            return StackedWeight([self.weight(p) for p in parts])
+            return StackedWeight([self.weight(p) for p in parts], self.xp)
         return self._weight(w)
 
     def _weight(self, w: QuantizedWeight) -> DeviceWeight:
@@ -177,27 +177,12 @@ class StackedWeight:
     """Matrices of different formats standing in for one stacked matrix (Q, K, V of a
     Q4_K_M file, say): the outputs side by side."""
 
-    def __init__(self, parts: list[DeviceWeight]):
-        self.parts = parts
+    def __init__(self, parts: list[DeviceWeight], xp: Any):
+        self.parts, self.xp = parts, xp
         self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
-        self._xp_concat = None
 
     def matmul(self, x: Any) -> Any:
-        outs = [p.matmul(x) for p in self.parts]
-        return _concatenate(outs, x)
-
-
-def _concatenate(arrays: list[Any], like: Any) -> Any:
-    mod = type(like).__module__.split(".")[0]
-    if mod == "mlx":
-        import mlx.core as mx
-
-        return mx.concatenate(arrays, axis=-1)
-    if mod == "cupy":
-        import cupy
-
-        return cupy.concatenate(arrays, axis=-1)
-    return np.concatenate(arrays, axis=-1)
+        return self.xp.concatenate([p.matmul(x) for p in self.parts], axis=-1)
 
 
 # -- CuPy -----------------------------------------------------------------------------------
