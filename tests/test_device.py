@@ -183,6 +183,33 @@ def test_decode_copies_one_token_id_per_step(tiny_path, sampling):
         assert direction == "down" and nbytes <= 8, step
 
 
+def test_batched_decode_copies_one_token_id_per_sequence_and_step(tiny_path):
+    """`generate_batch` on the device: every copy down is one token id, one per sequence
+    and step, and what goes up does not grow with the number of steps."""
+    from workbench import LLM
+    from workbench.engine.backend import CupyBackend
+    from workbench.engine.gguf import open_gguf
+    from workbench.kernels.cuda import ReferenceKernels
+
+    xp = CountingNumPy()
+    prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
+    ups = []
+    with LLM(open_gguf(tiny_path), backend=CupyBackend(xp, ReferenceKernels())) as m:
+        DeviceArray.traffic = xp.log
+        try:
+            for n in (3, 7):
+                xp.log.clear()
+                outs = m.generate_batch(prompts, max_tokens=n, temperature=0,
+                                        logit_bias={VOCAB.eos_id: -100.0})
+                assert [len(o.token_ids) for o in outs] == [n] * 3
+                down = [b for d, _, b in xp.log if d == "down"]
+                assert len(down) == 3 * n and max(down) <= 8, xp.log
+                ups.append(sum(d == "up" for d, _, _ in xp.log))
+        finally:
+            DeviceArray.traffic = None
+    assert ups[0] == ups[1]
+
+
 # -- sampling on the device ---------------------------------------------------------------------
 
 def _backend(device: str):
