@@ -107,6 +107,16 @@ def get_backend(device: str) -> Backend | None:
     raise ValueError(f"unknown device {device!r}")
 
 
+def select_backend(device: str = "auto", backend: Backend | None = None
+                   ) -> tuple[str, Backend | None]:
+    """The device name a model reports and the backend it runs on: `backend` itself when
+    given (the tests' stand-ins), else `device` resolved (None for the cpu)."""
+    if backend is not None:
+        return backend.name, backend
+    name = resolve_device(device)
+    return name, get_backend(name)
+
+
 class DeviceWeight(Protocol):
     """A (N, K) weight matrix resident on a device."""
 

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from workbench import registry
-from workbench.engine.backend import Backend, get_backend, resolve_device
+from workbench.engine.backend import Backend, select_backend
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.models import bert, gemma3, llama
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
@@ -85,13 +85,12 @@ class Encoder:
             raise UnsupportedArchitectureError(
                 f"{gguf.path.name}: architecture {arch!r} is not an encoder this engine runs; "
                 f"supported: {', '.join(bert.ARCHITECTURES)}{hint}")
-        name = backend.name if backend is not None else resolve_device(device)
+        name, self.backend = select_backend(device, backend)  # no backend: the cpu
         self.device: Signal[str] = Signal(name, name="device")
         self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
         self._busy = BusyCounter(self.busy)
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
-        self.backend = backend or get_backend(name)  # None on the cpu
         model = bert.BertModel(gguf)
         self.config = model.config
         if self.backend is not None:  # weights uploaded once, the host copies dropped

@@ -27,7 +27,7 @@ import numpy as np
 
 from workbench import registry
 from workbench.engine import chat_template
-from workbench.engine.backend import Backend, get_backend, resolve_device
+from workbench.engine.backend import Backend, select_backend
 from workbench.engine.chat_template import render as render_chat
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.grammar import Grammar, GrammarMatcher, resolve_grammar
@@ -232,14 +232,13 @@ class LLM:
             )
         if kv_cache_size < 1:
             raise ValueError("kv_cache_size must be >= 1")
-        name = backend.name if backend is not None else resolve_device(device)
+        name, self.backend = select_backend(device, backend)  # no backend: the cpu
         self.device: Signal[str] = Signal(name, name="device")
         self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
         self._busy = BusyCounter(self.busy)
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
-        self.backend = backend or get_backend(name)  # None on the cpu
         self.model = _MODEL_CLASSES[arch](gguf, kv_cache_size)
         if self.backend is not None:  # weights uploaded once, the host copies dropped
             self.model = llama.DeviceLlamaModel(self.model, self.backend)

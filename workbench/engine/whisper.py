@@ -36,7 +36,7 @@ import numpy as np
 
 from workbench import registry
 from workbench.engine.audio import SAMPLE_RATE, AudioError, load_audio
-from workbench.engine.backend import Backend, get_backend, resolve_device
+from workbench.engine.backend import Backend, select_backend
 from workbench.engine.models import whisper as arch
 from workbench.engine.sampling import log_softmax
 from workbench.engine.tokenizers.whisper import WhisperTokenizer
@@ -99,12 +99,11 @@ class WhisperModel:
         (MLX on any platform). `backend`: a `workbench.engine.backend.Backend` to run on
         instead of the one `device` names (the tests run the CuPy backend's code with
         NumPy standing in for CuPy)."""
-        name = backend.name if backend is not None else resolve_device(device)
+        name, self.backend = select_backend(device, backend)  # no backend: the cpu
         self.device: Signal[str] = Signal(name, name="device")
         self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
         self._busy = BusyCounter(self.busy)
         self.path: Path = f.path
-        self.backend = backend or get_backend(name)  # None on the cpu
         net = arch.Whisper(f)
         self.config = net.config
         if self.backend is not None:  # weights uploaded once, the host copies dropped
