@@ -242,6 +242,14 @@ __device__ __forceinline__ void k_scale_min(const u8* s, int j, int& sc, int& mn
   }
 }
 
+// A Q4_K / Q5_K super-block's d * sc and dmin * mn for sub-block j.
+__device__ __forceinline__ void k_group_scales(const u8* b, int j, float& dl, float& ml) {
+  int sc, mn;
+  k_scale_min(b + 4, j, sc, mn);
+  dl = __fmul_rn(fp16_at(b), (float)sc);
+  ml = __fmul_rn(fp16_at(b + 2), (float)mn);
+}
+
 // Q4_K (144 B): d fp16 | dmin fp16 | 12 B scales and mins | 128 B nibbles: weight
 // 64*c + 32*h + l is nibble h (0 low, 1 high) of qs[32*c + l].
 //                                                   w = (d * sc) * q - dmin * mn
@@ -250,10 +258,8 @@ struct Q4_K {
   __device__ static void decode(const u8* row, int g, float* w) {
     const u8* b = row + (g >> 3) * BLOCK_BYTES;
     const int sub = g & 7;
-    int sc, mn;
-    k_scale_min(b + 4, sub, sc, mn);
-    const float dl = __fmul_rn(fp16_at(b), (float)sc);
-    const float ml = __fmul_rn(fp16_at(b + 2), (float)mn);
+    float dl, ml;
+    k_group_scales(b, sub, dl, ml);
     const u8* qs = b + 16 + 32 * (sub >> 1);
     const int shift = 4 * (sub & 1);
 #pragma unroll
@@ -269,10 +275,8 @@ struct Q5_K {
   __device__ static void decode(const u8* row, int g, float* w) {
     const u8* b = row + (g >> 3) * BLOCK_BYTES;
     const int sub = g & 7;
-    int sc, mn;
-    k_scale_min(b + 4, sub, sc, mn);
-    const float dl = __fmul_rn(fp16_at(b), (float)sc);
-    const float ml = __fmul_rn(fp16_at(b + 2), (float)mn);
+    float dl, ml;
+    k_group_scales(b, sub, dl, ml);
     const u8* qh = b + 16;
     const u8* qs = b + 48 + 32 * (sub >> 1);
     const int shift = 4 * (sub & 1);
