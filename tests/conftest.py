@@ -73,14 +73,15 @@ def require_device(device: str) -> None:
             pytest.fail(f"the mlx tests need `pip install \"mlx[cpu]\"` (a dev dependency): {exc}")
 
 
-def cuda_on_numpy():
-    """The CuPy backend with NumPy standing in for CuPy."""
+def cuda_on_numpy(graphs: bool = True):
+    """The CuPy backend with NumPy standing in for CuPy. With `graphs` (as on a GPU) the
+    decode step takes the path that CUDA graphs record; a "recording" re-runs it."""
     import numpy as np
 
     from workbench.engine.backend import CupyBackend
     from workbench.kernels.cuda import ReferenceKernels
 
-    return CupyBackend(np, ReferenceKernels(), name="cuda")
+    return CupyBackend(np, ReferenceKernels(), name="cuda", graphs=graphs)
 
 
 def open_llm(source, device: str, **options):

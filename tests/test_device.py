@@ -13,11 +13,12 @@
 from __future__ import annotations
 
 import types
+import warnings
 
 import numpy as np
 import pytest
 
-from tests.conftest import DEVICES, open_llm, require_device
+from tests.conftest import DEVICES, cuda_on_numpy, open_llm, require_device
 from tests.hf_to_gguf import F32, tiny_vocab
 from tests.test_tiny_models import VARIANTS, build_tiny
 
@@ -153,17 +154,21 @@ class CountingNumPy(types.SimpleNamespace):
         return np.array(a)
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["recorded", "unrecorded"])
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, top_k=40,
                                                                  top_p=0.9, seed=3)],
                          ids=["greedy", "sampled"])
-def test_decode_copies_one_token_id_per_step(tiny_path, sampling):
+def test_decode_copies_one_token_id_per_step(tiny_path, sampling, graphs):
+    """Both decode paths: the one CUDA graphs record (token and position in device
+    buffers) and the one run op by op."""
     from workbench import LLM
     from workbench.engine.backend import CupyBackend
     from workbench.engine.gguf import open_gguf
     from workbench.kernels.cuda import ReferenceKernels
 
     xp = CountingNumPy()
-    with LLM(open_gguf(tiny_path), backend=CupyBackend(xp, ReferenceKernels())) as m:
+    backend = CupyBackend(xp, ReferenceKernels(), graphs=graphs)
+    with LLM(open_gguf(tiny_path), backend=backend) as m:
         steps = []  # the traffic logged between one token and the next
         DeviceArray.traffic = xp.log
         try:
@@ -175,12 +180,39 @@ def test_decode_copies_one_token_id_per_step(tiny_path, sampling):
                     xp.log.clear()
         finally:
             DeviceArray.traffic = None
+        assert bool(m._cache.pool.recordings) == graphs
     assert len(steps) == 9
     assert any(d == "up" for d, _, _ in steps[0])  # the prompt went up
     for step in steps[1:]:  # each later token: one id down, nothing up
         assert len(step) == 1, step
         direction, _, nbytes = step[0]
         assert direction == "down" and nbytes <= 8, step
+
+
+def test_a_failed_recording_falls_back_to_the_unrecorded_step(tiny_path):
+    """A backend that cannot record the decode step (CuPy raising while capturing) warns
+    once and decodes the same tokens without recordings."""
+    from workbench import LLM
+    from workbench.engine.gguf import open_gguf
+
+    opts = dict(max_tokens=6, temperature=0, logit_bias={VOCAB.eos_id: -100.0})
+    want = open_llm(tiny_path, "cpu").generate(PROMPT, **opts).token_ids
+    backend = cuda_on_numpy()
+
+    def capture(step):
+        raise RuntimeError("cudaErrorStreamCaptureUnsupported")
+
+    backend.capture = capture
+    with LLM(open_gguf(tiny_path), backend=backend) as m, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert m.generate(PROMPT, **opts).token_ids == want
+        assert m.generate(PROMPT[2:], **opts).token_ids == \
+            open_llm(tiny_path, "cpu").generate(PROMPT[2:], **opts).token_ids
+        assert not m.model._recording and not m._cache.pool.recordings
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "recording the decode step failed" in messages[0]
+    assert "cudaErrorStreamCaptureUnsupported" in messages[0]
 
 
 def test_batched_decode_copies_one_token_id_per_sequence_and_step(tiny_path):
@@ -213,7 +245,6 @@ def test_batched_decode_copies_one_token_id_per_sequence_and_step(tiny_path):
 # -- sampling on the device ---------------------------------------------------------------------
 
 def _backend(device: str):
-    from tests.conftest import cuda_on_numpy
     from workbench.engine.backend import get_backend
 
     require_device(device)

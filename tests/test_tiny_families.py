@@ -141,6 +141,34 @@ def test_logits_chunks_then_decode(built, any_engine):
         assert not pool.keys[local, cache.slot, :, pool.ring :].any()
 
 
+@pytest.mark.parametrize("device", [d for d in DEVICES if d.startswith("cuda")])
+def test_recorded_decode_steps(built, device, monkeypatch):
+    """The decode step as CUDA graphs record it (`DeviceLlamaModel.step_logits`: token
+    and position read from device buffers, attention over a span of positions with those
+    ahead masked) against transformers, over span boundaries and past the number of
+    recordings kept (spans of 16 here, 2 kept), sliding windows included."""
+    from workbench.engine.models import llama
+
+    monkeypatch.setattr(llama, "STEP_SPAN", 16)
+    monkeypatch.setattr(llama, "MAX_RECORDINGS", 2)
+    with open_llm(built.path, device, kv_cache_size=1024) as m:
+        model, be = m.model, m.backend
+        assert be.records
+        cache = model.new_cache()
+        parts = [model.forward(PROMPT[:560], cache)[-1:]]
+        for t in PROMPT[560:]:
+            logits = model.step_logits(t, cache, be.asarray(np.array([t], np.int32)))
+            parts.append(be.to_host(logits)[None])
+        assert cache.offset == 600 and cache.tokens == PROMPT
+        recorded = cache.pool.recordings.get(cache.slot)
+        if any(layer.moe is not None for layer in model.layers):
+            assert recorded is None  # experts route through the host: never recorded
+        else:
+            assert list(recorded.steps) == [592, 608]  # the last two spans of 16
+    _assert_close(np.concatenate(parts), built.ref[559:],
+                  f"{built.name}: 560 tokens, then 40 recorded decode steps")
+
+
 def test_longrope_short_factors(tmp_path):
     """A cache no longer than the original context (64) selects the short factors, as
     transformers does for sequences that short."""

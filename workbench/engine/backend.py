@@ -6,6 +6,8 @@
   own classes; no `Backend` object is involved).
 - "cuda": CuPy on an NVIDIA GPU. Weights are uploaded once in their GGUF formats and
   run by the RawKernels of `workbench/kernels/gguf.cu` (`workbench.kernels.cuda`).
+  `Backend.capture` records a step as a CUDA graph (`CudaGraph`), which the LLM's
+  decode step uses (`WORKBENCH_CUDA_GRAPHS=0` turns it off).
 - "metal": MLX on Apple silicon. "mlx" forces the MLX backend on any platform (on
   macOS that is Metal; on Linux `pip install "mlx[cpu]"` runs it on the CPU, which is
   how its array code is tested without a Mac). Weights whose GGUF format has affine
@@ -24,7 +26,9 @@ crosses between host and device goes through `asarray` (host to device) and
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -134,6 +138,7 @@ class Backend:
 
     name: str
     xp: Any
+    records = False  # whether `capture` records (the CUDA backend: graphs)
 
     # -- traffic ------------------------------------------------------------------------
     def asarray(self, a: Any, dtype: Any = None) -> Any:
@@ -146,6 +151,17 @@ class Backend:
 
     def eval(self, *arrays: Any) -> None:
         """Force pending computation (MLX is lazy; CuPy runs eagerly)."""
+
+    def capture(self, step: Callable[[], Any]) -> Callable[[], Any] | None:
+        """Record `step` so that calling the result replays it at a fraction of its launch
+        cost; None where this backend records nothing (the caller then runs `step` itself).
+
+        `step` must be a function of device buffers only: a recording replays the same
+        operations on the same memory, so it may not read a value on the host, copy
+        between host and device, or decide anything from a Python value that changes
+        between calls. Its result is the same device array on every replay (overwritten
+        by the next one)."""
+        return None
 
     # -- weights ------------------------------------------------------------------------
     def weight(self, w: Any) -> DeviceWeight:
@@ -204,8 +220,15 @@ class CupyBackend(Backend):
     in for CuPy and `workbench.kernels.cuda.ReferenceKernels` for the RawKernels.
     """
 
-    def __init__(self, xp: Any, kernels: Any, name: str = "cuda"):
+    def __init__(self, xp: Any, kernels: Any, name: str = "cuda", graphs: bool | None = None):
+        """graphs: whether `capture` records CUDA graphs. None (the default): on CuPy
+        unless the environment sets WORKBENCH_CUDA_GRAPHS=0. True with NumPy standing in
+        for CuPy: `capture` returns `step` itself, so that the tests run the recorded
+        path's Python code."""
         self.xp, self.kernels, self.name = xp, kernels, name
+        if graphs is None:
+            graphs = xp is not np and os.environ.get("WORKBENCH_CUDA_GRAPHS", "1") != "0"
+        self.records = graphs
         self._erf = None
 
     def asarray(self, a: Any, dtype: Any = None) -> Any:
@@ -214,6 +237,13 @@ class CupyBackend(Backend):
     def to_host(self, a: Any) -> np.ndarray:
         asnumpy = getattr(self.xp, "asnumpy", None)
         return asnumpy(a) if asnumpy is not None else np.asarray(a)
+
+    def capture(self, step: Callable[[], Any]) -> Callable[[], Any] | None:
+        if not self.records:
+            return None
+        if self.xp is np or not hasattr(self.xp, "cuda"):  # a stand-in: nothing to record
+            return step
+        return CudaGraph(self.xp, step)
 
     def _weight(self, w: QuantizedWeight) -> DeviceWeight:
         # F32 goes to cuBLAS as it is; so do F16/BF16 rows that are not whole groups of 32,
@@ -231,6 +261,38 @@ class CupyBackend(Backend):
 
                 self._erf = erf
         return self._erf(x)
+
+
+class CudaGraph:
+    """`step` captured into a CUDA graph; calling the object launches the graph on the
+    current stream and returns the step's result array.
+
+    The capture runs on a stream of its own (capture is not allowed on the legacy
+    default stream), in relaxed mode, with a memory pool of its own: the intermediates
+    the step allocates keep their addresses for every replay, and nothing else is
+    given that memory while the graph lives. The step should have run once eagerly
+    before (to compile kernels and create library handles outside the capture).
+    """
+
+    def __init__(self, cp: Any, step: Callable[[], Any]):
+        self.cp = cp
+        self.pool = cp.cuda.MemoryPool()
+        stream = cp.cuda.Stream(non_blocking=True)
+        with cp.cuda.using_allocator(self.pool.malloc), stream:
+            stream.begin_capture()
+            try:
+                self.out = step()
+            except BaseException:
+                try:  # end the broken capture; its error is the one to report
+                    stream.end_capture()
+                except Exception:
+                    pass
+                raise
+            self.graph = stream.end_capture()
+
+    def __call__(self) -> Any:
+        self.graph.launch(stream=self.cp.cuda.get_current_stream())
+        return self.out
 
 
 def _math_erf(v: float) -> float:

@@ -751,8 +751,7 @@ class LLM:
                     if self.backend is None:
                         logits = model.logits(model.hidden(np.asarray([token]), cache))[0]
                     else:  # the sampled id is already on the device: nothing to upload
-                        hidden = model.hidden(np.asarray([token]), cache, seq.device_token)
-                        logits = model.device_logits(hidden)[0]
+                        logits = model.step_logits(token, cache, seq.device_token)
         finally:
             self._busy.__exit__()
             if owns_shared:

@@ -32,6 +32,8 @@ builds on the classes here.
 
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +51,13 @@ _NEOX = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma3")
 _QK_NORM = ("qwen3", "qwen3moe", "gemma3")
 # whether the chosen experts' weights are rescaled to sum to 1, when the file does not say
 _EXPERT_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+
+STEP_SPAN = 256
+"""A recorded decode step attends over the cache's positions up to the next multiple of
+STEP_SPAN (those after the token masked), so one recording serves STEP_SPAN positions."""
+MAX_RECORDINGS = 8
+"""Recorded decode steps kept per KV-pool slot (the least recently used is dropped)."""
+_RECORDING_ERRORS = (RuntimeError,)  # what CuPy raises when a CUDA graph cannot be made
 
 
 @dataclass(frozen=True)
@@ -516,11 +525,14 @@ class DeviceLlamaModel:
     Built from a loaded `LlamaModel`: every weight is uploaded once
     (`Backend.weight`), and the host copies are dropped with the CPU model. The
     caches are a `DeviceKVPool`'s. A decode step moves nothing between host and
-    device: positions are Python ints that slice the device's RoPE tables and
-    caches, and `hidden` / `device_logits` return device arrays. `logits` returns
-    NumPy, for the callers that read every logit (branches, speculative decoding,
-    `LLM.forward`). Mixture-of-experts layers copy their routing to the host
-    (`DeviceMoEFeedForward`).
+    device: in `hidden` positions are Python ints that slice the device's RoPE tables
+    and caches, and `hidden` / `device_logits` return device arrays. `step_logits`,
+    the generation loop's step, reads the token and its position from device buffers
+    instead, so that the backend can record it once and replay it (CUDA graphs:
+    one launch per token instead of a few hundred). `logits` returns NumPy, for the
+    callers that read every logit (branches, speculative decoding, `LLM.forward`).
+    Mixture-of-experts layers copy their routing to the host (`DeviceMoEFeedForward`),
+    so their steps are never recorded.
     """
 
     def __init__(self, model: LlamaModel, backend):
@@ -538,6 +550,10 @@ class DeviceLlamaModel:
         self.layers = [_DeviceLayer(b, backend, *tables[id(b.attn.rope)]) for b in model.blocks]
         self.gelu = isinstance(model.blocks[0].ffn, FeedForward) and \
             model.blocks[0].ffn.act is layers.gelu_mul
+        self.positions = backend.asarray(np.arange(model.max_len, dtype=np.int32))
+        # recorded decode steps: where the backend records, for models without experts
+        # (their routing goes through the host), until a recording fails
+        self._recording = backend.records and all(layer.moe is None for layer in self.layers)
 
     # -- caches -----------------------------------------------------------------------------
     def new_pool(self, n_slots: int, max_len: int | None = None):
@@ -602,9 +618,15 @@ class DeviceLlamaModel:
     def _layers(self, x, caches, counts):
         """x (sum(counts), D): `counts[i]` tokens of `caches[i]`, each at its next positions."""
         cfg, be = self.config, self.backend
+        return self._stack(x, lambda i, layer, h: layer.attention(be, cfg, h, caches, counts, i))
+
+    def _stack(self, x, attend):
+        """The layers and the final norm; `attend(i, layer, h)` is layer i's attention of
+        its normed input h."""
+        cfg, be = self.config, self.backend
         for i, layer in enumerate(self.layers):
             h = _rms(be, x, layer.attn_norm, cfg.norm_eps)
-            a = layer.attention(be, cfg, h, caches, counts, i)
+            a = attend(i, layer, h)
             if layer.post_attn_norm is not None:
                 a = _rms(be, a, layer.post_attn_norm, cfg.norm_eps)
             x = x + a
@@ -625,6 +647,46 @@ class DeviceLlamaModel:
         else:
             act = gate / (1.0 + self.xp.exp(-gate))
         return layer.down.matmul(act * up)
+
+    # -- decoding one sequence, recorded ---------------------------------------------------
+    def step_logits(self, token: int, cache, device_token):
+        """Feed one sampled token (`token` on the host, `device_token` the same id still
+        on the device, shape (1,)) at the cache's next position; return the logits
+        (n_vocab,) on the device.
+
+        Where the backend records (`Backend.capture`: CUDA graphs), the step runs from a
+        recording of its kernels, one per slot and span of `STEP_SPAN` positions
+        (`_StepRecordings`); else, and for mixture-of-experts models, it is `hidden`
+        then `device_logits`."""
+        if not self._recording:
+            return self.device_logits(self.hidden(np.asarray([token]), cache, device_token))[0]
+        self._check_ids([token])
+        cache.check_room(1)
+        pool = cache.pool
+        recordings = pool.recordings.get(cache.slot)
+        if recordings is None:
+            recordings = pool.recordings[cache.slot] = _StepRecordings(self, pool, cache.slot)
+        try:
+            logits = recordings.run(device_token, cache.offset)
+        except _RECORDING_ERRORS as e:  # the backend could not record it: run unrecorded
+            warnings.warn(f"recording the decode step failed ({e}); decoding without it",
+                          RuntimeWarning, stacklevel=2)
+            self._recording = False
+            pool.recordings.clear()
+            return self.device_logits(self.hidden(np.asarray([token]), cache, device_token))[0]
+        cache.advance([token])
+        return logits
+
+    def _recorded_step(self, token, pos, keys, values, length: int):
+        """The decode step as `Backend.capture` records it: token (1,) and pos (1,) int32
+        device buffers, the slot's keys and values per layer ((n_kv, max_len, hd) views
+        into the pool), attention over the first `length` positions (those past `pos`
+        masked). Nothing here depends on the position as a Python value."""
+        cfg, be = self.config, self.backend
+        x = self._embed(token)  # (1, D)
+        h = self._stack(x, lambda i, layer, h: layer.attend_at(
+            be, cfg, h, keys[i], values[i], pos, self.positions[:length]))
+        return self.device_logits(h)  # (1, n_vocab)
 
     def device_logits(self, hidden):
         """(T, n_embd) device hidden states -> (T, n_vocab) device logits."""
@@ -656,6 +718,42 @@ class DeviceLlamaModel:
         del cache.tokens[start:end]
 
 
+class _StepRecordings:
+    """The recorded decode steps of one KV-pool slot, one per span of `STEP_SPAN`
+    positions, in least-recently-used order. The token and its position reach a
+    recording through two device buffers, written before each replay (a device copy
+    and a fill: nothing crosses from the host but a kernel argument)."""
+
+    def __init__(self, model: DeviceLlamaModel, pool, slot: int):
+        xp = model.xp
+        self.model, self.max_len = model, pool.max_len
+        self.token = xp.zeros((1,), dtype=xp.int32)
+        self.pos = xp.zeros((1,), dtype=xp.int32)
+        self.keys = [k[slot] for k in pool.keys]  # (n_kv, max_len, hd) views, per layer
+        self.values = [v[slot] for v in pool.values]
+        self.steps: OrderedDict[int, object] = OrderedDict()
+
+    def run(self, device_token, offset: int):
+        """Logits (n_vocab,) on the device of the token `device_token` (1,) at `offset`."""
+        self.token[...] = device_token
+        self.pos.fill(offset)
+        length = min(self.max_len, (offset // STEP_SPAN + 1) * STEP_SPAN)
+        step = self.steps.get(length)
+        if step is not None:
+            self.steps.move_to_end(length)
+            return step()[0].copy()  # the recording's output is overwritten by its next replay
+
+        def unrecorded():
+            return self.model._recorded_step(self.token, self.pos, self.keys, self.values,
+                                             length)
+
+        logits = unrecorded()  # this step, run directly: kernels compile before the capture
+        self.steps[length] = self.model.backend.capture(unrecorded) or unrecorded
+        if len(self.steps) > MAX_RECORDINGS:
+            self.steps.popitem(last=False)
+        return logits[0]
+
+
 def _rms(be, x, weight, eps: float):
     """RMSNorm over the last axis on device arrays."""
     xp = be.xp
@@ -685,10 +783,9 @@ class _DeviceLayer:
         self.cos, self.sin = cos, sin  # (max_len, rope_dim / 2)
         self.rope_dim, self.neox = attn.rope.dim, attn.rope.neox
 
-    def _rope(self, xp, x, start: int):
-        """Rotate x (T, heads, head_dim) for positions start .. start + T - 1."""
-        T, d = x.shape[0], self.rope_dim
-        cos, sin = self.cos[start : start + T, None, :], self.sin[start : start + T, None, :]
+    def _rope(self, xp, x, cos, sin):
+        """Rotate x (T, heads, head_dim) by the angles' cos and sin (T, 1, rope_dim / 2)."""
+        d = self.rope_dim
         if self.neox:
             a, b = x[..., : d // 2], x[..., d // 2 : d]
             parts = [a * cos - b * sin, a * sin + b * cos]
@@ -700,10 +797,8 @@ class _DeviceLayer:
             parts.append(x[..., d:])
         return xp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
-    def attention(self, be, cfg: LlamaConfig, h, caches, counts, layer: int):
-        """h (sum(counts), D) normed input -> (sum(counts), D) attention output; writes each
-        sequence's new keys and values into its cache."""
-        xp = be.xp
+    def _qkv(self, be, cfg: LlamaConfig, h):
+        """h (T, D) normed input -> q (T, n_head, hd), k and v (T, n_kv, hd), before RoPE."""
         n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         qkv = self.wqkv.matmul(h)
         if self.bqkv is not None:
@@ -715,6 +810,25 @@ class _DeviceLayer:
         if self.q_norm is not None:
             q = _rms(be, q, self.q_norm, cfg.norm_eps)
             k = _rms(be, k, self.k_norm, cfg.norm_eps)
+        return q, k, v
+
+    def _attend(self, be, cfg: LlamaConfig, q, kk, vv, hidden):
+        """q (T, n_head, hd) over keys and values kk, vv (n_kv, S, hd), with `hidden`
+        (T, S) or (S,) True where a query may not look (None: nowhere) -> (T, n_head * hd)."""
+        xp = be.xp
+        T, (n_head, n_kv, hd) = q.shape[0], (cfg.n_head, cfg.n_head_kv, cfg.head_dim)
+        qg = q.reshape(T, n_kv, n_head // n_kv, hd).transpose(1, 2, 0, 3)  # (n_kv, group, T, hd)
+        scores = (qg @ kk[:, None].swapaxes(-1, -2)) * (1.0 / float(np.sqrt(hd)))
+        if hidden is not None:  # scores: (n_kv, group, T, S)
+            scores = xp.where(hidden, -np.inf, scores)
+        out = be.softmax(scores, axis=-1) @ vv[:, None]  # (n_kv, group, T, hd)
+        return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)
+
+    def attention(self, be, cfg: LlamaConfig, h, caches, counts, layer: int):
+        """h (sum(counts), D) normed input -> (sum(counts), D) attention output; writes each
+        sequence's new keys and values into its cache."""
+        xp = be.xp
+        q, k, v = self._qkv(be, cfg, h)
         outs, row = [], 0
         for cache, count in zip(caches, counts):  # each sequence at its own positions
             span = slice(row, row + count)
@@ -728,24 +842,36 @@ class _DeviceLayer:
         start + T - 1 -> (T, n_head * hd)."""
         xp = be.xp
         start, T = cache.offset, q.shape[0]
-        n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        q, k = self._rope(xp, q, start), self._rope(xp, k, start)
-        keys, values = cache.pool.keys[layer], cache.pool.values[layer]
         end = start + T
+        cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]
+        q, k = self._rope(xp, q, cos, sin), self._rope(xp, k, cos, sin)
+        keys, values = cache.pool.keys[layer], cache.pool.values[layer]
         keys[cache.slot, :, start:end] = k.transpose(1, 0, 2)
         values[cache.slot, :, start:end] = v.transpose(1, 0, 2)
         lo = max(0, start - self.window + 1) if self.window else 0
-        kk = keys[cache.slot, :, lo:end]  # (n_kv, S, hd), positions lo .. end - 1
-        vv = values[cache.slot, :, lo:end]
-        group = n_head // n_kv
-        qg = q.reshape(T, n_kv, group, hd).transpose(1, 2, 0, 3)  # (n_kv, group, T, hd)
-        scores = (qg @ kk[:, None].swapaxes(-1, -2)) * (1.0 / float(np.sqrt(hd)))
-        if T > 1:  # (n_kv, group, T, S): query t at start + t sees keys up to it
+        hidden = None
+        if T > 1:  # query t at start + t sees keys up to it
             key_pos = xp.arange(lo, end)[None, :]
             query_pos = xp.arange(start, end)[:, None]
             hidden = key_pos > query_pos
             if self.window:
                 hidden = hidden | (key_pos <= query_pos - self.window)
-            scores = xp.where(hidden, -np.inf, scores)
-        out = be.softmax(scores, axis=-1) @ vv[:, None]  # (n_kv, group, T, hd)
-        return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)
+        return self._attend(be, cfg, q, keys[cache.slot, :, lo:end],
+                            values[cache.slot, :, lo:end], hidden)
+
+    def attend_at(self, be, cfg: LlamaConfig, h, keys, values, pos, key_pos):
+        """The recorded step's attention: one token h (1, D) at position `pos` (1,) int32
+        on the device, writing into keys and values ((n_kv, max_len, hd) views of one
+        slot) and attending over the positions `key_pos` (S,), with those after `pos`
+        (and, in a sliding window, those too far behind it) masked -> (1, D)."""
+        q, k, v = self._qkv(be, cfg, h)
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (1, 1, rope_dim / 2)
+        q, k = self._rope(be.xp, q, cos, sin), self._rope(be.xp, k, cos, sin)
+        keys[:, pos] = k.transpose(1, 0, 2)  # (n_kv, 1, hd) into position pos
+        values[:, pos] = v.transpose(1, 0, 2)
+        S = key_pos.shape[0]
+        hidden = key_pos > pos
+        if self.window:
+            hidden = hidden | (key_pos <= pos - self.window)
+        out = self._attend(be, cfg, q, keys[:, :S], values[:, :S], hidden)
+        return self.wo.matmul(out)
