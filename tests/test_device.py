@@ -189,19 +189,28 @@ def test_decode_copies_one_token_id_per_step(tiny_path, sampling, graphs):
         assert direction == "down" and nbytes <= 8, step
 
 
-def test_a_failed_recording_falls_back_to_the_unrecorded_step(tiny_path):
-    """A backend that cannot record the decode step (CuPy raising while capturing) warns
-    once and decodes the same tokens without recordings."""
+def _raises(step):
+    raise RuntimeError("cudaErrorStreamCaptureUnsupported")
+
+
+def _off_by_one(step):
+    return lambda: step() + 1.0
+
+
+@pytest.mark.parametrize("capture, message", [
+    (_raises, "cudaErrorStreamCaptureUnsupported"),
+    (_off_by_one, "disagrees with the direct one"),
+], ids=["capture-raises", "replay-differs"])
+def test_a_failed_recording_falls_back_to_the_unrecorded_step(tiny_path, capture, message):
+    """A backend that cannot record the decode step (CuPy raising while capturing), or
+    whose recording replays to other logits than the step run directly, warns once and
+    decodes the same tokens without recordings."""
     from workbench import LLM
     from workbench.engine.gguf import open_gguf
 
     opts = dict(max_tokens=6, temperature=0, logit_bias={VOCAB.eos_id: -100.0})
     want = open_llm(tiny_path, "cpu").generate(PROMPT, **opts).token_ids
     backend = cuda_on_numpy()
-
-    def capture(step):
-        raise RuntimeError("cudaErrorStreamCaptureUnsupported")
-
     backend.capture = capture
     with LLM(open_gguf(tiny_path), backend=backend) as m, \
             warnings.catch_warnings(record=True) as caught:
@@ -212,7 +221,7 @@ def test_a_failed_recording_falls_back_to_the_unrecorded_step(tiny_path):
         assert not m.model._recording and not m._cache.pool.recordings
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "recording the decode step failed" in messages[0]
-    assert "cudaErrorStreamCaptureUnsupported" in messages[0]
+    assert message in messages[0]
 
 
 def test_batched_decode_copies_one_token_id_per_sequence_and_step(tiny_path):
@@ -325,3 +334,86 @@ def test_branches_and_prefixes_on_a_device(tiny_path, device):
         opts = dict(max_tokens=5, temperature=0)
         assert m.generate(PROMPT, prefix=prefix, **opts).token_ids == \
             ref.generate(PROMPT, **opts).token_ids
+
+
+# -- CUDA graphs, with a stand-in for cupy.cuda ---------------------------------------------------
+
+class _FakeCudaModule:
+    """What `CudaGraph` uses of `cupy.cuda`, logging the calls: streams that capture, a
+    memory pool, the allocator in force, graph launches."""
+
+    def __init__(self):
+        self.log, self.allocator, self.current = [], None, "legacy"
+        cuda = self
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                self.name = "capture-stream" if non_blocking else "blocking-stream"
+
+            def __enter__(self):
+                self.outer, cuda.current = cuda.current, self.name
+
+            def __exit__(self, *exc):
+                cuda.current = self.outer
+
+            def begin_capture(self):
+                cuda.log.append(("begin", self.name))
+
+            def end_capture(self):
+                cuda.log.append(("end", self.name))
+                return Graph()
+
+        class Graph:
+            def launch(self, stream):
+                cuda.log.append(("launch", stream))
+
+        class MemoryPool:
+            def malloc(self, size):
+                return size
+
+        class _Using:
+            def __init__(self, allocator):
+                self.allocator = allocator
+
+            def __enter__(self):
+                self.outer, cuda.allocator = cuda.allocator, self.allocator
+
+            def __exit__(self, *exc):
+                cuda.allocator = self.outer
+
+        self.Stream, self.MemoryPool, self.using_allocator = Stream, MemoryPool, _Using
+
+    def get_current_stream(self):
+        return self.current
+
+
+def test_cuda_graph_captures_on_its_own_stream_and_pool():
+    from workbench.engine.backend import CudaGraph
+
+    cp = types.SimpleNamespace(cuda=_FakeCudaModule())
+    seen = []
+
+    def step():
+        seen.append((cp.cuda.current, cp.cuda.allocator))
+        return "logits"
+
+    graph = CudaGraph(cp, step)
+    assert seen == [("capture-stream", graph.pool.malloc)]  # once, recorded, in its pool
+    assert cp.cuda.log == [("begin", "capture-stream"), ("end", "capture-stream")]
+    assert cp.cuda.allocator is None and cp.cuda.current == "legacy"
+    assert graph() == "logits" and graph() == "logits"
+    assert cp.cuda.log[2:] == [("launch", "legacy")] * 2  # on the caller's stream
+
+
+def test_cuda_graph_ends_a_broken_capture_and_reports_its_error():
+    from workbench.engine.backend import CudaGraph
+
+    cp = types.SimpleNamespace(cuda=_FakeCudaModule())
+
+    def step():
+        raise ValueError("a bug in the step")
+
+    with pytest.raises(ValueError, match="a bug in the step"):
+        CudaGraph(cp, step)
+    assert cp.cuda.log == [("begin", "capture-stream"), ("end", "capture-stream")]
+    assert cp.cuda.allocator is None and cp.cuda.current == "legacy"

@@ -748,10 +748,24 @@ class _StepRecordings:
                                              length)
 
         logits = unrecorded()  # this step, run directly: kernels compile before the capture
-        self.steps[length] = self.model.backend.capture(unrecorded) or unrecorded
+        recorded = self.model.backend.capture(unrecorded) or unrecorded
+        if recorded is not unrecorded:
+            self._check(recorded(), logits)
+        self.steps[length] = recorded
         if len(self.steps) > MAX_RECORDINGS:
             self.steps.popitem(last=False)
         return logits[0]
+
+    def _check(self, replayed, direct) -> None:
+        """A new recording replayed once (the same token at the same position: it writes
+        what the direct run wrote) must give the direct run's logits; else RuntimeError
+        (`step_logits` then stops recording). One float comes to the host per recording."""
+        xp = self.model.xp
+        err = float(xp.abs(replayed - direct).max())
+        scale = float(xp.abs(direct).max())
+        if not err <= 1e-4 * scale:  # also catches NaN
+            raise RuntimeError(f"the recorded decode step disagrees with the direct one "
+                               f"(max |difference| {err:.3g}, logits up to {scale:.3g})")
 
 
 def _rms(be, x, weight, eps: float):
