@@ -278,3 +278,73 @@ def test_exp_and_softmax_kernels():
     layers.softmax_rows(got, got.max(axis=1))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
     assert got[3, 10] > 0
+
+
+def _attend_reference(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, keys, values,
+                      src, window, ring):
+    """`layers.attend` in plain NumPy (interleaved RoPE pairs, no head norms), on copies:
+    returns the output (N, n_head * hd) and the caches with the new keys and values."""
+    keys, values = keys.copy(), values.copy()
+    hd, group = keys.shape[3], n_head // n_kv
+    out = np.zeros((len(pos), n_head * hd), np.float32)
+
+    def rotate(v, p):  # (heads, hd) at position p
+        v = v.copy()
+        a, b = v[:, 0:rope_dim:2].copy(), v[:, 1:rope_dim:2].copy()
+        v[:, 0:rope_dim:2] = a * cos[p] - b * sin[p]
+        v[:, 1:rope_dim:2] = a * sin[p] + b * cos[p]
+        return v
+
+    for n, p in enumerate(pos):
+        heads = qkv[n].reshape(n_head + 2 * n_kv, hd)
+        q, k, v = rotate(heads[:n_head], p), rotate(heads[n_head : n_head + n_kv], p), \
+            heads[n_head + n_kv :]
+        at = p % ring if ring else p
+        keys[slots[n], :, at], values[slots[n], :, at] = k, v
+        lo = max(0, p - window + 1) if window else 0
+        span = np.arange(lo, p + 1)
+        where = [src[n, s] if src is not None else slots[n] for s in span]
+        rows = span % ring if ring else span
+        for h in range(n_head):
+            kk = keys[where, h // group, rows].astype(np.float64)  # (S, hd)
+            vv = values[where, h // group, rows].astype(np.float64)
+            s = kk @ q[h] / np.sqrt(hd)
+            w = np.exp(s - s.max())
+            out[n, h * hd : (h + 1) * hd] = (w / w.sum()) @ vv
+    return out, keys, values
+
+
+@pytest.mark.parametrize("hd", [8, 24, 64])  # no whole step of 16, a step and 8, four steps
+@pytest.mark.parametrize("case", ["plain", "window", "ring", "forked"])
+def test_attend_matches_numpy(hd, case):
+    """Decode attention (one job per sequence and KV head, 16-lane products) against
+    NumPy in float64, for head sizes that are and are not multiples of 16, grouped
+    queries (6 heads on 2 KV heads), sequences at different positions, sliding windows,
+    rotating caches and forked sequences reading their prefix from other slots."""
+    from workbench.kernels import layers
+
+    rng = np.random.default_rng(hd)
+    n_head, n_kv, L, N = 6, 2, 64, 3
+    window = 9 if case in ("window", "ring") else 0
+    ring = 16 if case == "ring" else 0
+    slots = np.array([2, 0, 3], np.int64)
+    pos = np.array([40, 0, 17], np.int64) if not ring else np.array([40, 5, 33], np.int64)
+    keys = rng.standard_normal((4, n_kv, L, hd)).astype(np.float32)
+    values = rng.standard_normal((4, n_kv, L, hd)).astype(np.float32)
+    src = None
+    if case == "forked":  # sequence 0 reads positions < 30 from slot 1
+        src = np.repeat(slots[:, None], 41, axis=1)
+        src[0, :30] = 1
+    cos = rng.standard_normal((L, hd // 2)).astype(np.float32)
+    sin = rng.standard_normal((L, hd // 2)).astype(np.float32)
+    qkv = rng.standard_normal((N, (n_head + 2 * n_kv) * hd)).astype(np.float32)
+    want, want_k, want_v = _attend_reference(qkv, n_head, n_kv, slots, pos, cos, sin, hd,
+                                             keys, values, src, window, ring)
+    out = np.full((N, n_head * hd), np.nan, np.float32)  # poisoned: every entry is written
+    k, v = keys.copy(), values.copy()
+    empty = np.zeros(0, np.float32)
+    layers.attend(qkv.copy(), n_head, n_kv, slots, pos, cos, sin, hd, False, empty, empty,
+                  1e-6, k, v, out, src, window, ring)
+    np.testing.assert_allclose(k, want_k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(v, want_v)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)

@@ -36,6 +36,9 @@ NEON), so nothing here depends on an instruction set.
   `fpext` from half, one instruction per 8 or 16 lanes where the CPU converts
   halves (F16C on x86, NEON on ARM).
 - `half16_store(out, oo, h, off)`: out[oo + j] = float(h[off + j]), j in 0..15.
+- `dot16(acc, a, ao, b, bo)`: acc[j] += a[ao + j] * b[bo + j], j in 0..15 (float32).
+- `axpy16(y, yo, w, x, xo)`: y[yo + j] += w * x[xo + j], j in 0..15 (float32; the
+  attention's weighted sum of values).
 - `half_at(w, r, o)`: the IEEE half at bytes o, o + 1 of row r of the 2-D
   uint8 array w, as float32 (a block's scale): a 2-byte load and one
   conversion, where a lookup in a 65536-entry table would evict the weights
@@ -266,6 +269,41 @@ def half16_store(typingctx, out, oo, h, off):
         builder.store(_halves(context, builder, signature.args[2], h_, off_),
                       _element_ptr(context, builder, signature.args[0], out_, oo_, _V16F),
                       align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def dot16(typingctx, acc, a, ao, b, bo):
+    sig = types.void(acc, a, ao, b, bo)
+
+    def codegen(context, builder, signature, args):
+        acc_, a_, ao_, b_, bo_ = args
+        av = builder.load(_element_ptr(context, builder, signature.args[1], a_, ao_, _V16F),
+                          align=4)
+        bv = builder.load(_element_ptr(context, builder, signature.args[3], b_, bo_, _V16F),
+                          align=4)
+        pacc = _element_ptr(context, builder, signature.args[0], acc_,
+                            ir.Constant(ir.IntType(64), 0), _V16F)
+        builder.store(builder.fadd(builder.load(pacc, align=4),
+                                   builder.fmul(av, bv, flags=_FAST), flags=_FAST), pacc, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def axpy16(typingctx, y, yo, w, x, xo):
+    sig = types.void(y, yo, w, x, xo)
+
+    def codegen(context, builder, signature, args):
+        y_, yo_, w_, x_, xo_ = args
+        py = _element_ptr(context, builder, signature.args[0], y_, yo_, _V16F)
+        xv = builder.load(_element_ptr(context, builder, signature.args[3], x_, xo_, _V16F),
+                          align=4)
+        step = builder.fmul(_splat(builder, w_), xv, flags=_FAST)
+        builder.store(builder.fadd(builder.load(py, align=4), step, flags=_FAST), py, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
