@@ -236,6 +236,20 @@ def deq16(typingctx, out, oo, w, off, offset, d, m):
 _V16H = ir.VectorType(ir.HalfType(), 16)
 
 
+_ZERO = ir.Constant(ir.IntType(64), 0)
+
+
+def _floats(context, builder, aty, a, off):
+    """a[off:off + 16] (float32) as <16 x float>."""
+    return builder.load(_element_ptr(context, builder, aty, a, off, _V16F), align=4)
+
+
+def _add_into(context, builder, aty, a, off, step):
+    """a[off:off + 16] += step (<16 x float>), the add with the kernels' fast flags."""
+    ptr = _element_ptr(context, builder, aty, a, off, _V16F)
+    builder.store(builder.fadd(builder.load(ptr, align=4), step, flags=_FAST), ptr, align=4)
+
+
 def _halves(context, builder, hty, h, off):
     """h[off:off + 16] (uint16 half-precision patterns) as <16 x float>."""
     return builder.fpext(builder.load(_element_ptr(context, builder, hty, h, off, _V16H),
@@ -249,12 +263,9 @@ def half16(typingctx, acc, h, off, x, xo):
     def codegen(context, builder, signature, args):
         acc_, h_, off_, x_, xo_ = args
         w = _halves(context, builder, signature.args[1], h_, off_)
-        xv = builder.load(_element_ptr(context, builder, signature.args[3], x_, xo_, _V16F),
-                          align=4)
-        pacc = _element_ptr(context, builder, signature.args[0], acc_,
-                            ir.Constant(ir.IntType(64), 0), _V16F)
-        builder.store(builder.fadd(builder.load(pacc, align=4),
-                                   builder.fmul(w, xv, flags=_FAST), flags=_FAST), pacc, align=4)
+        xv = _floats(context, builder, signature.args[3], x_, xo_)
+        _add_into(context, builder, signature.args[0], acc_, _ZERO,
+                  builder.fmul(w, xv, flags=_FAST))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -280,14 +291,10 @@ def dot16(typingctx, acc, a, ao, b, bo):
 
     def codegen(context, builder, signature, args):
         acc_, a_, ao_, b_, bo_ = args
-        av = builder.load(_element_ptr(context, builder, signature.args[1], a_, ao_, _V16F),
-                          align=4)
-        bv = builder.load(_element_ptr(context, builder, signature.args[3], b_, bo_, _V16F),
-                          align=4)
-        pacc = _element_ptr(context, builder, signature.args[0], acc_,
-                            ir.Constant(ir.IntType(64), 0), _V16F)
-        builder.store(builder.fadd(builder.load(pacc, align=4),
-                                   builder.fmul(av, bv, flags=_FAST), flags=_FAST), pacc, align=4)
+        av = _floats(context, builder, signature.args[1], a_, ao_)
+        bv = _floats(context, builder, signature.args[3], b_, bo_)
+        _add_into(context, builder, signature.args[0], acc_, _ZERO,
+                  builder.fmul(av, bv, flags=_FAST))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -299,11 +306,9 @@ def axpy16(typingctx, y, yo, w, x, xo):
 
     def codegen(context, builder, signature, args):
         y_, yo_, w_, x_, xo_ = args
-        py = _element_ptr(context, builder, signature.args[0], y_, yo_, _V16F)
-        xv = builder.load(_element_ptr(context, builder, signature.args[3], x_, xo_, _V16F),
-                          align=4)
-        step = builder.fmul(_splat(builder, w_), xv, flags=_FAST)
-        builder.store(builder.fadd(builder.load(py, align=4), step, flags=_FAST), py, align=4)
+        xv = _floats(context, builder, signature.args[3], x_, xo_)
+        _add_into(context, builder, signature.args[0], y_, yo_,
+                  builder.fmul(_splat(builder, w_), xv, flags=_FAST))
         return context.get_dummy_value()
 
     return sig, codegen

@@ -659,7 +659,7 @@ class DeviceLlamaModel:
         (`_StepRecordings`); else, and for mixture-of-experts models, it is `hidden`
         then `device_logits`."""
         if not self._recording:
-            return self.device_logits(self.hidden(np.asarray([token]), cache, device_token))[0]
+            return self._direct_step(token, cache, device_token)
         self._check_ids([token])
         cache.check_room(1)
         pool = cache.pool
@@ -673,9 +673,13 @@ class DeviceLlamaModel:
                           RuntimeWarning, stacklevel=2)
             self._recording = False
             pool.recordings.clear()
-            return self.device_logits(self.hidden(np.asarray([token]), cache, device_token))[0]
+            return self._direct_step(token, cache, device_token)
         cache.advance([token])
         return logits
+
+    def _direct_step(self, token: int, cache, device_token):
+        """`step_logits` unrecorded: `hidden` at the cache's positions, then the logits."""
+        return self.device_logits(self.hidden(np.asarray([token]), cache, device_token))[0]
 
     def _recorded_step(self, token, pos, keys, values, length: int):
         """The decode step as `Backend.capture` records it: token (1,) and pos (1,) int32
