@@ -348,3 +348,39 @@ def test_attend_matches_numpy(hd, case):
     np.testing.assert_allclose(k, want_k, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(v, want_v)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hd", [8, 64])
+@pytest.mark.parametrize("n_head", [4, 3])  # query heads split evenly between 2 threads or not
+def test_attend_splits_a_kv_head_between_threads(hd, n_head):
+    """One sequence of a model with one KV head (Gemma 3 270M's shape): its query heads
+    are split between the threads (on one thread, one job runs them all). Both give the
+    NumPy reference, enough positions that the attention runs on the thread pool."""
+    import numba
+
+    from workbench.kernels import layers
+
+    rng = np.random.default_rng(hd + n_head)
+    L = 1500
+    pos = np.array([L - 20], np.int64)
+    assert 2 * n_head * hd * (pos[0] + 1) >= layers.PARALLEL_ATTENTION_MACS
+    keys = rng.standard_normal((1, 1, L, hd)).astype(np.float32)
+    values = rng.standard_normal((1, 1, L, hd)).astype(np.float32)
+    cos = rng.standard_normal((L, hd // 2)).astype(np.float32)
+    sin = rng.standard_normal((L, hd // 2)).astype(np.float32)
+    qkv = rng.standard_normal((1, (n_head + 2) * hd)).astype(np.float32)
+    slots = np.zeros(1, np.int64)
+    want, _, _ = _attend_reference(qkv, n_head, 1, slots, pos, cos, sin, hd, keys, values,
+                                   None, 0, 0)
+    empty = np.zeros(0, np.float32)
+    threads = numba.get_num_threads()
+    assert threads >= 2, "this check needs at least 2 Numba threads"
+    try:
+        for n in (1, threads):
+            numba.set_num_threads(n)
+            out = np.full((1, n_head * hd), np.nan, np.float32)
+            layers.attend(qkv.copy(), n_head, 1, slots, pos, cos, sin, hd, False, empty,
+                          empty, 1e-6, keys.copy(), values.copy(), out)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    finally:
+        numba.set_num_threads(threads)

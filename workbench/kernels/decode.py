@@ -208,7 +208,8 @@ def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_n
         ring_i = ring if windows[i] else 0  # a rotating layer: each fork has its own ring
         layers.attend_compiled(qkv, n_head, n_kv, slots, pos, cos[rope[i]], sin[rope[i]],
                                rope_dim, neox, q_norm[i], k_norm[i], eps, keys[i], values[i],
-                               att, src, has_src and ring_i == 0, windows[i], ring_i)
+                               att, src, has_src and ring_i == 0, windows[i], ring_i,
+                               n_threads)
         a = _project(mats, parts, first, widths, i, OUT, att, f16, bf16, n_threads, n)
         if post_attn_norm.shape[1]:
             layers.rms_norm(a, post_attn_norm[i], eps, a)

@@ -15,7 +15,8 @@ exceeds their arithmetic. These kernels do each step in one call:
   attend over everything cached (or the last `window` positions, from a
   rotating cache), grouped-query style: one job per sequence and KV head, which
   reads each cached key and value once for all the query heads sharing it (at a
-  few hundred positions the step is then bound by reading the cache).
+  few hundred positions the step is then bound by reading the cache); with fewer
+  such jobs than threads, the query heads of a group are split between threads.
 
 The NumPy code of `workbench.engine.models.llama` (used for prefill) is their
 reference; the tests compare token-by-token decoding through these kernels
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -135,12 +137,12 @@ def _rope(v, cos, sin, dim, neox):
 
 
 @njit(fastmath=_FM, error_model="numpy", inline="always")
-def _attend_group(qkv, n, kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                  keys, values, out, src, window, ring):
-    """The `group` query heads of sequence n that share KV head kv (grouped-query
-    attention): norm, RoPE, softmax(q K^T / sqrt(hd)) V into out[n]. Each cached key and
-    value is read once for the whole group; the products run 16 lanes at a time
-    (`simd.dot16`, `simd.axpy16`) and the softmax's exponentials through `exp_neg`.
+def _attend_group(qkv, n, kv, group, g0, g1, slots, pos, cos, sin, rope_dim, neox, q_norm,
+                  eps, keys, values, out, src, window, ring):
+    """Query heads g0 .. g1 - 1 of the `group` heads of sequence n that share KV head kv
+    (grouped-query attention): norm, RoPE, softmax(q K^T / sqrt(hd)) V into out[n]. Each
+    cached key and value is read once for these heads; the products run 16 lanes at a
+    time (`simd.dot16`, `simd.axpy16`) and the softmax's exponentials through `exp_neg`.
 
     src: None (every position of sequence n is in its own slot), or (N, L) the slot
     holding each position (a forked branch reads its shared prefix from other slots).
@@ -151,19 +153,20 @@ def _attend_group(qkv, n, kv, group, slots, pos, cos, sin, rope_dim, neox, q_nor
     lo = max(0, p - window + 1) if window else 0
     S = p + 1 - lo
     x = qkv[n]
-    q0 = kv * group * hd  # the group's heads are adjacent: x[q0 : q0 + group * hd]
-    for g in range(group):
+    q0 = (kv * group + g0) * hd  # the heads are adjacent: x[q0 : q0 + (g1 - g0) * hd]
+    G = g1 - g0
+    for g in range(G):
         q = x[q0 + g * hd : q0 + (g + 1) * hd]
         if q_norm.shape[0]:
             _head_norm(q, q_norm, eps)
         _rope(q, cos[p], sin[p], rope_dim, neox)
     scale = np.float32(1.0 / np.sqrt(hd))
     vec = hd - hd % 16  # the first `vec` entries in steps of 16, the rest one by one
-    scores = np.empty((group, S), np.float32)
+    scores = np.empty((G, S), np.float32)
     for s in range(lo, p + 1):
         slot = slots[n] if src is None else src[n, s]
         k = keys[slot, kv, s % ring if ring else s]
-        for g in range(group):
+        for g in range(G):
             qo = q0 + g * hd
             acc = stack_f32x16()
             for c in range(0, vec, 16):
@@ -174,7 +177,7 @@ def _attend_group(qkv, n, kv, group, slots, pos, cos, sin, rope_dim, neox, q_nor
             for i in range(vec, hd):
                 d += x[qo + i] * k[i]
             scores[g, s - lo] = d * scale
-    for g in range(group):
+    for g in range(G):
         m = -np.inf
         for s in range(S):
             m = max(m, scores[g, s])
@@ -187,12 +190,12 @@ def _attend_group(qkv, n, kv, group, slots, pos, cos, sin, rope_dim, neox, q_nor
         for s in range(S):
             scores[g, s] *= r
     o = out[n]
-    for j in range(q0, q0 + group * hd):
+    for j in range(q0, q0 + G * hd):
         o[j] = 0.0
     for s in range(lo, p + 1):
         slot = slots[n] if src is None else src[n, s]
         v = values[slot, kv, s % ring if ring else s]
-        for g in range(group):
+        for g in range(G):
             w = scores[g, s - lo]
             oo = q0 + g * hd
             for c in range(0, vec, 16):
@@ -225,16 +228,23 @@ def _write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, e
 def _heads_serial(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
                   keys, values, out, src, window, ring):
     for job in range(qkv.shape[0] * n_kv):
-        _attend_group(qkv, job // n_kv, job % n_kv, group, slots, pos, cos, sin, rope_dim,
-                      neox, q_norm, eps, keys, values, out, src, window, ring)
+        _attend_group(qkv, job // n_kv, job % n_kv, group, 0, group, slots, pos, cos, sin,
+                      rope_dim, neox, q_norm, eps, keys, values, out, src, window, ring)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _heads_parallel(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                    keys, values, out, src, window, ring):
-    for job in prange(qkv.shape[0] * n_kv):  # one job per sequence and KV head
-        _attend_group(qkv, job // n_kv, job % n_kv, group, slots, pos, cos, sin, rope_dim,
-                      neox, q_norm, eps, keys, values, out, src, window, ring)
+                    keys, values, out, src, window, ring, threads):
+    # One job per sequence and KV head; with fewer of those than threads (one sequence
+    # of a model with one or two KV heads), each group's query heads are split between
+    # jobs, which then each read the group's cache.
+    pairs = qkv.shape[0] * n_kv
+    parts = min(group, max(1, threads // pairs))
+    for job in prange(pairs * parts):
+        pair, part = job // parts, job % parts
+        _attend_group(qkv, pair // n_kv, pair % n_kv, group, part * group // parts,
+                      (part + 1) * group // parts, slots, pos, cos, sin, rope_dim, neox,
+                      q_norm, eps, keys, values, out, src, window, ring)
 
 
 # Below this many multiply-adds (all heads, all cached positions) the heads run on
@@ -266,7 +276,8 @@ def attend(qkv: np.ndarray, n_head: int, n_kv: int, slots: np.ndarray, pos: np.n
     """
     has_src = src is not None
     attend_compiled(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, k_norm,
-                    eps, keys, values, out, src if has_src else NO_SRC, has_src, window, ring)
+                    eps, keys, values, out, src if has_src else NO_SRC, has_src, window, ring,
+                    numba.get_num_threads())
 
 
 NO_SRC = np.zeros((0, 0), np.int64)  # `attend_compiled`'s src when no sequence is a fork
@@ -274,8 +285,10 @@ NO_SRC = np.zeros((0, 0), np.int64)  # `attend_compiled`'s src when no sequence 
 
 @njit(cache=True)
 def attend_compiled(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, k_norm,
-                    eps, keys, values, out, src, has_src, window, ring):
-    """`attend` callable from compiled code: src is always an array, read only when has_src."""
+                    eps, keys, values, out, src, has_src, window, ring, threads):
+    """`attend` callable from compiled code: src is always an array, read only when has_src;
+    `threads`, the number of Numba threads (passed in: reading it from compiled code would
+    keep Numba from caching the kernel)."""
     _write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, eps, keys,
               values, ring)
     seen = pos.sum() + pos.shape[0] if window == 0 else pos.shape[0] * window
@@ -284,13 +297,13 @@ def attend_compiled(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_n
     if has_src:
         if macs >= PARALLEL_ATTENTION_MACS:
             _heads_parallel(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm,
-                            eps, keys, values, out, src, window, ring)
+                            eps, keys, values, out, src, window, ring, threads)
         else:
             _heads_serial(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm,
                           eps, keys, values, out, src, window, ring)
     elif macs >= PARALLEL_ATTENTION_MACS:
         _heads_parallel(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                        keys, values, out, None, window, ring)
+                        keys, values, out, None, window, ring, threads)
     else:
         _heads_serial(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
                       keys, values, out, None, window, ring)
