@@ -19,6 +19,9 @@ NEON), so nothing here depends on an instruction set.
 - `nib16_hb(acc, w, off, x, xlo, xhi, d, qh)`: the same with 5-bit weights
   (Q5_0/Q5_1) and dlo = dhi = d: bit j of `qh` adds 16 to the low nibble of
   byte j, bit 16 + j to its high nibble.
+- `q8x32(acc, w, off, x, xo, d)`: 32 signed bytes (Q8_0): for j in 0..15,
+  acc[j] += d * (w[off + j] * x[xo + j] + w[off + 16 + j] * x[xo + 16 + j]),
+  w an int8 array.
 - `q6k16(acc, w, lo, ho, x, x0, d0, d1, d2, d3)`: 64 weights of a Q6_K
   super-block, 16 from each of its four 32-weight runs: with a = w[lo + j],
   c = w[lo + 32 + j], h = w[ho + j], the unsigned 6-bit values
@@ -169,6 +172,27 @@ def nib16_hb(typingctx, acc, w, off, x, xlo, xhi, d, qh):
         new_args = list(args[:7]) + [args[6]]  # dlo = dhi = d
         _accumulate(builder, context, signature, new_args,
                     builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F), one_scale=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def q8x32(typingctx, acc, w, off, x, xo, d):
+    sig = types.void(acc, w, off, x, xo, types.float32)
+
+    def codegen(context, builder, signature, args):
+        acc_, w_, off_, x_, xo_, d_ = args
+
+        def weights(o):  # 16 int8 at w[o:] as <16 x float>
+            ptr = _element_ptr(context, builder, signature.args[1], w_, o, _V16I8)
+            return builder.sitofp(builder.load(ptr, align=1), _V16F)
+
+        sixteen = ir.Constant(off_.type, 16)
+        lo, hi = weights(off_), weights(builder.add(off_, sixteen))
+        _accumulate(builder, context, signature,
+                    [acc_, w_, off_, x_, xo_, builder.add(xo_, sixteen), d_, d_],
+                    lo, hi, one_scale=True)
         return context.get_dummy_value()
 
     return sig, codegen
