@@ -384,3 +384,34 @@ def test_attend_splits_a_kv_head_between_threads(hd, n_head):
             np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     finally:
         numba.set_num_threads(threads)
+
+
+def test_compiled_kernels_can_be_cached_on_disk():
+    """Every kernel compiled so far in this process (at least the attention on the thread
+    pool and a gemv) can go to Numba's disk cache: a kernel that reads a dynamic global
+    (numba.get_num_threads() called from compiled code, a ctypes pointer) silently
+    recompiles in every process, minutes for the decode stack."""
+    import numba
+    from numba.core.caching import NullCache
+
+    from workbench.kernels import decode, layers
+
+    rng = np.random.default_rng(0)
+    L, hd, n_head = 1500, 8, 4
+    keys = rng.standard_normal((1, 1, L, hd)).astype(np.float32)
+    cos = rng.standard_normal((L, hd // 2)).astype(np.float32)
+    empty = np.zeros(0, np.float32)
+    layers.attend(rng.standard_normal((1, (n_head + 2) * hd)).astype(np.float32), n_head, 1,
+                  np.zeros(1, np.int64), np.array([L - 20]), cos, cos, hd, False, empty, empty,
+                  1e-6, keys, keys.copy(), np.zeros((1, n_head * hd), np.float32))
+    w = QuantizedWeight.from_gguf_tensor(random_blocks(Q.Q4_1, 8, 64, rng), Q.Q4_1, (8, 64))
+    w.matmul(rng.standard_normal((1, 64)).astype(np.float32))
+    checked = []
+    for module in (cpu, layers, decode):
+        for name, f in vars(module).items():
+            if isinstance(f, numba.core.registry.CPUDispatcher) and f.overloads:
+                assert not isinstance(f._cache, NullCache), f"{name} is not cache=True"
+                for compiled in f.overloads.values():
+                    assert not compiled.library.has_dynamic_globals, name
+                checked.append(name)
+    assert {"attend_compiled", "_gemv_q4_1"} <= set(checked)
