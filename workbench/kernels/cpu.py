@@ -349,7 +349,7 @@ def _dot_q6_k(w, wi, r, x, xs, f16, n):
 
 
 # One gemv kernel per format: prange over output rows, loop over the T rows of x.
-# All share the signature (x, w, f16, y, n); the 16-group sums of x are
+# All share the signature (x, w, f16, y, n); the block sums of x (`xs`) are
 # computed inside, so one call from Python does everything.
 
 
