@@ -194,7 +194,9 @@ def _project(mats, parts, first, widths, layer, proj, x, f16, bf16, n_threads, n
 def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_norm,
            post_attn_norm, post_ffn_norm, gelu, windows, rope, eps, n_head, n_kv, head_dim,
            slots, pos, cos, sin, rope_dim, neox, keys, values, src, has_src, ring, f16, bf16,
-           n_threads, n):
+           n_threads, active_threads, n):
+    # n_threads: the pool's size (per-thread scratch, indexed by thread id);
+    # active_threads: how many run now (how `attend_compiled` splits its jobs)
     T = x.shape[0]
     h = np.empty_like(x)  # the normed input of the next sub-layer
     layers.rms_norm(x, attn_norm[0], eps, h)
@@ -209,7 +211,7 @@ def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_n
         layers.attend_compiled(qkv, n_head, n_kv, slots, pos, cos[rope[i]], sin[rope[i]],
                                rope_dim, neox, q_norm[i], k_norm[i], eps, keys[i], values[i],
                                att, src, has_src and ring_i == 0, windows[i], ring_i,
-                               n_threads)
+                               active_threads)
         a = _project(mats, parts, first, widths, i, OUT, att, f16, bf16, n_threads, n)
         if post_attn_norm.shape[1]:
             layers.rms_norm(a, post_attn_norm[i], eps, a)
@@ -249,4 +251,5 @@ def decode_stack(weights: StackWeights, x: np.ndarray, eps: float, n_head: int, 
                   w.q_norm, w.k_norm, w.post_attn_norm, w.post_ffn_norm, w.gelu, w.windows,
                   w.rope, np.float32(eps), n_head, n_kv, head_dim, slots, pos, w.cos, w.sin,
                   rope_dim, neox, keys, values, src, has_src, ring, cpu.F16_TO_F32,
-                  cpu.BF16_TO_F32, numba.config.NUMBA_NUM_THREADS, cpu._INNER)
+                  cpu.BF16_TO_F32, numba.config.NUMBA_NUM_THREADS, numba.get_num_threads(),
+                  cpu._INNER)
