@@ -58,14 +58,15 @@ def test_required_kernels_exist():
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("T", [1, 3, 17, 65])
+@pytest.mark.parametrize("T", [1, 3, 8, 17, 65])
 def test_matmul_matches_dequantized(qtype, T, monkeypatch):
     """N=37 (not a multiple of 4), K=768 (3 super-blocks); every kernel, whatever T.
 
-    `matmul` picks `gemv` for T=1, `gemv_dequant_rows` for T=3 and the tiled
-    dequantize + BLAS path for T=65 (> GEMV_MAX_T).
+    `matmul` picks `gemv` for T=1, `gemv_rows` (or `gemv_dequant_rows` for the
+    formats without it) for T=3 and 8, `gemv_dequant_rows` for T=17 and the
+    tiled dequantize + BLAS path for T=65 (> GEMV_MAX_T).
     """
-    assert cpu.GEMV_MAX_T < 65
+    assert cpu.ROWS_MAX_T == 8 and cpu.GEMV_MAX_T < 65
     monkeypatch.setattr(cpu, "TILE_WEIGHTS", 16 * 768)  # 16-row tiles: 3 tiles, the last partial
     rng = np.random.default_rng(int(qtype) * 10 + T)
     n, k = 37, 768
@@ -74,6 +75,8 @@ def test_matmul_matches_dequantized(qtype, T, monkeypatch):
     ref = reference(x, dequantize(raw, qtype))
     assert_close(cpu.gemv(x, raw, qtype), ref)
     assert_close(cpu.gemv_dequant_rows(x, raw, qtype), ref)
+    if qtype in cpu.ROWS_KERNELS:
+        assert_close(cpu.gemv_rows(x, raw, qtype), ref)
     assert_close(cpu.matmul(x, raw, qtype), ref)
     assert_close(QuantizedWeight.from_gguf_tensor(raw, qtype, (n, k)).matmul(x), ref)
 
@@ -102,11 +105,29 @@ def test_every_output_is_written(qtype, monkeypatch):
                 x = rng.standard_normal((T, k)).astype(np.float32)
                 ref = reference(x, full)
                 kernels = [cpu.matmul, cpu.gemv_dequant_rows] + ([cpu.gemv] if T <= 4 else [])
+                kernels += [cpu.gemv_rows] if qtype in cpu.ROWS_KERNELS else []
                 for fn in kernels:
                     out = np.full((T, n), np.nan, np.float32)
                     assert fn(x, raw, qtype, out) is out
                     assert not np.isnan(out).any(), f"{fn.__name__} T={T} N={n} K={k}"
                     assert_close(out, ref)
+
+
+@pytest.mark.parametrize("qtype", list(cpu.ROWS_KERNELS), ids=lambda t: t.name)
+def test_rows_kernel_passes_and_groups(qtype):
+    """`gemv_rows` over K = 4864 (Qwen's feed-forward width: 7 passes over x, the last
+    one shorter), N = 13 (a group of 8 rows of W and a partial one), and T from 3 to 12
+    (4 rows of x, 8 with zero rows added, 8 and then 4): NaN-poisoned outputs."""
+    rng = np.random.default_rng(int(qtype) + 303)
+    n, k = 13, 4864
+    raw = random_weight(qtype, n, k, rng)
+    full = dequantize(raw, qtype)
+    assert k > 6 * cpu._ROWS_PASS
+    for T in (3, 4, 5, 8, 12):
+        x = rng.standard_normal((T, k)).astype(np.float32)
+        out = np.full((T, n), np.nan, np.float32)
+        assert cpu.gemv_rows(x, raw, qtype, out) is out
+        assert_close(out, reference(x, full))
 
 
 def test_out_must_match():
@@ -204,6 +225,8 @@ def test_errors():
         QuantizedWeight.from_gguf_tensor(raw, Q.Q8_0, (4, 48))
     with pytest.raises(UnsupportedQuantError, match="IQ4_NL"):
         QuantizedWeight.from_gguf_tensor(np.zeros((1, 18), np.uint8), Q.IQ4_NL, (1, 32))
+    with pytest.raises(ValueError, match="no multi-row kernel for F16"):
+        cpu.gemv_rows(np.zeros((4, 32), np.float32), np.zeros((2, 64), np.uint8), Q.F16)
 
 
 REAL_TYPES = [("smollm2-135m", "Q4_1"), ("smollm2-135m", "Q8_0"), ("qwen2.5-coder-0.5b", "Q5_0"),
@@ -224,7 +247,7 @@ def test_real_tensors(alias, qtype):
     weight = QuantizedWeight.from_gguf_tensor(tensor.data, tensor.qtype, tensor.shape)
     full = dequantize(tensor.data, tensor.qtype)
     rng = np.random.default_rng(0)
-    for T in (1, 9):
+    for T in (1, 8, 9):  # gemv, the multi-row kernel, the two-stage kernel
         x = rng.standard_normal((T, k)).astype(np.float32)
         assert_close(weight.matmul(x), reference(x, full))
     ids = rng.integers(0, n, size=5)
@@ -406,6 +429,7 @@ def test_compiled_kernels_can_be_cached_on_disk():
                   1e-6, keys, keys.copy(), np.zeros((1, n_head * hd), np.float32))
     w = QuantizedWeight.from_gguf_tensor(random_blocks(Q.Q4_1, 8, 64, rng), Q.Q4_1, (8, 64))
     w.matmul(rng.standard_normal((1, 64)).astype(np.float32))
+    w.matmul(rng.standard_normal((8, 64)).astype(np.float32))  # the multi-row kernel
     checked = []
     for module in (cpu, layers, decode):
         for name, f in vars(module).items():
@@ -414,4 +438,4 @@ def test_compiled_kernels_can_be_cached_on_disk():
                 for compiled in f.overloads.values():
                     assert not compiled.library.has_dynamic_globals, name
                 checked.append(name)
-    assert {"attend_compiled", "_gemv_q4_1"} <= set(checked)
+    assert {"attend_compiled", "_gemv_q4_1", "_rows_q4_1"} <= set(checked)

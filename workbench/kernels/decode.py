@@ -123,11 +123,36 @@ class StackWeights:
         )
 
 
+@njit(inline="always")
+def _rows(code, x, w, f16, y, n):
+    """y = x @ W.T by the multi-row kernel of GGML type `code`: True, or False if the
+    format has none."""
+    if code == 8:
+        cpu._rows_q8_0(x, w, f16, y, n)
+    elif code == 2:
+        cpu._rows_q4_0(x, w, f16, y, n)
+    elif code == 3:
+        cpu._rows_q4_1(x, w, f16, y, n)
+    elif code == 6:
+        cpu._rows_q5_0(x, w, f16, y, n)
+    elif code == 7:
+        cpu._rows_q5_1(x, w, f16, y, n)
+    elif code == 12:
+        cpu._rows_q4_k(x, w, f16, y, n)
+    elif code == 14:
+        cpu._rows_q6_k(x, w, f16, y, n)
+    else:
+        return False
+    return True
+
+
 @njit(cache=True)
 def _matmul(code, x, w, f16, bf16, scratch, y, n):
-    """y = x @ W.T by the packed-block kernel of GGML type `code` (T <= 2: gemv,
+    """y = x @ W.T by the packed-block kernel of GGML type `code`, as `cpu.matmul` picks it
+    (T <= 2: gemv; T <= `cpu.ROWS_MAX_T`: the multi-row kernel where the format has one;
     else the two-stage kernel with `scratch`); `n` is the run-time 16 of `cpu`."""
-    if x.shape[0] <= 2:
+    T = x.shape[0]
+    if T <= 2:
         if code == 8:
             cpu._gemv_q8_0(x, w, f16, y, n)
         elif code == 2:
@@ -148,7 +173,7 @@ def _matmul(code, x, w, f16, bf16, scratch, y, n):
             cpu._gemv_f16(x, w, f16, y, n)
         else:  # 30, BF16
             cpu._gemv_bf16(x, w, bf16, y, n)
-    else:
+    elif T > cpu.ROWS_MAX_T or not _rows(code, x, w, f16, y, n):
         if code == 8:
             cpu._gemv2_q8_0(x, w, f16, scratch, y, n)
         elif code == 2:

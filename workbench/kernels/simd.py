@@ -49,6 +49,23 @@ NEON), so nothing here depends on an instruction set.
 - `f32_from_bits(i)`: the float32 whose bit pattern is the int32 `i` (for
   building powers of two in `layers.exp_neg`).
 
+Multi-row steps (batched decoding, `cpu._rows`): the block's weights are
+unpacked to floats once, `w = q * a + c` with a block's scale `a` and offset or
+min `c`, and multiplied with `rows` (the literal 4 or 8) rows of x at once:
+acc[8 t : 8 t + 8] += products with x[t * stride + ...] for t < rows, `acc` a
+(64,) `stack_f32x64()` of eight 8-lane accumulators, one per row of x, kept in
+registers across the block loop (the caller sums each one's lanes).
+
+- `nib_rows(acc, w, off, x, xlo, xhi, stride, alo, clo, ahi, chi, rows)`: the
+  16 bytes w[off:off + 16]: weight j of the low nibbles (v & 15) * alo + clo
+  meets x[xlo + j], of the high ones (v >> 4) * ahi + chi meets x[xhi + j].
+- `nib_hb_rows(acc, w, off, x, xlo, xhi, stride, a, c, qh, rows)`: the same for
+  5-bit weights (Q5_0/Q5_1, bits of `qh` as in `nib16_hb`), one scale and offset.
+- `q8_rows(acc, w, off, x, xo, stride, a, rows)`: 32 signed bytes (w int8),
+  weight j is w[off + j] * a, meeting x[xo + j].
+- `q6k_rows(acc, w, lo, ho, x, x0, stride, a0, a1, a2, a3, rows)`: the 64
+  weights of `q6k16`, run i as (q - 32) * ai.
+
 No bounds are checked: callers pass offsets inside their arrays.
 
 Numba's on-disk cache of a kernel is invalidated by changes to the kernel's own
@@ -59,7 +76,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
+from numba.core import cgutils, errors
 from numba.extending import intrinsic
 from numba.np.numpy_support import carray
 
@@ -68,17 +85,30 @@ _I32 = ir.IntType(32)
 _V16F = ir.VectorType(_F32, 16)
 _V16I8 = ir.VectorType(ir.IntType(8), 16)
 _V16I32 = ir.VectorType(_I32, 16)
+_V8F = ir.VectorType(_F32, 8)
 _FAST = ("reassoc", "contract")  # as the kernels' fastmath: reorder, fuse multiply-adds
 
 
-@intrinsic
-def _stack16(typingctx):
-    def codegen(context, builder, signature, args):
-        ptr = cgutils.alloca_once(builder, _F32, size=context.get_constant(types.intp, 16))
-        builder.store(ir.Constant(_V16F, [0.0] * 16), builder.bitcast(ptr, _V16F.as_pointer()))
-        return ptr
+def _zeroed_stack(floats):
+    """An intrinsic returning a pointer to `floats` zeroed float32 on the stack."""
 
-    return types.CPointer(types.float32)(), codegen
+    @intrinsic
+    def stack(typingctx):
+        def codegen(context, builder, signature, args):
+            ptr = cgutils.alloca_once(builder, _F32, size=context.get_constant(types.intp,
+                                                                               floats))
+            for i in range(0, floats, 16):
+                p = builder.gep(ptr, [ir.Constant(ir.IntType(64), i)])
+                builder.store(ir.Constant(_V16F, [0.0] * 16),
+                              builder.bitcast(p, _V16F.as_pointer()), align=4)
+            return ptr
+
+        return types.CPointer(types.float32)(), codegen
+
+    return stack
+
+
+_stack16, _stack64 = _zeroed_stack(16), _zeroed_stack(64)
 
 
 def _element_ptr(context, builder, aryty, ary, index, vec_type):
@@ -153,22 +183,28 @@ _LOW_BITS = ir.Constant(_V16I32, [1 << j for j in range(16)])
 _HIGH_BITS = ir.Constant(_V16I32, [((1 << (16 + j)) + 2**31) % 2**32 - 2**31 for j in range(16)])
 
 
+def _five_bits(builder, lo, hi, qh):
+    """Low and high nibbles (<16 x i32>) with their fifth bits from the int32 `qh`: bit j
+    adds 16 to lane j of `lo`, bit 16 + j to lane j of `hi`."""
+    bits = builder.shuffle_vector(
+        builder.insert_element(ir.Constant(_V16I32, ir.Undefined), qh, ir.Constant(_I32, 0)),
+        ir.Constant(_V16I32, ir.Undefined), ir.Constant(_V16I32, [0] * 16))
+    zero = ir.Constant(_V16I32, [0] * 16)
+    sixteen = ir.Constant(_V16I32, [16] * 16)
+    lo = builder.add(lo, builder.select(
+        builder.icmp_unsigned("!=", builder.and_(bits, _LOW_BITS), zero), sixteen, zero))
+    hi = builder.add(hi, builder.select(
+        builder.icmp_unsigned("!=", builder.and_(bits, _HIGH_BITS), zero), sixteen, zero))
+    return lo, hi
+
+
 @intrinsic
 def nib16_hb(typingctx, acc, w, off, x, xlo, xhi, d, qh):
     sig = types.void(acc, w, off, x, xlo, xhi, types.float32, types.int32)
 
     def codegen(context, builder, signature, args):
-        lo, hi = _nibbles(builder, context, signature.args[1], args[1], args[2])
-        bits = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(_V16I32, ir.Undefined), args[7],
-                                   ir.Constant(_I32, 0)),
-            ir.Constant(_V16I32, ir.Undefined), ir.Constant(_V16I32, [0] * 16))
-        zero = ir.Constant(_V16I32, [0] * 16)
-        sixteen = ir.Constant(_V16I32, [16] * 16)
-        lo = builder.add(lo, builder.select(
-            builder.icmp_unsigned("!=", builder.and_(bits, _LOW_BITS), zero), sixteen, zero))
-        hi = builder.add(hi, builder.select(
-            builder.icmp_unsigned("!=", builder.and_(bits, _HIGH_BITS), zero), sixteen, zero))
+        lo, hi = _five_bits(builder, *_nibbles(builder, context, signature.args[1], args[1],
+                                                args[2]), args[7])
         new_args = list(args[:7]) + [args[6]]  # dlo = dhi = d
         _accumulate(builder, context, signature, new_args,
                     builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F), one_scale=True)
@@ -198,6 +234,29 @@ def q8x32(typingctx, acc, w, off, x, xo, d):
     return sig, codegen
 
 
+def _q6k_values(builder, context, wty, w, lo, ho):
+    """The four runs' unsigned 6-bit values of `q6k16` (<16 x i32> each): (low 4 bits)
+    | (high 2 bits) << 4, from the bytes at w[lo:], w[lo + 32:] and w[ho:]."""
+
+    def load_bytes(offset):
+        ptr = _element_ptr(context, builder, wty, w, offset, _V16I8)
+        return builder.zext(builder.load(ptr, align=1), _V16I32)
+
+    def const(v):
+        return ir.Constant(_V16I32, [v] * 16)
+
+    a = load_bytes(lo)
+    c = load_bytes(builder.add(lo, ir.Constant(lo.type, 32)))
+    h = load_bytes(ho)
+    and_, or_, shl, lshr = builder.and_, builder.or_, builder.shl, builder.lshr
+    return [
+        or_(and_(a, const(15)), shl(and_(h, const(3)), const(4))),
+        or_(and_(c, const(15)), shl(and_(h, const(12)), const(2))),
+        or_(lshr(a, const(4)), and_(h, const(48))),
+        or_(lshr(c, const(4)), lshr(and_(h, const(192)), const(2))),
+    ]
+
+
 @intrinsic
 def q6k16(typingctx, acc, w, lo, ho, x, x0, d0, d1, d2, d3):
     sig = types.void(acc, w, lo, ho, x, x0, types.float32, types.float32, types.float32,
@@ -205,25 +264,8 @@ def q6k16(typingctx, acc, w, lo, ho, x, x0, d0, d1, d2, d3):
 
     def codegen(context, builder, signature, args):
         acc_, w_, lo_, ho_, x_, x0_ = args[:6]
-        wty, xty = signature.args[1], signature.args[4]
-
-        def load_bytes(offset):
-            ptr = _element_ptr(context, builder, wty, w_, offset, _V16I8)
-            return builder.zext(builder.load(ptr, align=1), _V16I32)
-
-        def const(v):
-            return ir.Constant(_V16I32, [v] * 16)
-
-        a = load_bytes(lo_)
-        c = load_bytes(builder.add(lo_, ir.Constant(lo_.type, 32)))
-        h = load_bytes(ho_)
-        and_, or_, shl, lshr = builder.and_, builder.or_, builder.shl, builder.lshr
-        quads = [  # the four runs' 6-bit values, each (low 4 bits) | (high 2 bits) << 4
-            or_(and_(a, const(15)), shl(and_(h, const(3)), const(4))),
-            or_(and_(c, const(15)), shl(and_(h, const(12)), const(2))),
-            or_(lshr(a, const(4)), and_(h, const(48))),
-            or_(lshr(c, const(4)), lshr(and_(h, const(192)), const(2))),
-        ]
+        xty = signature.args[4]
+        quads = _q6k_values(builder, context, signature.args[1], w_, lo_, ho_)
         total = None
         for i, q in enumerate(quads):
             px = _element_ptr(context, builder, xty, x_,
@@ -366,3 +408,127 @@ def f32_from_bits(typingctx, i):
 def stack_f32x16():
     """A zeroed (16,) float32 accumulator on the stack (only inside @njit code)."""
     return carray(_stack16(), (16,))
+
+
+@njit(inline="always")
+def stack_f32x64():
+    """Eight zeroed 8-lane accumulators, (64,) float32 on the stack, for the `*_rows`
+    steps (only inside @njit code)."""
+    return carray(_stack64(), (64,))
+
+
+# -- multi-row steps -------------------------------------------------------------------------
+
+
+def _literal_rows(rows) -> int:
+    if not isinstance(rows, types.IntegerLiteral) or rows.literal_value not in (4, 8):
+        raise errors.TypingError("rows must be the literal 4 or 8")
+    return rows.literal_value
+
+
+def _rows_fma(context, builder, sig, acc, x, stride, rows, weights, x_arg=3):
+    """acc[8 t:8 t + 8] += sum over (w, xo) in `weights` of w * x[xo + t * stride:][:16],
+    t < rows; each w a <16 x float> of dequantized weights, taken as two 8-lane halves.
+    The products of a row are summed first and added to its accumulator last, so that
+    one add per block is on the loop-carried path."""
+    aty, xty = sig.args[0], sig.args[x_arg]
+    acc_data = context.make_array(aty)(context, builder, acc).data
+    x_data = context.make_array(xty)(context, builder, x).data
+    halves = []
+    for w, xo in weights:
+        for h in (0, 8):
+            part = builder.shuffle_vector(w, w, ir.Constant(ir.VectorType(_I32, 8),
+                                                            list(range(h, h + 8))))
+            halves.append((part, builder.add(xo, ir.Constant(xo.type, h))))
+    for t in range(rows):
+        row = builder.mul(stride, ir.Constant(stride.type, t))
+        total = None
+        for part, xo in halves:
+            ptr = builder.bitcast(builder.gep(x_data, [builder.add(xo, row)]), _V8F.as_pointer())
+            term = builder.fmul(part, builder.load(ptr, align=4), flags=_FAST)
+            total = term if total is None else builder.fadd(total, term, flags=_FAST)
+        pa = builder.bitcast(builder.gep(acc_data, [ir.Constant(ir.IntType(64), 8 * t)]),
+                             _V8F.as_pointer())
+        builder.store(builder.fadd(builder.load(pa, align=4), total), pa, align=4)
+
+
+def _scaled(builder, q, a, c):
+    """q * a + c for <16 x i32> q (unsigned) and float32 scalars a, c."""
+    return builder.fadd(builder.fmul(builder.uitofp(q, _V16F), _splat(builder, a),
+                                     flags=_FAST), _splat(builder, c), flags=_FAST)
+
+
+@intrinsic
+def nib_rows(typingctx, acc, w, off, x, xlo, xhi, stride, alo, clo, ahi, chi, rows):
+    n = _literal_rows(rows)
+    f = types.float32
+    sig = types.void(acc, w, off, x, xlo, xhi, stride, f, f, f, f, rows)
+
+    def codegen(context, builder, signature, args):
+        acc_, w_, off_, x_, xlo_, xhi_, stride_, alo_, clo_, ahi_, chi_, _ = args
+        lo, hi = _nibbles(builder, context, signature.args[1], w_, off_)
+        _rows_fma(context, builder, signature, acc_, x_, stride_, n,
+                  [(_scaled(builder, lo, alo_, clo_), xlo_),
+                   (_scaled(builder, hi, ahi_, chi_), xhi_)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def nib_hb_rows(typingctx, acc, w, off, x, xlo, xhi, stride, a, c, qh, rows):
+    n = _literal_rows(rows)
+    sig = types.void(acc, w, off, x, xlo, xhi, stride, types.float32, types.float32,
+                     types.int32, rows)
+
+    def codegen(context, builder, signature, args):
+        acc_, w_, off_, x_, xlo_, xhi_, stride_, a_, c_, qh_, _ = args
+        lo, hi = _five_bits(builder, *_nibbles(builder, context, signature.args[1], w_, off_),
+                            qh_)
+        _rows_fma(context, builder, signature, acc_, x_, stride_, n,
+                  [(_scaled(builder, lo, a_, c_), xlo_), (_scaled(builder, hi, a_, c_), xhi_)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def q8_rows(typingctx, acc, w, off, x, xo, stride, a, rows):
+    n = _literal_rows(rows)
+    sig = types.void(acc, w, off, x, xo, stride, types.float32, rows)
+
+    def codegen(context, builder, signature, args):
+        acc_, w_, off_, x_, xo_, stride_, a_, _ = args
+        av = _splat(builder, a_)
+        weights = []
+        for h in (0, 16):
+            ptr = _element_ptr(context, builder, signature.args[1], w_,
+                               builder.add(off_, ir.Constant(off_.type, h)), _V16I8)
+            q = builder.sitofp(builder.load(ptr, align=1), _V16F)
+            weights.append((builder.fmul(q, av, flags=_FAST),
+                            builder.add(xo_, ir.Constant(xo_.type, h))))
+        _rows_fma(context, builder, signature, acc_, x_, stride_, n, weights)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def q6k_rows(typingctx, acc, w, lo, ho, x, x0, stride, a0, a1, a2, a3, rows):
+    n = _literal_rows(rows)
+    f = types.float32
+    sig = types.void(acc, w, lo, ho, x, x0, stride, f, f, f, f, rows)
+
+    def codegen(context, builder, signature, args):
+        acc_, w_, lo_, ho_, x_, x0_, stride_ = args[:7]
+        quads = _q6k_values(builder, context, signature.args[1], w_, lo_, ho_)
+        weights = []
+        for i, q in enumerate(quads):
+            a = args[7 + i]
+            c = builder.fmul(a, ir.Constant(_F32, -32.0))
+            weights.append((_scaled(builder, q, a, c),
+                            builder.add(x0_, ir.Constant(x0_.type, 32 * i))))
+        _rows_fma(context, builder, signature, acc_, x_, stride_, n, weights, x_arg=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
