@@ -80,14 +80,19 @@ def add_rms_norm(x, h, weight, eps, out):
             out[t, i] = x[t, i] * r * weight[i]
 
 
-@njit(fastmath=_FM, cache=True)
+@njit(fastmath=_FM, error_model="numpy", cache=True)
 def silu_mul(gu, out):
-    """out = silu(gate) * up, where gu (T, 2F) holds gate in [:, :F] and up in [:, F:]."""
+    """out = silu(gate) * up, where gu (T, 2F) holds gate in [:, :F] and up in [:, F:].
+
+    silu(g) = g sigmoid(g), the sigmoid from `exp_neg(-|g|)`, which LLVM vectorizes (a
+    libm exp call per element it would not: measured 3x slower at 8 x 1536)."""
     T, F = out.shape
     for t in range(T):
         for i in range(F):
             g = gu[t, i]
-            out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[t, F + i]
+            e = exp_neg(-abs(g))
+            s = (np.float32(1.0) if g >= 0 else e) / (np.float32(1.0) + e)
+            out[t, i] = g * s * gu[t, F + i]
 
 
 _GELU_C = np.float32(math.sqrt(2.0 / math.pi))
