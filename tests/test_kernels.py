@@ -439,3 +439,22 @@ def test_compiled_kernels_can_be_cached_on_disk():
                     assert not compiled.library.has_dynamic_globals, name
                 checked.append(name)
     assert {"attend_compiled", "_gemv_q4_1", "_rows_q4_1"} <= set(checked)
+
+
+def test_parallel_kernels_start_one_parallel_region():
+    """Each gemv and multi-row kernel is one parallel loop (its prange). In a parallel
+    function Numba also turns array expressions (np.zeros, a slice copy) into parallel
+    loops, each a thread-pool start of its own: the multi-row kernels once started three,
+    which cost 10 of 15 us per call at T = 8. Compiled afresh (not from the disk cache),
+    which is where Numba keeps its count of them."""
+    from numba import njit
+
+    T, K = 5, 256
+    x, y = np.ones((T, K), np.float32), np.empty((T, 4), np.float32)
+    for kernels in (cpu.GEMV_KERNELS, cpu.ROWS_KERNELS):
+        for qtype, kernel in kernels.items():
+            bs, ts = GGML_QUANT_SIZES[qtype]
+            fresh = njit(parallel=True, fastmath=cpu._FM)(kernel.py_func)
+            fresh(x, np.zeros((4, K // bs * ts), np.uint8), cpu._table(qtype), y, cpu._INNER)
+            report = fresh.get_metadata(fresh.signatures[0])["parfor_diagnostics"]
+            assert len(report.initial_parfors) == 1, (kernel.__name__, report.initial_parfors)

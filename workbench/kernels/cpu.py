@@ -950,9 +950,15 @@ def _rows_loop(block, qk, x, w, y):
     N = w.shape[0]
     nb = K // qk
     tp = (T + 3) // 4 * 4
-    xf = np.zeros(tp * K, np.float32)  # (tp * K,): x, then zero rows up to a multiple of 4
+    # (tp * K,): x, then zero rows up to a multiple of 4. Element loops on purpose: in a
+    # parallel function Numba turns np.zeros and each slice copy into a parallel region of
+    # its own, ~1.3 us each (measured 13 of a 16 us call at T = 8, N = 16).
+    xf = np.empty(tp * K, np.float32)
     for t in range(T):
-        xf[t * K : (t + 1) * K] = x[t]
+        for k in range(K):
+            xf[t * K + k] = x[t, k]
+    for i in range(T * K, tp * K):
+        xf[i] = 0.0
     passes = (K + _ROWS_PASS - 1) // _ROWS_PASS
     per = (nb + passes - 1) // passes  # blocks per pass
     wi = w.view(np.int8)
