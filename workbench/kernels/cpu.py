@@ -951,8 +951,9 @@ def _rows_loop(block, qk, x, w, y):
     nb = K // qk
     tp = (T + 3) // 4 * 4
     # (tp * K,): x, then zero rows up to a multiple of 4. Element loops on purpose: in a
-    # parallel function Numba turns np.zeros and each slice copy into a parallel region of
-    # its own, ~1.3 us each (measured 13 of a 16 us call at T = 8, N = 16).
+    # parallel function Numba turns np.zeros and each slice copy into a parallel loop of
+    # its own, each a start of the thread pool (they cost 10 of the 15 us of a call at
+    # T = 8, N = 16).
     xf = np.empty(tp * K, np.float32)
     for t in range(T):
         for k in range(K):
