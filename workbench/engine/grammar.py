@@ -38,8 +38,11 @@ from workbench.engine.tokenizers import Tokenizer
 # "x-guidance": {"whitespace_pattern": ...} overrides it.
 JSON_WHITESPACE = r"( |\r?\n(\r?\n)?[ \t]{0,20})?"
 # Earley items per parser row; llguidance's default (2000) is too tight for schemas with
-# many optional, interdependent properties (JSON Schema Store's tmlanguage.json).
-PARSER_LIMITS = llguidance.LLParserLimits(max_items_in_row=5000)
+# many optional, interdependent properties (JSON Schema Store's tmlanguage.json). Items per
+# mask: the default (50,000) fails mid-generation on vocabularies with many whitespace
+# tokens (Qwen2's) inside objects with dozens of optional keys (NASA CMR's query schema
+# after `{\n`); 200,000 leaves headroom and such a mask still takes ~0.5 ms.
+PARSER_LIMITS = llguidance.LLParserLimits(max_items_in_row=5000, step_max_items=200_000)
 
 __all__ = [
     "Grammar", "GrammarMatcher", "GrammarError", "SchemaError", "UnsupportedSchemaError",
