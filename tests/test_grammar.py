@@ -282,6 +282,21 @@ def test_schema_sample_instances_are_accepted_or_rejected(smollm2):
     assert n_valid >= 40 and n_invalid >= 60
 
 
+def test_mask_inside_a_wide_object_on_a_whitespace_rich_vocabulary(qwen):
+    """NASA CMR's query schema: after `{\n  "condition": {\n` some forty optional keys
+    may follow. On Qwen2's vocabulary (hundreds of whitespace tokens) the mask takes more
+    Earley items than llguidance's default limit, which failed mid-generation."""
+    path = shared_file("data", "grammar", "schemas", "Github_hard---o62820.json")
+    g = compile_schema(json.loads(path.read_text())["schema"])
+    m = g.matcher(qwen.tokenizer)
+    ids = qwen.tokenize('{\n  "condition": {\n', add_bos=False)
+    assert m.accepts(ids) == len(ids)
+    allowed = m.mask()
+    words = {qwen.detokenize([int(t)]) for t in np.flatnonzero(allowed)}
+    assert {'"', ' "', "    ", "\t"} <= words  # a key, or indentation first
+    assert not any("}" in w for w in words)  # minProperties: 1
+
+
 @pytest.mark.slow
 def test_schema_sample_greedy_and_sampled_generations_validate(smollm2):
     """A greedy and a sampled generation per schema. Every generation that ends is JSON
@@ -307,40 +322,71 @@ def test_schema_sample_greedy_and_sampled_generations_validate(smollm2):
 
 
 # -- constrained generation with SmolLM2 ------------------------------------------------------
-PROMPTS = {
-    "json.gbnf": "Describe a cat as a JSON object.",
-    "arithmetic.gbnf": "Write one arithmetic equation, like x = 2 + 3.",
-    "list.gbnf": "List three fruits as a bulleted list.",
-    "chess.gbnf": "Write the first two moves of a chess game in PGN, like 1. e4 e5",
+def shots(system: str | None, examples: list[tuple[str, str]], ask: str) -> list[dict]:
+    """A conversation that shows the model the expected answers before asking."""
+    convo = [{"role": "system", "content": system}] if system else []
+    for question, answer in examples:
+        convo += [{"role": "user", "content": question},
+                  {"role": "assistant", "content": answer}]
+    return convo + [{"role": "user", "content": ask}]
+
+
+# Asked cold, SmolLM2-135M at temperature 1.0 often writes on until max_tokens: the grammars
+# with a repeating root (lines of equations, moves, items) end only where the model picks
+# its end token after a complete line (arithmetic ended 0 of 20 runs, chess 6 of 20), and
+# json.gbnf's strings run on (7 of 80 runs unfinished, with a repeat penalty of 1.1). Shown
+# an answer or two first, as one prompts a small model, it ends. Measured in batches of 20
+# seeds starting at 0, 100, 200 ..., these conversations ended: chess 100 of 100 runs, list
+# 100 of 100, json 137 of 140, arithmetic 97 of 100; seeds 0-19 end 20 of 20 for all four.
+CONVERSATIONS = {
+    "json.gbnf": shots("Reply with one short JSON object on a single line.", [
+        ("Describe a dog as a JSON object.",
+         '{"name": "Rex", "species": "dog", "age": 3, "friendly": true}'),
+        ("Describe a car as a JSON object.", '{"make": "Volvo", "color": "red", "seats": 5}')],
+        "Describe a cat as a JSON object."),
+    "arithmetic.gbnf": shots("Reply with exactly one equation and nothing else.", [
+        ("Write one arithmetic equation.", "2*3+1 = 7\n"),
+        ("Write another one.", "(8-2)/3 = 2\n")], "Write another one."),
+    "list.gbnf": shots(None, [("List three colours as a bulleted list.",
+                               "- red\n- green\n- blue\n")],
+                       "List three fruits as a bulleted list."),
+    "chess.gbnf": shots(None, [
+        ("Write the first two moves of a chess game in PGN.", "1. e4 e5\n2. Nf3 Nc6\n"),
+        ("Write the first two moves of another game.", "1. d4 d5\n2. c4 e6\n")],
+        "Write the first two moves of another game."),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(PROMPTS))
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_sampled_generations_are_accepted_by_the_grammar(smollm2, name):
-    """20 generations at temperature 1.0: every token is one the grammar allows (an
-    independent matcher re-checks the output); a generation the model ended is a complete
-    sentence of the grammar. Grammars with an open-ended root (a list of lines) are often
-    cut by max_tokens: those are checked as prefixes, like llama.cpp's own runs."""
+    """20 generations at temperature 1.0 (seeds 0-19): every token is one the grammar
+    allows (an independent matcher re-checks the output), and every generation the model
+    ends is a complete sentence of the grammar. Chess and list runs must all end. For json
+    and arithmetic about 2-3 runs in 100 never end (arithmetic's `ws ::= [ \\t\\n]*` lets an
+    expression run on across blank lines; JSON strings loop), so 17 of 20 must."""
     g = parse_gbnf(gbnf(name))
-    convo = [{"role": "user", "content": PROMPTS[name]}]
-    outputs = smollm2.chat_batch([convo] * 20, grammar=g, temperature=1.0, seed=0,
-                                 max_tokens=512 if name == "json.gbnf" else 96,
-                                 repeat_penalty=1.1)
+    # JSON objects are long, and without a repeat penalty the model sometimes loops inside
+    # a string; lines are short.
+    options = (dict(max_tokens=512, repeat_penalty=1.1) if name == "json.gbnf"
+               else dict(max_tokens=128))
+    outputs = smollm2.chat_batch([CONVERSATIONS[name]] * 20, grammar=g, temperature=1.0,
+                                 seed=0, **options)
     assert len({c.text for c in outputs}) > 10  # really sampled
     for c in outputs:
         m = g.matcher(smollm2.tokenizer)
         assert m.accepts(c.token_ids) == len(c.token_ids), c.text
         if c.finish_reason == "stop":
             assert m.is_accepting, c.text
-        if name == "json.gbnf":
-            assert c.finish_reason == "stop", c.text
-            assert isinstance(json.loads(c.text), dict)
+            if name == "json.gbnf":
+                assert isinstance(json.loads(c.text), dict), c.text
         if name == "list.gbnf":
             assert re.fullmatch(r"(- [^\r\n\x0b\x0c\x85\u2028\u2029]+\n)*"
                                 r"(- [^\r\n\x0b\x0c\x85\u2028\u2029]*)?", c.text), c.text
-    if name == "list.gbnf":  # the model ends lists; the others it rarely ends
-        assert sum(c.finish_reason == "stop" for c in outputs) >= 15
+    ended = sum(c.finish_reason == "stop" for c in outputs)
+    unfinished = [c.text[-80:] for c in outputs if c.finish_reason != "stop"]
+    print(f"{name}: {ended} of 20 ended")
+    assert ended >= (17 if name in ("json.gbnf", "arithmetic.gbnf") else 20), unfinished
 
 
 @pytest.mark.slow
