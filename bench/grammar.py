@@ -1,6 +1,6 @@
-"""Grammar overhead: mask time per token, and constrained against unconstrained decoding.
+"""Grammar overhead: mask time per token, constrained against free decoding, and llama.cpp.
 
-    python bench/grammar.py [--model smollm2-135m] [--rounds 3] [--tokens 96]
+    python bench/grammar.py [--model smollm2-135m] [--rounds 3] [--tokens 96] [--threads N]
 
 1. Mask time. For every schema of the JSONSchemaBench sample in
    ../shared/data/grammar/schemas/ that compiles, each valid instance is fed to a
@@ -10,24 +10,34 @@
    `--tokens` tokens constrained by the schema and unconstrained (end tokens banned so
    both run the full length), alternating round by round; the medians of decode
    tokens/s (first token to last, prefill excluded) and their ratio are printed.
+3. Against llama.cpp (llama-cpp-python, skipped when it is not installed): the same
+   prompts, plus llama.cpp's json.gbnf, decoded greedily under the grammar by both
+   engines from the same model file and prompt tokens, alternating round by round.
+   llama.cpp gets the schema through its own converter (`LlamaGrammar.from_json_schema`).
+   Printed: each engine's constrained and free decode tokens/s (medians) and the
+   ratio of the constrained rates.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from workbench import LLM, Grammar
+from workbench import LLM, Grammar, registry
+from workbench.bench import set_threads
 from workbench.engine.grammar import SchemaError
 
-SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "data" / "grammar" / "schemas"
+GRAMMARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "grammar"
+SCHEMAS = GRAMMARS / "schemas"
 # (prompt, schema) pairs whose answers run long enough to time the decode loop
 DECODE_CASES = [
     ("Describe three people as JSON.", {"type": "array", "items": {
@@ -114,15 +124,84 @@ def decode_speed(model: LLM, rounds: int, tokens: int) -> None:
     print(f"  median ratio constrained / free: {statistics.median(ratios):.2f}")
 
 
+def peer_rate(peer, ids: list[int], tokens: int, grammar=None, eot: Sequence[int] = ()
+              ) -> tuple[float, int]:
+    """llama.cpp's greedy decode tokens/s (first token to last) and token count; with no
+    grammar the end tokens are banned, so it runs the full `tokens`."""
+    from llama_cpp import LogitsProcessorList
+
+    def no_end(_ids, scores):
+        scores[list(eot)] = -np.inf
+        return scores
+
+    peer.reset()
+    stamps: list[float] = []
+    for token in peer.generate(ids, temp=0.0, grammar=grammar,
+                               logits_processor=None if grammar else LogitsProcessorList([no_end])):
+        if token in eot:
+            break
+        stamps.append(time.perf_counter())
+        if len(stamps) == tokens:
+            break
+    n = len(stamps)
+    return ((n - 1) / (stamps[-1] - stamps[0]) if n > 1 else float("nan")), n
+
+
+def versus_llama_cpp(model: LLM, path: str, rounds: int, tokens: int, threads: int) -> None:
+    try:
+        from llama_cpp import Llama, LlamaGrammar
+    except ImportError:
+        print("\nllama-cpp-python is not installed: no comparison with llama.cpp "
+              "(pip install llama-cpp-python)")
+        return
+    peer = Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+    json_gbnf = (GRAMMARS / "gbnf" / "json.gbnf").read_text()
+    cases = [(prompt, Grammar.from_json_schema(schema),
+              LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False))
+             for prompt, schema in DECODE_CASES]
+    cases.append(("Describe a cat as a JSON object.", Grammar.from_gbnf(json_gbnf),
+                  LlamaGrammar.from_string(json_gbnf, verbose=False)))
+    eot = [int(t) for t in model.tokenizer.eot_ids]
+    print(f"\nconstrained greedy decode against llama.cpp, tokens/s, up to {tokens} tokens, "
+          f"median of {rounds} rounds:")
+    print(f"  {'prompt':<40} {'tokens':>11} {'ours':>7} {'free':>7} {'llama.cpp':>10} "
+          f"{'free':>7} {'ours/llama.cpp':>15}")
+    ratios = []
+    for prompt, ours_grammar, peer_grammar in cases:
+        ids = model.tokenize(model.apply_chat_template([{"role": "user", "content": prompt}]))
+        decode_rate(model, prompt, 8, ours_grammar)  # warm up both engines
+        peer_rate(peer, ids, 8, peer_grammar, eot)
+        runs: dict[str, list[float]] = {"ours": [], "ours_free": [], "peer": [], "peer_free": []}
+        n_ours = n_peer = 0
+        for _ in range(rounds):
+            rate, n_ours = decode_rate(model, prompt, tokens, ours_grammar)
+            runs["ours"].append(rate)
+            runs["ours_free"].append(decode_rate(model, prompt, n_ours)[0])
+            rate, n_peer = peer_rate(peer, ids, tokens, peer_grammar, eot)
+            runs["peer"].append(rate)
+            runs["peer_free"].append(peer_rate(peer, ids, n_peer, None, eot)[0])
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        ratios.append(med["ours"] / med["peer"])
+        print(f"  {prompt[:40]:<40} {n_ours:>5}/{n_peer:<5} {med['ours']:>7.1f} "
+              f"{med['ours_free']:>7.1f} {med['peer']:>10.1f} {med['peer_free']:>7.1f} "
+              f"{ratios[-1]:>15.2f}")
+    print(f"  median ratio of constrained rates, ours / llama.cpp: {statistics.median(ratios):.2f}"
+          f"  (tokens: ours/llama.cpp; greedy runs differ where their logits do)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
-    model = LLM.load(args.model)
+    set_threads(args.threads)
+    path = str(registry.resolve(args.model))
+    model = LLM.load(path)
     mask_times(model)
     decode_speed(model, args.rounds, args.tokens)
+    versus_llama_cpp(model, path, args.rounds, args.tokens, args.threads)
     return 0
 
 
