@@ -166,6 +166,29 @@ def test_schema_rewrites_keep_the_meaning(smollm2, schema, instances):
         assert matches(g, smollm2.tokenizer, value) == validator.is_valid(value), value
 
 
+def test_unbounded_integers_stay_within_what_json_readers_keep_exactly(smollm2):
+    """Integers with no bound are kept within ±(2^53 - 1); a schema's own bounds and enums
+    are left alone."""
+    from workbench.engine.grammar import SAFE_INTEGER
+
+    tok = smollm2.tokenizer
+    plain = compile_schema({"type": "object", "properties": {"n": {"type": ["integer", "null"]}},
+                            "definitions": {"unused": {"type": "integer"}}})
+    assert matches(plain, tok, {"n": SAFE_INTEGER}) and matches(plain, tok, {"n": -SAFE_INTEGER})
+    assert not matches(plain, tok, {"n": SAFE_INTEGER + 1})
+    assert not matches(plain, tok, {"n": 10**40}) and not matches(plain, tok, {"n": -10**40})
+    assert matches(plain, tok, {"n": None})
+    referenced = compile_schema({"$ref": "#/$defs/count", "$defs": {"count": {"type": "integer",
+                                                                           "minimum": 0}}})
+    assert matches(referenced, tok, SAFE_INTEGER) and not matches(referenced, tok, 2**60)
+    assert not matches(referenced, tok, -1)  # its own bound stays
+    own = compile_schema({"type": "integer", "maximum": 10**17})
+    assert matches(own, tok, 10**17) and not matches(own, tok, -SAFE_INTEGER - 1)
+    listed = compile_schema({"type": "integer", "enum": [1, 10**17]})
+    assert matches(listed, tok, 10**17)
+    assert compile_schema({"type": "integer"}).schema == {"type": "integer"}  # the user's own
+
+
 def test_pydantic_model_class(smollm2):
     pydantic = pytest.importorskip("pydantic")
 

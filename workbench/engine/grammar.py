@@ -37,6 +37,11 @@ from workbench.engine.tokenizers import Tokenizer
 # whitespace lets small models pad with newlines until max_tokens. A schema's own
 # "x-guidance": {"whitespace_pattern": ...} overrides it.
 JSON_WHITESPACE = r"( |\r?\n(\r?\n)?[ \t]{0,20})?"
+# The largest integer a JSON reader keeps exactly (2^53 - 1, I-JSON's limit, RFC 7493).
+# Integers a schema leaves unbounded are generated within ±this, 16 digits at most, as
+# llama.cpp's schema grammars allow 16: unbounded, a small model can write digits until
+# max_tokens (Qwen2.5-Coder-0.5B did, greedily, on an integer "repeat" count).
+SAFE_INTEGER = 2**53 - 1
 # Earley items per parser row; llguidance's default (2000) is too tight for schemas with
 # many optional, interdependent properties (JSON Schema Store's tmlanguage.json). Items per
 # mask: the default (50,000) fails mid-generation on vocabularies with many whitespace
@@ -119,7 +124,12 @@ class Grammar:
     def from_json_schema(cls, schema: Mapping[str, Any] | str | bool | type) -> Grammar:
         """JSON text that validates against `schema`: a dict, its JSON text, or a pydantic
         model class. Raises `SchemaError` for an invalid schema and `UnsupportedSchemaError`
-        (naming the keyword) for one that cannot be enforced."""
+        (naming the keyword) for one that cannot be enforced.
+
+        Two bounds keep a small model from running on where the schema sets none: the
+        whitespace between tokens (`JSON_WHITESPACE`), and integers with no `minimum` or
+        `maximum`, which stay within ±(2^53 - 1) (`SAFE_INTEGER`, the integers a JSON
+        reader keeps exactly)."""
         model = None
         if isinstance(schema, type):
             if not hasattr(schema, "model_json_schema"):
@@ -136,7 +146,7 @@ class Grammar:
             raise SchemaError(f"a JSON Schema is an object or a boolean, got "
                               f"{type(schema).__name__}")
         relaxed: list[str] = []
-        prepared = _rewrite(copy.deepcopy(schema))
+        prepared = _safe_integers(_rewrite(copy.deepcopy(schema)))
         while True:
             try:
                 spec = llguidance.LLMatcher.grammar_from_json_schema(
@@ -469,6 +479,25 @@ def _rewrite(schema: Any) -> Any:
         conditions.append({"anyOf": [{"properties": {n: False}} for n in names]})
     if conditions:
         schema["allOf"] = [*schema.get("allOf", []), *conditions]
+    return schema
+
+
+def _safe_integers(schema: Any) -> Any:
+    """`schema` with every integer that has no lower or upper bound bounded by
+    ±SAFE_INTEGER (in place). Enums and constants are left as they are, and so are
+    subschemas under `not` and `if`, where a bound would widen what the schema admits."""
+    if not isinstance(schema, dict):
+        return schema
+    kind = schema.get("type")
+    if (kind == "integer" or isinstance(kind, list) and "integer" in kind) and not (
+            "enum" in schema or "const" in schema):
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            schema["minimum"] = -SAFE_INTEGER
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            schema["maximum"] = SAFE_INTEGER
+    for container, key in _subschemas(schema):
+        if container is not schema or key not in ("not", "if"):
+            _safe_integers(container[key])
     return schema
 
 
