@@ -305,19 +305,28 @@ def test_schema_sample_instances_are_accepted_or_rejected(smollm2):
     assert n_valid >= 40 and n_invalid >= 60
 
 
-def test_mask_inside_a_wide_object_on_a_whitespace_rich_vocabulary(qwen):
-    """NASA CMR's query schema: after `{\n  "condition": {\n` some forty optional keys
-    may follow. On Qwen2's vocabulary (hundreds of whitespace tokens) the mask takes more
-    Earley items than llguidance's default limit, which failed mid-generation."""
-    path = shared_file("data", "grammar", "schemas", "Github_hard---o62820.json")
-    g = compile_schema(json.loads(path.read_text())["schema"])
-    m = g.matcher(qwen.tokenizer)
-    ids = qwen.tokenize('{\n  "condition": {\n', add_bos=False)
-    assert m.accepts(ids) == len(ids)
-    allowed = m.mask()
-    words = {qwen.detokenize([int(t)]) for t in np.flatnonzero(allowed)}
-    assert {'"', ' "', "    ", "\t"} <= words  # a key, or indentation first
-    assert not any("}" in w for w in words)  # minProperties: 1
+def test_masks_over_the_sample_on_a_whitespace_rich_vocabulary(qwen):
+    """Every valid instance of the sample, compact and indented, fed to a matcher on
+    Qwen2's vocabulary (hundreds of whitespace tokens), computing the mask before every
+    token: each mask allows the instance's next token. With llguidance's default limit of
+    Earley items per mask, NASA CMR's query schema (after `{\n  "condition": {\n`) and
+    tmlanguage (after `{\n  "patterns": [\n    {\n`) failed mid-generation."""
+    ok, _ = compiled_sample()
+    tok, steps = qwen.tokenizer, 0
+    for path, schema, grammar in ok:
+        for test in json.loads(path.read_text())["tests"]:
+            if not test["valid"]:
+                continue
+            for indent in (None, 2):
+                text = json.dumps(in_schema_order(test["data"], schema), indent=indent,
+                                  ensure_ascii=False)
+                m = grammar.matcher(tok)
+                for token in tok.encode(text, add_bos=False):
+                    assert m.mask()[token], f"{path.name}: {text!r}"
+                    m.consume(token)
+                    steps += 1
+                assert m.is_accepting
+    assert steps > 10_000
 
 
 @pytest.mark.slow
