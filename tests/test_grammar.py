@@ -330,27 +330,32 @@ def test_masks_over_the_sample_on_a_whitespace_rich_vocabulary(qwen):
 
 
 @pytest.mark.slow
-def test_schema_sample_greedy_and_sampled_generations_validate(smollm2):
-    """A greedy and a sampled generation per schema. Every generation that ends is JSON
-    that validates (jsonschema). SmolLM2-135M does not end every one: on some schemas it
-    runs on inside a string or an array until max_tokens (22 of 78 runs when measured);
-    those are listed, and at most a third of the runs may end that way."""
+@pytest.mark.parametrize("model_name, share", [("smollm2", 3), ("qwen", 6)])
+def test_schema_sample_greedy_and_sampled_generations_validate(request, model_name, share):
+    """A greedy and a sampled generation per schema, from SmolLM2-135M and from
+    Qwen2.5-Coder-0.5B. Every generation that ends is JSON that validates (jsonschema).
+    Not every one ends: the models run on inside a string, an array, or the digits of a
+    number or of a pattern until max_tokens. Measured, of 78 runs: SmolLM2 18, Qwen 6.
+    Those are listed; at most a third (SmolLM2) or a sixth (Qwen) may end that way."""
+    model = request.getfixturevalue(model_name)
     ok, _ = compiled_sample()
     unfinished, runs = [], 0
     for path, schema, grammar in ok:
         what = (schema.get("title") or schema.get("description") or path.stem.split("---")[-1])
-        messages = [{"role": "user", "content": f"Write a short JSON example of: {what[:200]}"}]
+        messages = [{"role": "system",
+                     "content": "Reply with one short JSON object on a single line."},
+                    {"role": "user", "content": f"Write a short JSON example of: {what[:200]}"}]
         for options in (dict(temperature=0), dict(temperature=0.8, seed=0)):
             runs += 1
-            c = smollm2.chat(messages, schema=grammar, max_tokens=768, repeat_penalty=1.1,
-                             **options)
+            c = model.chat(messages, schema=grammar, max_tokens=768, repeat_penalty=1.1,
+                           **options)
             if c.finish_reason != "stop":
                 unfinished.append(f"{path.name} {options}: {c.text[-60:]!r}")
                 continue
             jsonschema.validate(json.loads(c.text), schema)
     for line in unfinished:
         print("cut at max_tokens:", line)
-    assert len(unfinished) <= runs // 3, "\n".join(unfinished)
+    assert runs >= 70 and len(unfinished) <= runs // share, "\n".join(unfinished)
 
 
 # -- constrained generation with SmolLM2 ------------------------------------------------------
