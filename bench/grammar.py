@@ -1,6 +1,6 @@
 """Grammar overhead: mask time per token, constrained against free decoding, and llama.cpp.
 
-    python bench/grammar.py [--model smollm2-135m] [--rounds 3] [--tokens 96] [--threads N]
+    python bench/grammar.py [--model smollm2-135m] [--rounds 3] [--tokens 96]
 
 1. Mask time. For every schema of the JSONSchemaBench sample in
    ../shared/data/grammar/schemas/ that compiles, each valid instance is fed to a
@@ -13,7 +13,8 @@
 3. Against llama.cpp (llama-cpp-python, skipped when it is not installed): the same
    prompts, plus llama.cpp's json.gbnf, decoded greedily under the grammar by both
    engines from the same model file and prompt tokens, alternating round by round.
-   llama.cpp gets the schema through its own converter (`LlamaGrammar.from_json_schema`).
+   llama.cpp gets the schema through its own converter (`LlamaGrammar.from_json_schema`),
+   and as many threads as our engine's pool (NUMBA_NUM_THREADS, all cores by default).
    Printed: each engine's constrained and free decode tokens/s (medians) and the
    ratio of the constrained rates.
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,10 +30,10 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+import numba
 import numpy as np
 
 from workbench import LLM, Grammar, registry
-from workbench.bench import set_threads
 from workbench.engine.grammar import SchemaError
 
 GRAMMARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "grammar"
@@ -194,14 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
-    set_threads(args.threads)
     path = str(registry.resolve(args.model))
     model = LLM.load(path)
     mask_times(model)
     decode_speed(model, args.rounds, args.tokens)
-    versus_llama_cpp(model, path, args.rounds, args.tokens, args.threads)
+    versus_llama_cpp(model, path, args.rounds, args.tokens, numba.config.NUMBA_NUM_THREADS)
     return 0
 
 

@@ -485,13 +485,14 @@ def _rewrite(schema: Any) -> Any:
 
 def _safe_integers(schema: Any) -> Any:
     """`schema` with every integer that has no lower or upper bound bounded by
-    ±SAFE_INTEGER (in place). Enums and constants are left as they are, and so are
-    subschemas under `not` and `if`, where a bound would widen what the schema admits."""
+    ±SAFE_INTEGER (in place). Left as they are: enums and constants, types that also
+    admit any number (the bound would apply to it too), and subschemas under `not` and
+    `if`, where a bound would change what the schema admits."""
     if not isinstance(schema, dict):
         return schema
     kind = schema.get("type")
-    if (kind == "integer" or isinstance(kind, list) and "integer" in kind) and not (
-            "enum" in schema or "const" in schema):
+    integer = kind == "integer" or isinstance(kind, list) and "integer" in kind
+    if integer and "number" not in kind and not ("enum" in schema or "const" in schema):
         if "minimum" not in schema and "exclusiveMinimum" not in schema:
             schema["minimum"] = -SAFE_INTEGER
         if "maximum" not in schema and "exclusiveMaximum" not in schema:
