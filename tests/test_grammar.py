@@ -311,8 +311,8 @@ def test_masks_over_the_sample_on_a_whitespace_rich_vocabulary(qwen):
     """Every valid instance of the sample, compact and indented, fed to a matcher on
     Qwen2's vocabulary (hundreds of whitespace tokens), computing the mask before every
     token: each mask allows the instance's next token. With llguidance's default limit of
-    Earley items per mask, NASA CMR's query schema (after `{\n  "condition": {\n`) and
-    tmlanguage (after `{\n  "patterns": [\n    {\n`) failed mid-generation."""
+    Earley items per mask, NASA CMR's query schema (after `{\\n  "condition": {\\n`) and
+    tmlanguage (after `{\\n  "patterns": [\\n    {\\n`) failed mid-generation."""
     ok, _ = compiled_sample()
     tok, steps = qwen.tokenizer, 0
     for path, schema, grammar in ok:
