@@ -494,6 +494,17 @@ def test_logit_bias_acts_within_the_allowed_set(smollm2):
         assert c.text == word and c.token_ids == ids
 
 
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_logit_bias_forbidding_every_allowed_token_is_a_clear_error(smollm2, temperature):
+    """Greedy decoding used to return token 0 (an end token, so an empty answer outside
+    the grammar) and sampling failed inside NumPy."""
+    g = Grammar.from_gbnf('root ::= "yes" | "no"')
+    allowed = np.flatnonzero(g.matcher(smollm2.tokenizer).mask())
+    with pytest.raises(ValueError, match="every token the grammar allows has a logit of -inf"):
+        smollm2.generate("Answer:", grammar=g, temperature=temperature,
+                         logit_bias={int(t): float("-inf") for t in allowed}).wait()
+
+
 def test_end_token_only_when_complete_and_stop_when_finished(smollm2):
     g = Grammar.from_gbnf('root ::= "a" [0-9] [0-9] [0-9]')
     c = smollm2.generate("Code:", grammar=g, temperature=0,

@@ -96,7 +96,10 @@ class Sampler:
                 raise ValueError("the grammar allows no token here")
             logits[~allowed] = -np.inf
         if p.temperature == 0:
-            return int(np.argmax(logits))
+            best = int(np.argmax(logits))
+            if logits[best] == -np.inf:
+                raise ValueError(_nothing_left(allowed))
+            return best
         # candidates: top-k (or all), sorted by descending logit
         n = logits.shape[0]
         if 0 < p.top_k < n:
@@ -104,6 +107,8 @@ class Sampler:
             ids = ids[np.isfinite(logits[ids])]
         else:
             ids = np.flatnonzero(np.isfinite(logits))
+        if not len(ids):
+            raise ValueError(_nothing_left(allowed))
         ids = ids[np.argsort(-logits[ids], kind="stable")]
         vals = logits[ids].astype(np.float64)
         probs = _softmax(vals)
@@ -115,6 +120,12 @@ class Sampler:
         ids, vals = ids[:keep], vals[:keep]
         probs = _softmax(vals / p.temperature)
         return int(ids[self.rng.choice(len(ids), p=probs)])
+
+
+def _nothing_left(allowed: np.ndarray | None) -> str:
+    where = " the grammar allows" if allowed is not None else ""
+    return (f"no token can be sampled: every token{where} has a logit of -inf after "
+            f"logit_bias and the penalties")
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
