@@ -491,8 +491,9 @@ def _safe_integers(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     kind = schema.get("type")
-    integer = kind == "integer" or isinstance(kind, list) and "integer" in kind
-    if integer and "number" not in kind and not ("enum" in schema or "const" in schema):
+    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    if "integer" in kinds and "number" not in kinds and not (
+            "enum" in schema or "const" in schema):
         if "minimum" not in schema and "exclusiveMinimum" not in schema:
             schema["minimum"] = -SAFE_INTEGER
         if "maximum" not in schema and "exclusiveMaximum" not in schema:
