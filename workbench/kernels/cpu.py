@@ -61,8 +61,9 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from llvmlite.binding import get_host_cpu_features
-from numba import get_thread_id, njit, prange
+from numba import get_thread_id, prange
 
+from workbench.kernels.cache import njit
 from workbench.kernels.simd import (
     deq16,
     half16,

@@ -20,23 +20,33 @@ the feed-forward is a mixture of experts; the model then keeps the per-kernel
 path of `LlamaModel.decode`, which is also the reference that tests compare
 this with.
 
-The first call compiles the stack with every format's kernels (minutes, once
-per machine; later processes load it from Numba's disk cache in ~0.3 s).
-Numba keys that cache on this file only: after editing `cpu.py`, `layers.py`
-or `simd.py`, touch this file too, or the cached stack keeps the old kernels.
+The stack is compiled per model, with the matmul kernels of the formats its
+layers use and no others: `stack_module(formats)` writes `_project` and
+`_stack` below, with a `_matmul` that branches over those formats only, into
+a module in the kernel cache (`cache.cache_dir()/stacks`) and imports it.
+Compiling it takes ~40 s for SmolLM2 (one format) on one core, once per machine
+and source version (`workbench.kernels.cache` keys the disk cache on the
+sources of everything inlined); later processes load it in well under a second.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import tempfile
+import types as pytypes
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType
-from numba import njit, types
+from numba import types
 from numba.typed import List
 
-from workbench.kernels import cpu, layers
+from workbench.kernels import cache, cpu, layers
 from workbench.kernels.linear import QuantizedWeight
 
 Q = GGMLQuantizationType
@@ -51,6 +61,7 @@ _MATRIX = types.Array(types.uint8, 2, "C", readonly=True)
 class StackWeights:
     """The weights of all layers, laid out for `decode_stack` (see the module docstring)."""
 
+    formats: tuple[int, ...]  # the GGML type codes of the matrices, sorted
     mats: List  # typed list of (N, bytes_per_row) uint8 read-only matrices
     parts: np.ndarray  # (P, 4) int64: matrix index, GGML type code, first output column, rows
     first: np.ndarray  # (n_layer * 4 + 1,) int64: parts of projection p of layer l are
@@ -103,6 +114,7 @@ class StackWeights:
         D = final_norm.shape[0]
 
         return cls(
+            formats=tuple(sorted({p[1] for p in parts})),
             mats=mats,
             parts=np.array(parts, np.int64).reshape(-1, 4),
             first=np.array(first, np.int64),
@@ -123,99 +135,35 @@ class StackWeights:
         )
 
 
-@njit(inline="always")
-def _rows(code, x, w, f16, y, n):
-    """y = x @ W.T by the multi-row kernel of GGML type `code`: True, or False if the
-    format has none."""
-    if code == 8:
-        cpu._rows_q8_0(x, w, f16, y, n)
-    elif code == 2:
-        cpu._rows_q4_0(x, w, f16, y, n)
-    elif code == 3:
-        cpu._rows_q4_1(x, w, f16, y, n)
-    elif code == 6:
-        cpu._rows_q5_0(x, w, f16, y, n)
-    elif code == 7:
-        cpu._rows_q5_1(x, w, f16, y, n)
-    elif code == 12:
-        cpu._rows_q4_k(x, w, f16, y, n)
-    elif code == 14:
-        cpu._rows_q6_k(x, w, f16, y, n)
-    else:
-        return False
-    return True
+# `_project` and `_stack` are compiled in the module that `stack_module` generates, beside
+# a `_matmul(code, x, w, f16, bf16, scratch, y, n)`: y = x @ W.T by the packed-block kernel
+# of GGML type `code`, as `cpu.matmul` picks it (T <= 2: gemv; T <= `cpu.ROWS_MAX_T`: the
+# multi-row kernel where the format has one; else the two-stage kernel with `scratch`);
+# `n` is the run-time 16 of `cpu`.
 
 
-@njit(cache=True)
-def _matmul(code, x, w, f16, bf16, scratch, y, n):
-    """y = x @ W.T by the packed-block kernel of GGML type `code`, as `cpu.matmul` picks it
-    (T <= 2: gemv; T <= `cpu.ROWS_MAX_T`: the multi-row kernel where the format has one;
-    else the two-stage kernel with `scratch`); `n` is the run-time 16 of `cpu`."""
+def _project(mats, parts, lo, hi, width, x, f16, bf16, n_threads, n):
+    """A projection applied to x (T, K): a new (T, width) array from the matrices
+    parts[lo:hi]. lo, hi and width are read from arrays by the caller, so they are run-time
+    integers: as literals (the constant QKV ...) each projection would be a specialization
+    of its own, compiled four times."""
     T = x.shape[0]
-    if T <= 2:
-        if code == 8:
-            cpu._gemv_q8_0(x, w, f16, y, n)
-        elif code == 2:
-            cpu._gemv_q4_0(x, w, f16, y, n)
-        elif code == 3:
-            cpu._gemv_q4_1(x, w, f16, y, n)
-        elif code == 6:
-            cpu._gemv_q5_0(x, w, f16, y, n)
-        elif code == 7:
-            cpu._gemv_q5_1(x, w, f16, y, n)
-        elif code == 12:
-            cpu._gemv_q4_k(x, w, f16, y, n)
-        elif code == 13:
-            cpu._gemv_q5_k(x, w, f16, y, n)
-        elif code == 14:
-            cpu._gemv_q6_k(x, w, f16, y, n)
-        elif code == 1:
-            cpu._gemv_f16(x, w, f16, y, n)
-        else:  # 30, BF16
-            cpu._gemv_bf16(x, w, bf16, y, n)
-    elif T > cpu.ROWS_MAX_T or not _rows(code, x, w, f16, y, n):
-        if code == 8:
-            cpu._gemv2_q8_0(x, w, f16, scratch, y, n)
-        elif code == 2:
-            cpu._gemv2_q4_0(x, w, f16, scratch, y, n)
-        elif code == 3:
-            cpu._gemv2_q4_1(x, w, f16, scratch, y, n)
-        elif code == 6:
-            cpu._gemv2_q5_0(x, w, f16, scratch, y, n)
-        elif code == 7:
-            cpu._gemv2_q5_1(x, w, f16, scratch, y, n)
-        elif code == 12:
-            cpu._gemv2_q4_k(x, w, f16, scratch, y, n)
-        elif code == 13:
-            cpu._gemv2_q5_k(x, w, f16, scratch, y, n)
-        elif code == 14:
-            cpu._gemv2_q6_k(x, w, f16, scratch, y, n)
-        elif code == 1:
-            cpu._gemv2_f16(x, w, f16, scratch, y, n)
-        else:
-            cpu._gemv2_bf16(x, w, bf16, scratch, y, n)
-
-
-@njit(cache=True)
-def _project(mats, parts, first, widths, layer, proj, x, f16, bf16, n_threads, n):
-    """Projection `proj` of `layer` applied to x (T, K): a new (T, width) array."""
-    T = x.shape[0]
-    y = np.empty((T, widths[layer, proj]), np.float32)
+    y = np.empty((T, width), np.float32)
     # (threads, 4, K): the two-stage kernel's four dequantized rows per thread
     scratch = np.empty((n_threads if T > 2 else 0, 4, x.shape[1]), np.float32)
-    lo, hi = first[4 * layer + proj], first[4 * layer + proj + 1]
     if hi - lo == 1:
-        _matmul(parts[lo, 1], x, mats[parts[lo, 0]], f16, bf16, scratch, y, n)
+        _matmul(parts[lo, 1], x, mats[parts[lo, 0]], f16, bf16, scratch, y, n)  # noqa: F821
         return y
     for i in range(lo, hi):  # parts of different formats, side by side in y
         part = np.empty((T, parts[i, 3]), np.float32)
-        _matmul(parts[i, 1], x, mats[parts[i, 0]], f16, bf16, scratch, part, n)
+        _matmul(parts[i, 1], x, mats[parts[i, 0]], f16, bf16, scratch, part, n)  # noqa: F821
         c0 = parts[i, 2]
-        y[:, c0 : c0 + parts[i, 3]] = part
+        for t in range(T):  # element loops: a slice copy brings Numba's shape checks
+            for j in range(parts[i, 3]):
+                y[t, c0 + j] = part[t, j]
     return y
 
 
-@njit(cache=True)
 def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_norm,
            post_attn_norm, post_ffn_norm, gelu, windows, rope, eps, n_head, n_kv, head_dim,
            slots, pos, cos, sin, rope_dim, neox, keys, values, src, has_src, ring, f16, bf16,
@@ -228,30 +176,95 @@ def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_n
     att = np.empty((T, n_head * head_dim), np.float32)
     n_layer = ffn_norm.shape[0]
     for i in range(n_layer):
-        qkv = _project(mats, parts, first, widths, i, QKV, h, f16, bf16, n_threads, n)
+        qkv = _project(mats, parts, first[4 * i + QKV], first[4 * i + QKV + 1],
+                       widths[i, QKV], h, f16, bf16, n_threads, n)
         if bqkv.shape[1]:
             for t in range(T):
-                qkv[t] += bqkv[i]
+                for j in range(bqkv.shape[1]):
+                    qkv[t, j] += bqkv[i, j]
         ring_i = ring if windows[i] else 0  # a rotating layer: each fork has its own ring
         layers.attend_compiled(qkv, n_head, n_kv, slots, pos, cos[rope[i]], sin[rope[i]],
                                rope_dim, neox, q_norm[i], k_norm[i], eps, keys[i], values[i],
                                att, src, has_src and ring_i == 0, windows[i], ring_i,
                                active_threads)
-        a = _project(mats, parts, first, widths, i, OUT, att, f16, bf16, n_threads, n)
+        a = _project(mats, parts, first[4 * i + OUT], first[4 * i + OUT + 1],
+                     widths[i, OUT], att, f16, bf16, n_threads, n)
         if post_attn_norm.shape[1]:
             layers.rms_norm(a, post_attn_norm[i], eps, a)
         layers.add_rms_norm(x, a, ffn_norm[i], eps, h)
-        gu = _project(mats, parts, first, widths, i, GATE_UP, h, f16, bf16, n_threads, n)
+        gu = _project(mats, parts, first[4 * i + GATE_UP], first[4 * i + GATE_UP + 1],
+                      widths[i, GATE_UP], h, f16, bf16, n_threads, n)
         hf = np.empty((T, gu.shape[1] // 2), np.float32)
         if gelu:
             layers.gelu_mul(gu, hf)
         else:
             layers.silu_mul(gu, hf)
-        f = _project(mats, parts, first, widths, i, DOWN, hf, f16, bf16, n_threads, n)
+        f = _project(mats, parts, first[4 * i + DOWN], first[4 * i + DOWN + 1],
+                     widths[i, DOWN], hf, f16, bf16, n_threads, n)
         if post_ffn_norm.shape[1]:
             layers.rms_norm(f, post_ffn_norm[i], eps, f)
         layers.add_rms_norm(x, f, attn_norm[i + 1], eps, h)
     return h
+
+
+def _matmul_source(formats: tuple[int, ...]) -> str:
+    """`_matmul` for these GGML type codes only."""
+    lines = ["@njit(cache=True)",
+             "def _matmul(code, x, w, f16, bf16, scratch, y, n):",
+             "    T = x.shape[0]"]
+    for i, code in enumerate(formats):
+        qtype = Q(code)
+        table = "bf16" if qtype == Q.BF16 else "f16"
+        lines.append(f"    {'if' if i == 0 else 'elif'} code == {code}:  # {qtype.name}")
+        lines.append("        if T <= 2:")
+        lines.append(f"            cpu.{cpu.GEMV_KERNELS[qtype].__name__}(x, w, {table}, y, n)")
+        if qtype in cpu.ROWS_KERNELS:
+            lines.append("        elif T <= cpu.ROWS_MAX_T:")
+            lines.append(f"            cpu.{cpu.ROWS_KERNELS[qtype].__name__}(x, w, {table}, y, n)")
+        lines.append("        else:")
+        lines.append(f"            cpu.{cpu.GEMV2_KERNELS[qtype].__name__}"
+                     f"(x, w, {table}, scratch, y, n)")
+    return "\n".join(lines) + "\n"
+
+
+def _module_source(formats: tuple[int, ...]) -> str:
+    names = ", ".join(Q(c).name for c in formats)
+    parts = [f'"""The decode stack for {names} weights, generated by workbench.kernels.decode."""',
+             "import numpy as np",
+             "from workbench.kernels import cpu, layers",
+             "from workbench.kernels.cache import njit",
+             f"QKV, OUT, GATE_UP, DOWN = {QKV}, {OUT}, {GATE_UP}, {DOWN}",
+             _matmul_source(formats)]
+    for template in (_project, _stack):
+        parts.append("@njit(cache=True)\n" + inspect.getsource(template))
+    return "\n\n".join(parts)
+
+
+_MODULES: dict[tuple[int, ...], pytypes.ModuleType] = {}
+
+
+def stack_module(formats: tuple[int, ...]) -> pytypes.ModuleType:
+    """The module holding `_stack` compiled for weights of these GGML type codes: written
+    to the kernel cache once (named by a hash of its text), imported once per process."""
+    if formats not in _MODULES:
+        text = _module_source(formats)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        stem = "stack_" + "_".join(Q(c).name.lower() for c in formats) + "_" + digest
+        folder = cache.cache_dir() / "stacks"
+        path = folder / f"{stem}.py"
+        if not path.is_file() or path.read_text() != text:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)  # atomic: other processes see the whole file or none
+        name = f"workbench.kernels.stacks.{stem}"  # under workbench.: our cache locator
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        _MODULES[formats] = module
+    return _MODULES[formats]
 
 
 def decode_stack(weights: StackWeights, x: np.ndarray, eps: float, n_head: int, n_kv: int,
@@ -272,9 +285,10 @@ def decode_stack(weights: StackWeights, x: np.ndarray, eps: float, n_head: int, 
     if src is None:
         src = layers.NO_SRC
     w = weights
-    return _stack(x, w.mats, w.parts, w.first, w.widths, w.attn_norm, w.ffn_norm, w.bqkv,
-                  w.q_norm, w.k_norm, w.post_attn_norm, w.post_ffn_norm, w.gelu, w.windows,
-                  w.rope, np.float32(eps), n_head, n_kv, head_dim, slots, pos, w.cos, w.sin,
-                  rope_dim, neox, keys, values, src, has_src, ring, cpu.F16_TO_F32,
-                  cpu.BF16_TO_F32, numba.config.NUMBA_NUM_THREADS, numba.get_num_threads(),
-                  cpu._INNER)
+    stack = stack_module(w.formats)._stack
+    return stack(x, w.mats, w.parts, w.first, w.widths, w.attn_norm, w.ffn_norm, w.bqkv,
+                 w.q_norm, w.k_norm, w.post_attn_norm, w.post_ffn_norm, w.gelu, w.windows,
+                 w.rope, np.float32(eps), n_head, n_kv, head_dim, slots, pos, w.cos, w.sin,
+                 rope_dim, neox, keys, values, src, has_src, ring, cpu.F16_TO_F32,
+                 cpu.BF16_TO_F32, numba.config.NUMBA_NUM_THREADS, numba.get_num_threads(),
+                 cpu._INNER)

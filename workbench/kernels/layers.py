@@ -45,8 +45,9 @@ import math
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from workbench.kernels.cache import njit
 from workbench.kernels.simd import axpy16, dot16, f32_from_bits, stack_f32x16
 
 _FM = {"reassoc", "contract"}  # reorder sums, fuse multiply-adds; NaN/inf semantics kept
@@ -141,16 +142,20 @@ def _rope(v, cos, sin, dim, neox):
             v[2 * i + 1] = a * sin[i] + b * cos[i]
 
 
-@njit(fastmath=_FM, error_model="numpy", inline="always")
+@njit(fastmath=_FM, error_model="numpy", cache=True)
 def _attend_group(qkv, n, kv, group, g0, g1, slots, pos, cos, sin, rope_dim, neox, q_norm,
-                  eps, keys, values, out, src, window, ring):
+                  eps, keys, values, out, src, forked, window, ring):
     """Query heads g0 .. g1 - 1 of the `group` heads of sequence n that share KV head kv
     (grouped-query attention): norm, RoPE, softmax(q K^T / sqrt(hd)) V into out[n]. Each
     cached key and value is read once for these heads; the products run 16 lanes at a
     time (`simd.dot16`, `simd.axpy16`) and the softmax's exponentials through `exp_neg`.
 
-    src: None (every position of sequence n is in its own slot), or (N, L) the slot
-    holding each position (a forked branch reads its shared prefix from other slots).
+    src, forked: when forked, src (N, L) is the slot holding each position (a forked
+    branch reads its shared prefix from other slots); else each position of sequence n
+    is in its own slot and src is not read.
+    One compiled function, called from the serial and the parallel loop (inlined into
+    both, each src case compiled apart, it took four times as long to compile: ~20 s
+    of a cold start; the call costs nothing next to a job's work).
     window: 0, or attend to the last `window` positions only (sliding-window layers);
     ring: 0, or position s is kept at s % ring (a rotating cache of a sliding-window layer)."""
     hd = keys.shape[3]
@@ -169,7 +174,7 @@ def _attend_group(qkv, n, kv, group, g0, g1, slots, pos, cos, sin, rope_dim, neo
     vec = hd - hd % 16  # the first `vec` entries in steps of 16, the rest one by one
     scores = np.empty((G, S), np.float32)
     for s in range(lo, p + 1):
-        slot = slots[n] if src is None else src[n, s]
+        slot = src[n, s] if forked else slots[n]
         k = keys[slot, kv, s % ring if ring else s]
         for g in range(G):
             qo = q0 + g * hd
@@ -198,7 +203,7 @@ def _attend_group(qkv, n, kv, group, g0, g1, slots, pos, cos, sin, rope_dim, neo
     for j in range(q0, q0 + G * hd):
         o[j] = 0.0
     for s in range(lo, p + 1):
-        slot = slots[n] if src is None else src[n, s]
+        slot = src[n, s] if forked else slots[n]
         v = values[slot, kv, s % ring if ring else s]
         for g in range(G):
             w = scores[g, s - lo]
@@ -231,15 +236,17 @@ def _write_kv(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, k_norm, e
 
 @njit(fastmath=_FM, cache=True)
 def _heads_serial(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                  keys, values, out, src, window, ring):
+                  keys, values, out, src, forked, window, ring):
     for job in range(qkv.shape[0] * n_kv):
-        _attend_group(qkv, job // n_kv, job % n_kv, group, 0, group, slots, pos, cos, sin,
-                      rope_dim, neox, q_norm, eps, keys, values, out, src, window, ring)
+        # 0 * group, not 0: a literal 0 would make this call a second specialization
+        _attend_group(qkv, job // n_kv, job % n_kv, group, 0 * group, group, slots, pos, cos, sin,
+                      rope_dim, neox, q_norm, eps, keys, values, out, src, forked, window,
+                      ring)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _heads_parallel(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                    keys, values, out, src, window, ring, threads):
+                    keys, values, out, src, forked, window, ring, threads):
     # One job per sequence and KV head; with fewer of those than threads (one sequence
     # of a model with one or two KV heads), each group's query heads are split between
     # jobs, which then each read the group's cache.
@@ -249,7 +256,7 @@ def _heads_parallel(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_no
         pair, part = job // parts, job % parts
         _attend_group(qkv, pair // n_kv, pair % n_kv, group, part * group // parts,
                       (part + 1) * group // parts, slots, pos, cos, sin, rope_dim, neox,
-                      q_norm, eps, keys, values, out, src, window, ring)
+                      q_norm, eps, keys, values, out, src, forked, window, ring)
 
 
 # Below this many multiply-adds (all heads, all cached positions) the heads run on
@@ -299,19 +306,12 @@ def attend_compiled(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_n
     seen = pos.sum() + pos.shape[0] if window == 0 else pos.shape[0] * window
     macs = 2 * n_head * keys.shape[3] * seen
     group = n_head // n_kv
-    if has_src:
-        if macs >= PARALLEL_ATTENTION_MACS:
-            _heads_parallel(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm,
-                            eps, keys, values, out, src, window, ring, threads)
-        else:
-            _heads_serial(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm,
-                          eps, keys, values, out, src, window, ring)
-    elif macs >= PARALLEL_ATTENTION_MACS:
+    if macs >= PARALLEL_ATTENTION_MACS:
         _heads_parallel(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                        keys, values, out, None, window, ring, threads)
+                        keys, values, out, src, has_src, window, ring, threads)
     else:
         _heads_serial(qkv, n_kv, group, slots, pos, cos, sin, rope_dim, neox, q_norm, eps,
-                      keys, values, out, None, window, ring)
+                      keys, values, out, src, has_src, window, ring)
 
 
 # -- encoder layers -------------------------------------------------------------------------

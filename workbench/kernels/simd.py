@@ -75,10 +75,12 @@ file only: after editing this module, clear `__pycache__` (or touch `cpu.py`).
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils, errors
 from numba.extending import intrinsic
 from numba.np.numpy_support import carray
+
+from workbench.kernels.cache import njit
 
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
