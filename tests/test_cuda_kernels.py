@@ -118,6 +118,59 @@ def test_ptx_entries_and_no_fma_when_dequantizing(tmp_path):
     assert "fma" in bodies["gemv_q4_k"]  # the check above does look at the bodies
 
 
+def test_nvcc_compiles_the_attention_kernel(tmp_path):
+    """`ATTEND_SOURCE` (the recorded decode step's attention) compiles without a header or a
+    warning and exports `attend_step`."""
+    assert "#include" not in cuda.ATTEND_SOURCE
+    source = tmp_path / "attend.cu"
+    source.write_text(cuda.ATTEND_SOURCE)
+    out = tmp_path / "attend.cubin"
+    run = subprocess.run([_nvcc(), "-arch=sm_80", "--std=c++17", "--cubin", "-o", str(out),
+                          str(source)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "warning" not in run.stderr.lower(), run.stderr[-4000:]
+    assert b"\0attend_step\0" in out.read_bytes()
+
+
+# (n_head, n_kv, hd, length, pos, window): GQA groups, a sliding window, the first and last
+# position, head sizes from 16 to the largest the kernel takes
+ATTEND_CASES = [(9, 3, 64, 256, 200, 0), (9, 3, 64, 256, 0, 0), (9, 3, 64, 256, 255, 0),
+                (4, 2, 16, 608, 599, 8), (14, 2, 64, 300, 150, 0), (8, 4, 256, 256, 100, 16),
+                (4, 2, 32, 16, 5, 1), (8, 8, 128, 512, 511, 4096)]
+
+
+def _attend_by_head(q, keys, values, pos, window, scale) -> np.ndarray:
+    """One query token's attention, head by head in float64: the definition."""
+    n_head, hd = q.shape
+    group = n_head // keys.shape[0]
+    lo = max(0, pos - window + 1) if window else 0
+    out = np.empty((n_head, hd))
+    for h in range(n_head):
+        k, v = keys[h // group, lo : pos + 1], values[h // group, lo : pos + 1]
+        s = k.astype(np.float64) @ q[h] * scale
+        w = np.exp(s - s.max())
+        out[h] = (w / w.sum()) @ v
+    return out.reshape(-1)
+
+
+def _attend_inputs(case, rng):
+    n_head, n_kv, hd, length, pos, window = case
+    q = rng.standard_normal((n_head, hd)).astype(np.float32)
+    keys = rng.standard_normal((n_kv, length + 7, hd)).astype(np.float32)  # max_len > length
+    values = rng.standard_normal((n_kv, length + 7, hd)).astype(np.float32)
+    return q, keys, values, pos, length, window, 1.0 / np.sqrt(hd)
+
+
+@pytest.mark.parametrize("case", ATTEND_CASES, ids=str)
+def test_reference_attend_step(case):
+    q, keys, values, pos, length, window, scale = _attend_inputs(case, np.random.default_rng(1))
+    out = ReferenceKernels().attend_step(q, keys, values, np.array([pos], np.int32), length,
+                                         window, scale)
+    assert out.dtype == np.float32 and out.shape == (q.size,)
+    np.testing.assert_allclose(out, _attend_by_head(q, keys, values, pos, window, scale),
+                               rtol=1e-5, atol=1e-6)
+
+
 # -- ReferenceKernels ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
@@ -199,6 +252,18 @@ def cp():
 @pytest.fixture(scope="module")
 def kernels(cp):
     return cuda.CudaKernels()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ATTEND_CASES, ids=str)
+def test_cuda_attend_step(cp, kernels, case):
+    """The recorded decode step's attention kernel against the definition; pos is read on
+    the device."""
+    q, keys, values, pos, length, window, scale = _attend_inputs(case, np.random.default_rng(1))
+    out = kernels.attend_step(cp.asarray(q), cp.asarray(keys), cp.asarray(values),
+                              cp.asarray(np.array([pos], np.int32)), length, window, scale)
+    np.testing.assert_allclose(cp.asnumpy(out), _attend_by_head(q, keys, values, pos, window,
+                                                                scale), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,10 @@
 - "cuda": CuPy on an NVIDIA GPU. Weights are uploaded once in their GGUF formats and
   run by the RawKernels of `workbench/kernels/gguf.cu` (`workbench.kernels.cuda`).
   `Backend.capture` records a step as a CUDA graph (`CudaGraph`), which the LLM's
-  decode step uses (`WORKBENCH_CUDA_GRAPHS=0` turns it off).
+  decode step uses (`WORKBENCH_CUDA_GRAPHS=0` turns it off). A recorded step may not
+  call cuBLAS (`cupy.matmul`, `@`): CuPy raises NotImplementedError for any cuBLAS
+  call on a capturing stream. So its products are RawKernels: the gemv kernels (F32
+  matrices included) and `Backend.attend_step`.
 - "metal": MLX on Apple silicon. "mlx" forces the MLX backend on any platform (on
   macOS that is Metal; on Linux `pip install "mlx[cpu]"` runs it on the CPU, which is
   how its array code is tested without a Mac). Weights whose GGUF format has affine
@@ -191,6 +194,15 @@ class Backend:
     def erf(self, x: Any) -> Any:
         raise NotImplementedError
 
+    def attend_step(self, q: Any, keys: Any, values: Any, pos: Any, length: int,
+                    window: int, scale: float) -> Any | None:
+        """One decode token's attention in one kernel, for a recorded step: q (n_head, hd)
+        at position pos[0] (a (1,) int32 device array) over positions [0, length) of
+        keys and values (n_kv, max_len, hd), those after pos (and, with a window, at or
+        before pos - window) masked -> (n_head * hd,). None where the backend has no such
+        kernel (the caller then computes it with array operations)."""
+        return None
+
     def layer_norm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any:
         """LayerNorm over the last axis (BERT's and Whisper's)."""
         xp = self.xp
@@ -245,10 +257,19 @@ class CupyBackend(Backend):
             return step
         return CudaGraph(self.xp, step)
 
+    def attend_step(self, q: Any, keys: Any, values: Any, pos: Any, length: int,
+                    window: int, scale: float) -> Any | None:
+        # the kernels' one launch: a recorded step may not call cuBLAS (cupy.matmul), which
+        # CuPy refuses while a stream is being captured
+        attend = getattr(self.kernels, "attend_step", None)
+        return None if attend is None else attend(q, keys, values, pos, length, window, scale)
+
     def _weight(self, w: QuantizedWeight) -> DeviceWeight:
-        # F32 goes to cuBLAS as it is; so do F16/BF16 rows that are not whole groups of 32,
-        # which the kernels decode (a 48-wide expert, say)
-        if w.qtype == Q.F32 or (w.qtype in (Q.F16, Q.BF16) and w.shape[1] % GROUP):
+        # float rows that are not whole groups of 32, which the kernels cannot decode (a
+        # 48-wide expert, say), go to cuBLAS as float32 / float16. F32 matrices go to the
+        # kernels like the rest: their gemv runs the decode step (cuBLAS, which CuPy
+        # refuses inside a CUDA graph capture, only multiplies prefill chunks)
+        if w.qtype in (Q.F32, Q.F16, Q.BF16) and w.shape[1] % GROUP:
             return DenseWeight(self, w)
         return CupyWeight(self, w)
 

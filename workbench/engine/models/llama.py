@@ -888,6 +888,12 @@ class _DeviceLayer:
         keys[:, pos] = k.transpose(1, 0, 2)  # (n_kv, 1, hd) into position pos
         values[:, pos] = v.transpose(1, 0, 2)
         S = key_pos.shape[0]
+        # one kernel where the backend has it (CUDA: cupy.matmul calls cuBLAS, which
+        # CuPy refuses while a CUDA graph is being captured)
+        out = be.attend_step(q[0], keys, values, pos, S, self.window,
+                             1.0 / float(np.sqrt(cfg.head_dim)))
+        if out is not None:
+            return self.wo.matmul(out.reshape(1, -1))
         hidden = key_pos > pos
         if self.window:
             hidden = hidden | (key_pos <= pos - self.window)
