@@ -42,12 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
 
-    pull = sub.add_parser("pull", help="download registered models into the cache",
+    pull = sub.add_parser("pull", help="download models and prepare their CPU kernels",
                           description="Download registered models (see `workbench list`) into "
-                          f"the cache ({registry.cache_dir()}, or $WORKBENCH_CACHE).")
+                          f"the cache ({registry.cache_dir()}, or $WORKBENCH_CACHE) and compile "
+                          "the CPU kernels they run (kept in the kernel cache).")
     pull.add_argument("aliases", nargs="*", default=[registry.DEFAULT_MODEL], metavar="ALIAS",
                       help=f"model aliases (default: {registry.DEFAULT_MODEL})")
     pull.add_argument("--force", action="store_true", help="download again even if cached")
+    pull.add_argument("--no-kernels", action="store_true",
+                      help="do not prepare the models' CPU kernels (compiled on first use)")
     pull.set_defaults(func=_pull)
 
     ls = sub.add_parser("list", help="list registered models and what is cached",
@@ -170,7 +173,16 @@ def _options(args) -> dict:
 def _load(args):
     from workbench.engine.llm import LLM
 
-    return LLM.load(args.model, kv_cache_size=args.ctx)
+    return _prepared(LLM.load(args.model, kv_cache_size=args.ctx))
+
+
+def _prepared(engine):
+    """`engine` once its CPU kernels are ready, with a status line on stderr meanwhile
+    ("preparing kernels for this CPU (3/5): ..."; only the first run on a machine waits)."""
+    from workbench.engine.warmup import show_progress
+
+    show_progress(engine.warming, file=sys.stderr)
+    return engine
 
 
 def _stream(completion) -> None:
@@ -187,6 +199,9 @@ def _pull(args) -> int:
     for alias in args.aliases:
         path = registry.pull(alias, force=args.force)
         print(f"{alias}: {path}")
+        if not args.no_kernels:  # compile them now, not in the user's first call
+            engine = _prepared(load_engine(alias))
+            print(f"{alias}: kernels ready for this CPU ({engine.warmup.seconds:.1f} s)")
     return 0
 
 
@@ -205,7 +220,7 @@ def _embed(args) -> int:
 
     from workbench.engine.encoder import Encoder, cosine_similarity
 
-    model = load_engine(args.model)
+    model = _prepared(load_engine(args.model))
     if isinstance(model, Encoder):
         vectors = model.embed_batch(args.texts, pool=args.pool,
                                     normalize=not args.no_normalize)
@@ -228,7 +243,7 @@ def _embed(args) -> int:
 def _transcribe(args) -> int:
     from workbench.engine.whisper import WhisperModel
 
-    model = WhisperModel.load(args.model)
+    model = _prepared(WhisperModel.load(args.model))
     for path in args.files:
         t = model.transcribe(path, language=args.language, beam_size=args.beam_size,
                              task="translate" if args.translate else "transcribe",
@@ -290,7 +305,7 @@ def _serve(args) -> int:
             name, source = spec, spec
             if spec not in registry.MODELS:
                 name = Path(spec).stem
-        engines[name] = load_engine(source, ctx=args.ctx)
+        engines[name] = _prepared(load_engine(source, ctx=args.ctx))
     print(f"workbench: serving {', '.join(engines)} at http://{args.host}:{args.port}/v1 "
           "(Ctrl-C stops)", file=sys.stderr)
     serve(engines, host=args.host, port=args.port, api_key=args.api_key,
@@ -371,6 +386,11 @@ def _lab(args) -> int:
     if not (notebooks / args.notebook).is_file():
         raise FileNotFoundError(f"no notebook {args.notebook!r} in {notebooks}")
     registry.pull(registry.DEFAULT_MODEL)  # with a progress bar; a no-op once cached
+    # its CPU kernels compile (or load from the cache) in another process while JupyterLab
+    # starts, so that the tour's first cell finds them ready
+    subprocess.Popen([sys.executable, "-m", "workbench.cli", "pull", registry.DEFAULT_MODEL],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
     proc = subprocess.Popen(lab_command(notebooks, args.notebook, port=args.port,
                                         no_browser=args.no_browser), cwd=notebooks)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

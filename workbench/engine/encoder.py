@@ -34,6 +34,7 @@ from workbench.engine.backend import Backend, select_backend
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.models import bert, gemma3, llama
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
+from workbench.engine.warmup import KernelWarmup, Warming
 from workbench.signals import BusyCounter, Signal
 
 DEFAULT_ENCODER = "minilm-l6"
@@ -74,10 +75,10 @@ class Encoder:
     """A BERT-style sentence encoder loaded from a GGUF file."""
 
     def __init__(self, gguf: GGUFFile, *, device: str = "auto", max_length: int | None = None,
-                 backend: Backend | None = None):
+                 backend: Backend | None = None, prepare_kernels: bool = True):
         """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx".
         `backend`: a `workbench.engine.backend.Backend` to run on instead of the one
-        `device` names. `max_length`: see `load`."""
+        `device` names. `max_length`, `prepare_kernels`: see `load`."""
         arch = gguf.architecture
         if arch not in bert.ARCHITECTURES:
             hint = (" (a decoder model: load it with workbench.LLM)"
@@ -89,9 +90,12 @@ class Encoder:
         self.device: Signal[str] = Signal(name, name="device")
         self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
         self._busy = BusyCounter(self.busy)
+        # kernels being compiled: progress, or None (see workbench.engine.warmup)
+        self.warming: Signal[Warming | None] = Signal(None, name="warming")
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
         model = bert.BertModel(gguf)
+        tasks = model.kernel_tasks() if prepare_kernels and self.backend is None else []
         self.config = model.config
         if self.backend is not None:  # weights uploaded once, the host copies dropped
             model = bert.DeviceBertModel(model, self.backend)
@@ -109,17 +113,22 @@ class Encoder:
         self.max_length: int = max_length or self.config.max_seq_length
         self._gguf = gguf
         self._lock = threading.Lock()
+        self.warmup = KernelWarmup(tasks, self.warming, self._lock).start()
 
     @classmethod
     def load(cls, source: str | os.PathLike = DEFAULT_ENCODER, *, device: str = "auto",
-             max_length: int | None = None) -> Encoder:
+             max_length: int | None = None, prepare_kernels: bool = True) -> Encoder:
         """Load an encoder from an alias (`minilm-l6`), a .gguf path or `hf://repo/file`.
 
         Aliases are downloaded (and converted) on first use. `max_length` is where
         inputs are cut, in tokens counting `[CLS]` and `[SEP]` (default: the
         sentence-transformers limit the file records, else the model's context).
+        `prepare_kernels`: on the CPU, compile (or load from the disk cache) the kernels
+        in a background thread right away, with progress in `warming` (`warmup.wait()`
+        blocks until they are ready); False compiles each on first use.
         """
-        return cls(open_gguf(registry.resolve(source)), device=device, max_length=max_length)
+        return cls(open_gguf(registry.resolve(source)), device=device, max_length=max_length,
+                   prepare_kernels=prepare_kernels)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:

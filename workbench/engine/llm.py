@@ -36,6 +36,7 @@ from workbench.engine.models import gemma3, llama
 from workbench.engine.sampling import DeviceSampler, Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
 from workbench.engine.tokenizers.stream import StreamDecoder
+from workbench.engine.warmup import KernelWarmup, Warming, helper_command
 from workbench.signals import BusyCounter, Signal
 
 _MODEL_CLASSES = {**dict.fromkeys(llama.ARCHITECTURES, llama.LlamaModel),
@@ -219,11 +220,13 @@ class LLM:
     chat, complete and embed."""
 
     def __init__(self, gguf: GGUFFile, *, device: str = "auto", kv_cache_size: int = 4096,
-                 backend: Backend | None = None):
+                 backend: Backend | None = None, prepare_kernels: bool = True):
         """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx"
         (MLX on any platform). `backend`: a `workbench.engine.backend.Backend` to run on
         instead of the one `device` names (the tests run the CuPy backend's code with
-        NumPy standing in for CuPy)."""
+        NumPy standing in for CuPy). `prepare_kernels`: on the CPU, compile (or load from
+        the disk cache) the kernels this model runs in a background thread right away,
+        with progress in the `warming` signal; False compiles each on first use."""
         arch = gguf.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitectureError(
@@ -236,6 +239,8 @@ class LLM:
         self.device: Signal[str] = Signal(name, name="device")
         self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
         self._busy = BusyCounter(self.busy)
+        # kernels being compiled: progress, or None (see workbench.engine.warmup)
+        self.warming: Signal[Warming | None] = Signal(None, name="warming")
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
@@ -252,17 +257,22 @@ class LLM:
         self._cache_lock = threading.Lock()
         self._file_sha256: str | None = None
         self.prefilled_tokens = 0  # prompt tokens run through the model so far (all calls)
+        tasks = self.model.kernel_tasks() if prepare_kernels and self.backend is None else []
+        helper = helper_command("llm", str(self.path), kv_cache_size)
+        self.warmup = KernelWarmup(tasks, self.warming, self._forward_lock, helper).start()
 
     @classmethod
     def load(cls, source: str | os.PathLike = registry.DEFAULT_MODEL, *, device: str = "auto",
-             kv_cache_size: int = 4096) -> LLM:
+             kv_cache_size: int = 4096, prepare_kernels: bool = True) -> LLM:
         """Load a model from an alias (see `workbench list`), a .gguf path or `hf://repo/file`.
 
         Aliases are downloaded on first use. `kv_cache_size` is the context length
-        (prompt plus output) in tokens.
+        (prompt plus output) in tokens. The CPU kernels the model needs start compiling
+        in the background at once (`prepare_kernels`; progress in `m.warming`,
+        `m.warmup.wait()` blocks until they are ready).
         """
         return cls(open_gguf(registry.resolve(source)), device=device,
-                   kv_cache_size=kv_cache_size)
+                   kv_cache_size=kv_cache_size, prepare_kernels=prepare_kernels)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:

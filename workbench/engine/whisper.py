@@ -40,6 +40,7 @@ from workbench.engine.backend import Backend, select_backend
 from workbench.engine.models import whisper as arch
 from workbench.engine.sampling import log_softmax
 from workbench.engine.tokenizers.whisper import WhisperTokenizer
+from workbench.engine.warmup import KernelWarmup, Warming
 from workbench.engine.whisper_file import WhisperFile
 from workbench.signals import BusyCounter, Signal
 
@@ -94,32 +95,41 @@ def clean_text(text: str) -> str:
 class WhisperModel:
     """A Whisper speech recognizer loaded from a whisper.cpp `.bin` file."""
 
-    def __init__(self, f: WhisperFile, *, device: str = "auto", backend: Backend | None = None):
+    def __init__(self, f: WhisperFile, *, device: str = "auto", backend: Backend | None = None,
+                 prepare_kernels: bool = True):
         """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx"
         (MLX on any platform). `backend`: a `workbench.engine.backend.Backend` to run on
         instead of the one `device` names (the tests run the CuPy backend's code with
-        NumPy standing in for CuPy)."""
+        NumPy standing in for CuPy). `prepare_kernels`: see `load`."""
         name, self.backend = select_backend(device, backend)  # no backend: the cpu
         self.device: Signal[str] = Signal(name, name="device")
         self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
         self._busy = BusyCounter(self.busy)
+        # kernels being compiled: progress, or None (see workbench.engine.warmup)
+        self.warming: Signal[Warming | None] = Signal(None, name="warming")
         self.path: Path = f.path
         net = arch.Whisper(f)
+        tasks = net.kernel_tasks() if prepare_kernels and self.backend is None else []
         self.config = net.config
         if self.backend is not None:  # weights uploaded once, the host copies dropped
             net = arch.DeviceWhisper(net, self.backend)
         self.net: arch.Whisper | arch.DeviceWhisper | None = net
         self.tokenizer = WhisperTokenizer(f.tokens, f.hparams.n_vocab)
         self._lock = threading.Lock()
+        self.warmup = KernelWarmup(tasks, self.warming, self._lock).start()
 
     @classmethod
-    def load(cls, source: str | os.PathLike = DEFAULT_WHISPER, *, device: str = "auto"
-             ) -> WhisperModel:
+    def load(cls, source: str | os.PathLike = DEFAULT_WHISPER, *, device: str = "auto",
+             prepare_kernels: bool = True) -> WhisperModel:
         """Load a model from an alias (`whisper-tiny.en`, `whisper-base`) or a `.bin` path.
 
-        Aliases are downloaded (and converted) on first use.
+        Aliases are downloaded (and converted) on first use. `prepare_kernels`: on the
+        CPU, compile (or load from the disk cache) the kernels in a background thread
+        right away, with progress in `warming` (`warmup.wait()` blocks until they are
+        ready); False compiles each on first use.
         """
-        return cls(WhisperFile(registry.resolve(source)), device=device)
+        return cls(WhisperFile(registry.resolve(source)), device=device,
+                   prepare_kernels=prepare_kernels)
 
     @property
     def multilingual(self) -> bool:

@@ -267,6 +267,16 @@ def stack_module(formats: tuple[int, ...]) -> pytypes.ModuleType:
     return _MODULES[formats]
 
 
+def decode_stack_cached(weights: StackWeights) -> bool:
+    """Whether the kernel cache holds `decode_stack` compiled for these weights' formats
+    with the current sources (read from Numba's index of the stack's cache)."""
+    stack = stack_module(weights.formats)._stack
+    try:
+        return bool(stack._cache._cache_file._load_index())
+    except (AttributeError, OSError, EOFError, ValueError):  # Numba's internals moved
+        return False
+
+
 def decode_stack(weights: StackWeights, x: np.ndarray, eps: float, n_head: int, n_kv: int,
                  head_dim: int, slots: np.ndarray, pos: np.ndarray, rope_dim: int, neox: bool,
                  keys: np.ndarray, values: np.ndarray, src: np.ndarray | None,

@@ -287,9 +287,10 @@ def attend(qkv: np.ndarray, n_head: int, n_kv: int, slots: np.ndarray, pos: np.n
         (needs ring >= window; src must be None).
     """
     has_src = src is not None
+    # eps as float32, as the decode stack passes it: one compiled attention serves both
     attend_compiled(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, neox, q_norm, k_norm,
-                    eps, keys, values, out, src if has_src else NO_SRC, has_src, window, ring,
-                    numba.get_num_threads())
+                    np.float32(eps), keys, values, out, src if has_src else NO_SRC, has_src,
+                    window, ring, numba.get_num_threads())
 
 
 NO_SRC = np.zeros((0, 0), np.int64)  # `attend_compiled`'s src when no sequence is a fork

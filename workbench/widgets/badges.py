@@ -1,6 +1,7 @@
 """Small status badges that follow a model's `busy` and `device` signals.
 
     BusyBadge(m)     # "● busy" / "○ idle", DOM: <span class="wb-badge wb-busy" data-state="busy">
+                     # "⚙ compiling 2/4" (data-state="compiling") while m.warming is set
     DeviceBadge(m)   # "cpu", DOM: <span class="wb-badge wb-device" data-state="cpu">
 
 Each badge binds its synced trait one way (signal -> widget) with
@@ -50,25 +51,45 @@ class BusyBadge(_Badge):
     """A badge showing whether a model is busy: `BusyBadge(llm)` or `BusyBadge(signal)`.
 
     The synced trait `busy` follows the signal; the DOM root has the classes
-    `wb-badge wb-busy` and `data-state` "busy" or "idle".
+    `wb-badge wb-busy` and `data-state` "busy" or "idle". Given a model, the trait
+    `warming` follows its `warming` signal (the kernels it is compiling, as text; ""
+    when none): meanwhile `data-state` is "compiling" and the badge shows the progress.
     """
 
     busy = traitlets.Bool(False).tag(sync=True)
+    warming = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, model_or_signal: Any, **kwargs: Any):
         super().__init__(kind="busy", **kwargs)
         self.signal: Signal[bool] = _signal_of(model_or_signal, "busy")
-        self._unbind = bind(self.signal, self, "busy", direction="to_widget")
+        unbind = [bind(self.signal, self, "busy", direction="to_widget")]
+        warming = getattr(model_or_signal, "warming", None)
+        if isinstance(warming, Signal):
+            def show(state: Any) -> None:
+                self.warming = "" if state is None else str(state)
+
+            show(warming.peek())
+            unbind.append(warming.subscribe(show))
+        self._unbind = lambda: [fn() for fn in unbind]
 
     @property
     def state(self) -> str:
-        """"busy" or "idle": the badge's `data-state`."""
+        """"compiling", "busy" or "idle": the badge's `data-state`."""
+        if self.warming:
+            return "compiling"
         return "busy" if self.busy else "idle"
 
     @property
     def label(self) -> str:
         """The badge's text."""
+        if self.warming:
+            return "⚙ compiling " + _progress(self.warming)
         return "● busy" if self.busy else "○ idle"
+
+
+def _progress(text: str) -> str:
+    """"3/5" from "preparing kernels for this CPU (3/5): ..."."""
+    return text[text.find("(") + 1 : text.find(")")] if "(" in text else ""
 
 
 class DeviceBadge(_Badge):

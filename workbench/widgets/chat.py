@@ -51,7 +51,8 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
 
     Synced traits: `system`, `temperature`, `top_p`, `max_tokens` (editable in
     the browser), `log` (rendered messages), `generating`, `busy` (the model's
-    busy signal), `stats`, `error`.
+    busy signal), `warming` (the kernels the model is compiling, as text: the badge
+    then reads "compiling 2/4"), `stats`, `error`.
     """
 
     _esm = STATIC / "chat.js"
@@ -64,6 +65,7 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
     log = traitlets.List(traitlets.Dict()).tag(sync=True)
     generating = traitlets.Bool(False).tag(sync=True)
     busy = traitlets.Bool(False).tag(sync=True)
+    warming = traitlets.Unicode("").tag(sync=True)
     stats = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
 

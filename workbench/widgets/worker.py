@@ -2,8 +2,9 @@
 
 Generation runs off the kernel's main thread so that Stop and other widget
 messages are handled while tokens stream; `wait` joins that thread.
-`StoppableWorker` adds Stop, a `busy` trait following the model's busy signal,
-and a `close` that ends both.
+`StoppableWorker` adds Stop, a `busy` trait following the model's busy signal
+(and a `warming` trait, in widgets that have one, following the kernels the model is
+compiling, as text), and a `close` that ends both.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from workbench.signals import bind
+from workbench.signals import Signal, bind
 
 
 class Worker:
@@ -37,7 +38,15 @@ class StoppableWorker(Worker):
 
     def _follow(self, model: Any) -> None:
         self._stop = threading.Event()
-        self._unbind_busy = bind(model.busy, self, "busy", direction="to_widget")
+        unbind = [bind(model.busy, self, "busy", direction="to_widget")]
+        warming = getattr(model, "warming", None)
+        if self.has_trait("warming") and isinstance(warming, Signal):
+            def show(state: Any) -> None:
+                self.warming = "" if state is None else str(state)
+
+            show(warming.peek())
+            unbind.append(warming.subscribe(show))
+        self._unbind_busy = lambda: [fn() for fn in unbind]
 
     def stop(self) -> None:
         """Stop the running generation after the current token (no-op when idle)."""

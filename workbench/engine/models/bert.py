@@ -23,6 +23,7 @@ import numpy as np
 
 from workbench.engine.gguf import GGUFError, GGUFFile
 from workbench.engine.models.weights import fused, linear, vector
+from workbench.engine.warmup import KernelTask
 from workbench.kernels import layers
 
 ARCHITECTURES = ("bert",)
@@ -146,6 +147,13 @@ class BertModel:
         for layer in self.layers:
             layer(x, lengths)
         return x
+
+    def kernel_tasks(self) -> list[KernelTask]:
+        """The CPU kernels this model runs, as `KernelWarmup` steps: one pass over a padded
+        batch of two short texts runs every one of them."""
+        ids = np.zeros((2, 8), np.int64)
+        return [KernelTask(f"encoder layers ({self.config.n_layer})",
+                           lambda: self.hidden(ids, np.array([8, 3])))]
 
 
 def _check_batch(cfg: BertConfig, ids, lengths) -> tuple[np.ndarray, np.ndarray]:

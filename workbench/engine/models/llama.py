@@ -36,15 +36,19 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
 from workbench.engine.gguf import GGUFError, GGUFFile
 from workbench.engine.kv_cache import KVCache, KVPool, LayerKVCache
 from workbench.engine.models.moe import DeviceMoEFeedForward, MoEFeedForward
 from workbench.engine.models.weights import fused, linear, vector
+from workbench.engine.warmup import KernelTask
 from workbench.kernels import cpu, layers
-from workbench.kernels.decode import StackWeights, decode_stack
+from workbench.kernels.decode import StackWeights, decode_stack, decode_stack_cached
+from workbench.kernels.linear import QuantizedWeight
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3")
 _NEOX = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma3")
@@ -514,6 +518,63 @@ class LlamaModel:
     def forward(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
         """Logits (T, n_vocab) at every position of `ids`, appending them to `cache`."""
         return self.logits(self.hidden(ids, cache))
+
+    def kernel_tasks(self) -> list[KernelTask]:
+        """The CPU kernels this model runs, as `KernelWarmup` steps in the order a first
+        chat needs them: each matrix format's kernels for prompts (the layers' formats for
+        any number of rows, the output's for one row, the embedding's row lookup) and
+        prefill; then, for the fused decode stack, the kernels it links (each layer
+        format's multi-row kernels, and the attention and norms through one step of the
+        per-kernel decode path: `helper` tasks when the stack is not in the kernel cache
+        yet) and the stack itself."""
+        # format: (a matrix of it, the row counts to run it with)
+        runs: dict[int, tuple[QuantizedWeight, tuple[int, ...]]] = {}
+        for b in self.blocks:
+            ffn = (b.ffn.gate_up, b.ffn.down) if isinstance(b.ffn, FeedForward) else ()
+            for proj in (b.attn.wqkv, b.attn.wo, *ffn):
+                for w in getattr(proj, "parts", [proj]):
+                    runs.setdefault(w.qtype, (w, (1, 16, 80)))
+        layer_formats = list(runs)
+        runs.setdefault(self.output.qtype, (self.output, (1,)))
+        runs.setdefault(self.embed.qtype, (self.embed, ()))
+        tasks = [KernelTask(f"{Q(qtype).name} matrix kernels", partial(_run_matmuls, w, rows))
+                 for qtype, (w, rows) in runs.items() if qtype in cpu.GEMV_KERNELS]
+        tasks.append(KernelTask("prefill", self._warm_prefill))
+        if not self.fused_decode:
+            return [*tasks, KernelTask("decode", self._warm_decode)]
+        helper = not decode_stack_cached(self._stack)
+        tasks += [KernelTask(f"{Q(qtype).name} batch kernels",
+                             partial(_run_matmuls, runs[qtype][0], (4,)), helper)
+                  for qtype in layer_formats if qtype in cpu.ROWS_KERNELS]
+        tasks.append(KernelTask("attention", self._warm_layers, helper))
+        tasks.append(KernelTask(f"decode stack ({self.config.n_layer} layers)",
+                                self._warm_decode))
+        return tasks
+
+    def _warm_prefill(self) -> None:
+        # 16 tokens: attention's softmax and the activations (the matrix kernels for long
+        # prompts are compiled on a slice by the format tasks)
+        self.hidden(np.arange(16) % self.config.n_vocab, self.new_cache(16))
+
+    def _warm_decode(self) -> None:
+        cache = self.new_cache(8)
+        self.hidden(np.array([1]), cache)
+        self.hidden(np.array([2]), cache)
+
+    def _warm_layers(self) -> None:
+        # one decode step kernel by kernel: the attention and norms the stack links
+        pool = self.new_pool(1, 8)
+        x = self._embed(np.array([1]))
+        self._decode_layers(x, pool, np.zeros(1, np.int64), np.zeros(1, np.int64), None)
+
+
+def _run_matmuls(w: QuantizedWeight, rows: tuple[int, ...]) -> None:
+    """Compile (or load) the kernels `w.matmul` picks for inputs of these many rows, and its
+    row lookup; on the first 16 rows of the matrix only."""
+    part = QuantizedWeight(w.data[:16], w.qtype, (min(16, w.shape[0]), w.shape[1]))
+    for T in rows:
+        part.matmul(np.zeros((T, w.shape[1]), np.float32))
+    part.rows([0])
 
 
 _NONE = np.zeros(0, np.float32)  # "no per-head norm" for `layers.attend`

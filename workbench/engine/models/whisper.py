@@ -34,6 +34,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from workbench.engine.models.weights import linear, vector
+from workbench.engine.warmup import KernelTask
 from workbench.engine.whisper_file import WhisperFile, WhisperFileError, WhisperHParams
 from workbench.kernels import layers
 from workbench.kernels.linear import QuantizedWeight
@@ -349,6 +350,26 @@ class Whisper:
             return self.token_embedding.matmul(self.ln(flat)).reshape(B, T, -1)
         last = np.ascontiguousarray(x[:, -1])  # (B, D)
         return self.token_embedding.matmul(self.ln(last))
+
+    def kernel_tasks(self) -> list[KernelTask]:
+        """The CPU kernels this model runs, as `KernelWarmup` steps: the encoder on one
+        silent chunk, then the decoder on a prompt, one greedy step and one beam step."""
+        cfg = self.config
+        features: list[np.ndarray] = []
+
+        def encoder() -> None:
+            features.append(self.encode(np.zeros((cfg.n_mels, 2 * cfg.n_audio_ctx), np.float32)))
+
+        def decoder() -> None:
+            audio = features[0] if features else np.zeros((cfg.n_audio_ctx, cfg.n_audio_state),
+                                                          np.float32)
+            cache = self.new_cache(audio)
+            self.decode(np.zeros((1, 4), np.int64), cache)  # a prompt
+            self.decode(np.zeros((1, 1), np.int64), cache)  # greedy steps
+            self.decode(np.zeros((5, 1), np.int64), self.new_cache(audio, batch=5))  # beams
+
+        return [KernelTask(f"audio encoder ({cfg.n_audio_layer} layers)", encoder),
+                KernelTask(f"text decoder ({cfg.n_text_layer} layers)", decoder)]
 
 
 def _check_mel(cfg: WhisperConfig, mel: np.ndarray) -> np.ndarray:

@@ -122,8 +122,12 @@ function render({ model, el: host }) {
   const paintState = () => {
     const generating = Boolean(model.get("generating"));
     const busy = Boolean(model.get("busy"));
-    badge.dataset.state = busy ? "busy" : "idle";
-    badge.textContent = busy ? "\u25cf busy" : "\u25cb idle";
+    const warming = String(model.get("warming") || "");  // "... (2/4): ..." or ""
+    const step = warming.match(/\((\d+\/\d+)\)/);
+    badge.dataset.state = warming ? "compiling" : busy ? "busy" : "idle";
+    badge.textContent = warming ? "\u2699 compiling " + (step ? step[1] : "")
+      : busy ? "\u25cf busy" : "\u25cb idle";
+    badge.title = warming;
     root.dataset.generating = generating ? "true" : "false";
     send.disabled = generating;
     regenerate.disabled = generating;
@@ -140,6 +144,7 @@ function render({ model, el: host }) {
     ["change:log", paintLog],
     ["change:generating", paintState],
     ["change:busy", paintState],
+    ["change:warming", paintState],
     ["change:stats", paintStats],
     ["change:error", paintError],
   ];
