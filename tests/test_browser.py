@@ -112,8 +112,9 @@ class Lab:
         return json.loads(body) if body else None
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
+def _lab(tmp_path_factory, **env: str):
+    """A JupyterLab on a copy of notebooks/ (see the module docstring); `env` is added to
+    the environment of the server and of its kernels."""
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "notebooks"
     shutil.copytree(NOTEBOOKS, root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
@@ -125,12 +126,10 @@ def lab(tmp_path_factory):
            "--ServerApp.allow_root=True", *LAB_OFFLINE]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env=_jupyter_env(tmp / "jupyter"))
+                                env={**_jupyter_env(tmp / "jupyter"), **env})
     url = f"http://127.0.0.1:{port}"
     artifacts = tmp / "artifacts"
     artifacts.mkdir()
-    for stale in [*ARTIFACTS.glob("*.png"), ARTIFACTS / "jupyterlab.log"]:
-        stale.unlink(missing_ok=True)
     server = Lab(url, token, root, artifacts)
     try:
         _wait_http(f"{url}/api/status?token={token}", SERVER_START_S, proc, log)
@@ -144,7 +143,22 @@ def lab(tmp_path_factory):
         _stop(proc)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         for f in [*artifacts.iterdir(), log]:
-            shutil.copy2(f, ARTIFACTS / f.name)
+            shutil.copy2(f, ARTIFACTS / (f.name if not env else f"cold-{f.name}"))
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    for stale in [*ARTIFACTS.glob("*.png"), ARTIFACTS / "jupyterlab.log",
+                  ARTIFACTS / "cold-jupyterlab.log"]:
+        stale.unlink(missing_ok=True)
+    yield from _lab(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def cold_lab(tmp_path_factory, lab):
+    """A JupyterLab whose kernels start with an empty kernel cache (a new NUMBA_CACHE_DIR)."""
+    cache = tmp_path_factory.mktemp("kernel-cache")
+    yield from _lab(tmp_path_factory, NUMBA_CACHE_DIR=str(cache))
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +181,25 @@ def browser_context(playwright, tmp_path_factory):
         context.close()
 
 
-@pytest.fixture
-def page(browser_context, lab):
+def _new_page(browser_context):
     page = browser_context.new_page()
     page.set_default_timeout(60_000)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.console_errors = errors
+    return page
+
+
+@pytest.fixture
+def page(browser_context, lab):
+    page = _new_page(browser_context)
+    yield page
+    page.close()
+
+
+@pytest.fixture
+def cold_page(browser_context, cold_lab):
+    page = _new_page(browser_context)
     yield page
     page.close()
 
@@ -186,8 +212,11 @@ def _shot(page, lab: Lab, name: str, locator=None) -> Path:
     return path
 
 
-def _open_and_run_all(page, lab: Lab, notebook: str) -> None:
-    """Open `notebook`, wait for its kernel, run all cells, wait until every cell has run."""
+def _open_and_run_all(page, lab: Lab, notebook: str, before_run: str | None = None,
+                      while_running=None) -> None:
+    """Open `notebook`, wait for its kernel, run all cells, wait until every cell has run.
+    `before_run`: JavaScript evaluated before Run All; `while_running(page)` is called once
+    the cells have started."""
     # ?reset: a fresh workspace holding this notebook only (not the one open before)
     page.goto(f"{lab.url}/lab/tree/{notebook}?reset&token={lab.token}")
     page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell",
@@ -197,6 +226,8 @@ def _open_and_run_all(page, lab: Lab, notebook: str) -> None:
         "[data-status='idle']", timeout=SERVER_START_S * 1000)
     page.wait_for_selector(".jp-StatusBar-TextItem:has-text('Idle')",
                            timeout=SERVER_START_S * 1000)
+    if before_run:
+        page.evaluate(before_run)
     started = """() => [...document.querySelectorAll(
         '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')]
         .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))"""
@@ -215,6 +246,8 @@ def _open_and_run_all(page, lab: Lab, notebook: str) -> None:
             if attempt == 2:
                 _shot(page, lab, f"{Path(notebook).stem}-run-all-not-started")
                 raise
+    if while_running is not None:
+        while_running(page)
     # Every code cell ends with a numeric prompt such as "[7]:" (not "[ ]:" or "[*]:").
     try:
         page.wait_for_function(
@@ -277,6 +310,42 @@ def test_chat_notebook_in_the_browser(page, lab):
     texts = page.evaluate("() => window.__wb.texts")
     print(f"\n01_chat: run all {run_s:.1f} s, answer {answer_s:.1f} s, "
           f"{len(set(texts))} distinct assistant texts seen while streaming: {answer!r}")
+    assert not page.console_errors, page.console_errors
+
+
+@pytest.mark.browser
+def test_tour_shows_its_kernels_compiling_on_a_cold_cache(cold_page, cold_lab):
+    """With an empty kernel cache, the tour's first model cell shows the busy badge in its
+    compiling state ("⚙ compiling 2/6") while the kernels are prepared, then idle; the
+    next cell waits for them and answers."""
+    page, lab = cold_page, cold_lab
+    record = """() => {
+        window.__wb = {states: [], labels: []};
+        new MutationObserver(() => {
+            for (const b of document.querySelectorAll('.wb-badge.wb-busy')) {
+                window.__wb.states.push(b.getAttribute('data-state'));
+                window.__wb.labels.push(b.textContent);
+            }
+        }).observe(document.body, {subtree: true, childList: true, attributes: true,
+                                   attributeFilter: ['data-state'], characterData: true});
+    }"""
+
+    def compiling(page) -> None:
+        page.wait_for_function("() => window.__wb.states.includes('compiling')",
+                               timeout=RUN_ALL_S * 1000, polling=100)
+        _shot(page, lab, "00_tour-compiling", page.locator(".wb-badge.wb-busy").first)
+
+    t0 = time.monotonic()
+    _open_and_run_all(page, lab, "00_tour.ipynb", before_run=record, while_running=compiling)
+    labels = page.evaluate("() => window.__wb.labels")
+    assert any(label.startswith("⚙ compiling ") and "/" in label for label in labels), labels
+    badge = page.locator(".wb-badge.wb-busy").first
+    assert badge.get_attribute("data-state") == "idle"
+    answer = page.locator(".jp-OutputArea-output", has_text="The capital of France is Paris.")
+    assert answer.count() >= 1
+    _shot(page, lab, "00_tour-ran", answer.first)
+    print(f"\n00_tour on a cold kernel cache: run all {time.monotonic() - t0:.1f} s; badge "
+          f"labels seen: {sorted(set(labels))}")
     assert not page.console_errors, page.console_errors
 
 

@@ -99,7 +99,27 @@ class SourceKeyedLocator(_CacheLocator):
     @classmethod
     def from_function(cls, py_func, py_file: str) -> SourceKeyedLocator | None:
         module = getattr(py_func, "__module__", None) or ""
-        return cls(py_func, py_file) if module.startswith(_PACKAGE) else None
+        if not module.startswith(_PACKAGE):
+            return None
+        locator = cls(py_func, py_file)
+        if not _writable(locator._path):  # Numba's other locators are tried next
+            return None
+        return locator
+
+
+_CHECKED: dict[Path, bool] = {}
+
+
+def _writable(path: Path) -> bool:
+    """Whether the cache folder `path` can be made and written (checked once per folder)."""
+    if path not in _CHECKED:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=path).close()
+            _CHECKED[path] = True
+        except OSError:
+            _CHECKED[path] = False
+    return _CHECKED[path]
 
 
 if SourceKeyedLocator not in CacheImpl._locator_classes:

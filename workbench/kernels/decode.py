@@ -24,9 +24,10 @@ The stack is compiled per model, with the matmul kernels of the formats its
 layers use and no others: `stack_module(formats)` writes `_project` and
 `_stack` below, with a `_matmul` that branches over those formats only, into
 a module in the kernel cache (`cache.cache_dir()/stacks`) and imports it.
-Compiling it takes ~40 s for SmolLM2 (one format) on one core, once per machine
-and source version (`workbench.kernels.cache` keys the disk cache on the
-sources of everything inlined); later processes load it in well under a second.
+Compiling it with what it links takes ~16 s for SmolLM2 (one format) on one
+core, once per machine and source version (`workbench.kernels.cache` keys the
+disk cache on the sources of everything inlined); later processes load it in
+well under a second.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import types as pytypes
 from dataclasses import dataclass
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -207,6 +209,11 @@ def _stack(x, mats, parts, first, widths, attn_norm, ffn_norm, bqkv, q_norm, k_n
     return h
 
 
+# their source, read once at import (a file edited or replaced since would not match the
+# line numbers of the code running)
+_TEMPLATES = ["@njit(cache=True)\n" + inspect.getsource(f) for f in (_project, _stack)]
+
+
 def _matmul_source(formats: tuple[int, ...]) -> str:
     """`_matmul` for these GGML type codes only."""
     lines = ["@njit(cache=True)",
@@ -235,9 +242,7 @@ def _module_source(formats: tuple[int, ...]) -> str:
              "from workbench.kernels.cache import njit",
              f"QKV, OUT, GATE_UP, DOWN = {QKV}, {OUT}, {GATE_UP}, {DOWN}",
              _matmul_source(formats)]
-    for template in (_project, _stack):
-        parts.append("@njit(cache=True)\n" + inspect.getsource(template))
-    return "\n\n".join(parts)
+    return "\n\n".join(parts + _TEMPLATES)
 
 
 _MODULES: dict[tuple[int, ...], pytypes.ModuleType] = {}
@@ -250,14 +255,10 @@ def stack_module(formats: tuple[int, ...]) -> pytypes.ModuleType:
         text = _module_source(formats)
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         stem = "stack_" + "_".join(Q(c).name.lower() for c in formats) + "_" + digest
-        folder = cache.cache_dir() / "stacks"
-        path = folder / f"{stem}.py"
-        if not path.is_file() or path.read_text() != text:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)  # atomic: other processes see the whole file or none
+        try:
+            path = _write_module(cache.cache_dir() / "stacks", stem, text)
+        except OSError:  # a read-only cache: the module goes to the temporary folder
+            path = _write_module(Path(tempfile.gettempdir()) / "workbench-stacks", stem, text)
         name = f"workbench.kernels.stacks.{stem}"  # under workbench.: our cache locator
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
@@ -265,6 +266,17 @@ def stack_module(formats: tuple[int, ...]) -> pytypes.ModuleType:
         spec.loader.exec_module(module)
         _MODULES[formats] = module
     return _MODULES[formats]
+
+
+def _write_module(folder: Path, stem: str, text: str) -> Path:
+    path = folder / f"{stem}.py"
+    if not path.is_file() or path.read_text() != text:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # atomic: other processes see the whole file or none
+    return path
 
 
 def decode_stack_cached(weights: StackWeights) -> bool:

@@ -10,6 +10,7 @@ Each badge binds its synced trait one way (signal -> widget) with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +63,8 @@ class BusyBadge(_Badge):
     def __init__(self, model_or_signal: Any, **kwargs: Any):
         super().__init__(kind="busy", **kwargs)
         self.signal: Signal[bool] = _signal_of(model_or_signal, "busy")
-        unbind = [bind(self.signal, self, "busy", direction="to_widget")]
-        warming = getattr(model_or_signal, "warming", None)
-        if isinstance(warming, Signal):
-            def show(state: Any) -> None:
-                self.warming = "" if state is None else str(state)
-
-            show(warming.peek())
-            unbind.append(warming.subscribe(show))
+        unbind = [bind(self.signal, self, "busy", direction="to_widget"),
+                  follow_warming(model_or_signal, self)]
         self._unbind = lambda: [fn() for fn in unbind]
 
     @property
@@ -85,6 +80,21 @@ class BusyBadge(_Badge):
         if self.warming:
             return "⚙ compiling " + _progress(self.warming)
         return "● busy" if self.busy else "○ idle"
+
+
+def follow_warming(model: Any, widget: Any) -> Callable[[], None]:
+    """Keep `widget.warming` equal to the text of `model.warming` (the kernels it is
+    compiling, "" when none; see `workbench.engine.warmup`); returns the function that
+    stops it. A model without that signal (a remote engine) leaves the trait at ""."""
+    warming = getattr(model, "warming", None)
+    if not isinstance(warming, Signal):
+        return lambda: None
+
+    def show(state: Any) -> None:
+        widget.warming = "" if state is None else str(state)
+
+    show(warming.peek())
+    return warming.subscribe(show)
 
 
 def _progress(text: str) -> str:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from workbench.signals import Signal, bind
+from workbench.signals import bind
+from workbench.widgets.badges import follow_warming
 
 
 class Worker:
@@ -39,13 +40,8 @@ class StoppableWorker(Worker):
     def _follow(self, model: Any) -> None:
         self._stop = threading.Event()
         unbind = [bind(model.busy, self, "busy", direction="to_widget")]
-        warming = getattr(model, "warming", None)
-        if self.has_trait("warming") and isinstance(warming, Signal):
-            def show(state: Any) -> None:
-                self.warming = "" if state is None else str(state)
-
-            show(warming.peek())
-            unbind.append(warming.subscribe(show))
+        if self.has_trait("warming"):
+            unbind.append(follow_warming(model, self))
         self._unbind_busy = lambda: [fn() for fn in unbind]
 
     def stop(self) -> None:
