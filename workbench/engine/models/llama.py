@@ -553,13 +553,16 @@ class LlamaModel:
 
     def _warm_prefill(self) -> None:
         # 16 tokens: attention's softmax and the activations (the matrix kernels for long
-        # prompts are compiled on a slice by the format tasks)
-        self.hidden(np.arange(16) % self.config.n_vocab, self.new_cache(16))
+        # prompts are compiled on a slice by the format tasks); fewer in a shorter context
+        n = min(16, self.max_len)
+        if n > 1:
+            self.hidden(np.arange(n) % self.config.n_vocab, self.new_cache(n))
 
     def _warm_decode(self) -> None:
-        cache = self.new_cache(8)
-        self.hidden(np.array([1]), cache)
-        self.hidden(np.array([2]), cache)
+        steps = min(2, self.max_len)
+        cache = self.new_cache(steps)
+        for t in range(steps):
+            self.hidden(np.array([t + 1]) % self.config.n_vocab, cache)
 
     def _warm_layers(self) -> None:
         # one decode step kernel by kernel: the attention and norms the stack links
