@@ -189,7 +189,9 @@ class KernelWarmup:
             word, _, index = line.partition(" ")
             if word == "done" and index.strip().isdigit():
                 self._finished.add(int(index))
-                self._publish(self.tasks[int(index)].label + " (in a helper process)")
+                pending = sorted(helper.indices - self._finished)
+                if pending:
+                    self._publish(self.tasks[pending[0]].label + " (in a helper process)")
 
     def _join(self, helper: _Helper) -> None:
         """Wait for the helper; run here whatever it did not finish."""
@@ -210,6 +212,8 @@ class KernelWarmup:
 
 @dataclass
 class _Helper:
+    """The helper process, the tasks it runs and the thread reading its progress."""
+
     proc: subprocess.Popen
     indices: set[int]
     reader: threading.Thread | None = None
