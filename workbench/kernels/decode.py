@@ -32,6 +32,7 @@ well under a second.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import inspect
@@ -135,6 +136,17 @@ class StackWeights:
             cos=np.stack([r.cos for r in ropes]),
             sin=np.stack([r.sin for r in ropes]),
         )
+
+
+    def first_layer(self) -> StackWeights:
+        """The first layer alone, then the final norm: arrays of the same types, so
+        `decode_stack` runs the same compiled code over one layer (a cheap warm-up)."""
+        return dataclasses.replace(
+            self, first=self.first[:5], widths=self.widths[:1],
+            attn_norm=self.attn_norm[[0, -1]], ffn_norm=self.ffn_norm[:1],
+            bqkv=self.bqkv[:1], q_norm=self.q_norm[:1], k_norm=self.k_norm[:1],
+            post_attn_norm=self.post_attn_norm[:1], post_ffn_norm=self.post_ffn_norm[:1],
+            windows=self.windows[:1], rope=self.rope[:1])
 
 
 # `_project` and `_stack` are compiled in the module that `stack_module` generates, beside

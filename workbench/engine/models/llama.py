@@ -524,9 +524,8 @@ class LlamaModel:
         chat needs them: each matrix format's kernels for prompts (the layers' formats for
         any number of rows, the output's for one row, the embedding's row lookup) and
         prefill; then, for the fused decode stack, the kernels it links (each layer
-        format's multi-row kernels, and the attention and norms through one step of the
-        per-kernel decode path: `helper` tasks when the stack is not in the kernel cache
-        yet) and the stack itself."""
+        format's multi-row kernels, the attention and the norms: `helper` tasks when the
+        stack is not in the kernel cache yet) and the stack itself."""
         # format: (a matrix of it, the row counts to run it with)
         runs: dict[int, tuple[QuantizedWeight, tuple[int, ...]]] = {}
         for b in self.blocks:
@@ -551,24 +550,47 @@ class LlamaModel:
                                 self._warm_decode))
         return tasks
 
+    # The warm-up runs the first layer only: the kernels are the same for every layer, and
+    # with a warm cache the tasks then cost next to nothing.
+
     def _warm_prefill(self) -> None:
         # 16 tokens: attention's softmax and the activations (the matrix kernels for long
         # prompts are compiled on a slice by the format tasks); fewer in a shorter context
         n = min(16, self.max_len)
         if n > 1:
-            self.hidden(np.arange(n) % self.config.n_vocab, self.new_cache(n))
+            x = self._embed(np.arange(n) % self.config.n_vocab)
+            self.blocks[0](x, self.new_cache(n).layers[0], 0)
 
     def _warm_decode(self) -> None:
-        steps = min(2, self.max_len)
-        cache = self.new_cache(steps)
-        for t in range(steps):
-            self.hidden(np.array([t + 1]) % self.config.n_vocab, cache)
-
-    def _warm_layers(self) -> None:
-        # one decode step kernel by kernel: the attention and norms the stack links
+        cfg, rope = self.config, self.blocks[0].attn.rope
         pool = self.new_pool(1, 8)
         x = self._embed(np.array([1]))
-        self._decode_layers(x, pool, np.zeros(1, np.int64), np.zeros(1, np.int64), None)
+        slots = pos = np.zeros(1, np.int64)
+        if self.fused_decode:  # the stack over the first layer: the same compiled code
+            decode_stack(self._stack.first_layer(), x, cfg.norm_eps, cfg.n_head, cfg.n_head_kv,
+                         cfg.head_dim, slots, pos, rope.dim, rope.neox, pool.keys,
+                         pool.values, None, pool.ring)
+        else:
+            h = np.empty_like(x)
+            layers.rms_norm(x, self.blocks[0].attn_norm, cfg.norm_eps, h)
+            self.blocks[0].decode(x, h, pool, 0, slots, pos, None, self.norm)
+
+    def _warm_layers(self) -> None:
+        # the attention and norms the fused stack links, with the types it passes (eps
+        # as float32), on zeros
+        cfg, attn = self.config, self.blocks[0].attn
+        eps, rope, pool = np.float32(cfg.norm_eps), attn.rope, self.new_pool(1, 8)
+        qkv = np.zeros((1, (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim), np.float32)
+        out = np.empty((1, cfg.n_head * cfg.head_dim), np.float32)
+        layers.attend(qkv, cfg.n_head, cfg.n_head_kv, np.zeros(1, np.int64),
+                      np.zeros(1, np.int64), rope.cos, rope.sin, rope.dim, rope.neox, _NONE,
+                      _NONE, eps, pool.keys[0], pool.values[0], out)
+        x, w = np.ones((2, cfg.n_embd), np.float32), np.ones(cfg.n_embd, np.float32)
+        layers.rms_norm(x[:1], w, eps, x[1:])
+        layers.add_rms_norm(x[:1], x[1:], w, eps, np.empty_like(x[:1]))
+        gu, hf = np.zeros((1, 2 * 32), np.float32), np.empty((1, 32), np.float32)
+        layers.silu_mul(gu, hf)
+        layers.gelu_mul(gu, hf)
 
 
 def _run_matmuls(w: QuantizedWeight, rows: tuple[int, ...]) -> None:
