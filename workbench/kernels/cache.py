@@ -84,8 +84,8 @@ class SourceKeyedLocator(_CacheLocator):
         self._path = cache_dir() / py_func.__module__.replace(".", "_")
 
     def ensure_cache_path(self) -> None:
+        # writability was checked by `from_function`; the folder may have been removed since
         self._path.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=self._path).close()  # fail here if it cannot be written
 
     def get_cache_path(self) -> str:
         return str(self._path)
