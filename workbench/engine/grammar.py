@@ -280,6 +280,7 @@ class GrammarMatcher:
 class _Vocabulary:
     lltokenizer: llguidance.LLTokenizer
     n_vocab: int
+    byte_tokens: np.ndarray  # (256,) int32: the token that is exactly byte b, or -1
 
 
 _VOCABULARIES: weakref.WeakKeyDictionary[Tokenizer, dict[int, _Vocabulary]] = (
@@ -293,17 +294,20 @@ def _vocabulary(tokenizer: Tokenizer, n_vocab: int) -> _Vocabulary:
     built = _VOCABULARIES.setdefault(tokenizer, {})
     if n_vocab not in built:
         tokens, special = [], []
+        byte_tokens = np.full(256, -1, dtype=np.int32)
         for i in range(tokenizer.vocab_size):
             piece = tokenizer.token_bytes(i)
             if tokenizer.is_control(i):
                 piece = b"\xff" + piece
                 special.append(i)
+            elif len(piece) == 1 and byte_tokens[piece[0]] < 0:
+                byte_tokens[piece[0]] = i
             tokens.append(piece)
         tokens += [b""] * (n_vocab - len(tokens))  # logits rows past the vocabulary
         eos = sorted(tokenizer.eot_ids) or [tokenizer.eos_id or 0]
         wrapper = llguidance.TokenizerWrapper(_TokenSource(tokenizer, tokens, special, eos[0]))
         built[n_vocab] = _Vocabulary(llguidance.LLTokenizer(wrapper, n_vocab=n_vocab,
-                                                            eos_token=eos), n_vocab)
+                                                            eos_token=eos), n_vocab, byte_tokens)
     return built[n_vocab]
 
 

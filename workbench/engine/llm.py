@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import threading
+import warnings
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from workbench import registry
 from workbench.engine import chat_template
 from workbench.engine.backend import Backend, select_backend
 from workbench.engine.chat_template import render as render_chat
+from workbench.engine.closing import ClosedEarlyWarning, Closer, Closing
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.grammar import Grammar, GrammarMatcher, resolve_grammar
 from workbench.engine.kv_cache import KVCache, PrefixCache
@@ -69,7 +71,11 @@ class TokenEvent:
     and stands for no token. `logprob`, `top` and `entropy`
     (nats) describe the model's distribution at this position before sampling
     filters and the grammar mask; they are None unless the call asked for
-    `logprobs`. `mask_ms` is set when a grammar constrained the step.
+    `logprobs`. `mask_ms` is set when a grammar constrained the step;
+    `closed` when the grammar's closer chose this token to make the output end
+    valid: "budget" (max_tokens or the context was near), "free_text" (a
+    string ran past its token limit) or "repetition" (a loop); see
+    `workbench.engine.closing`.
     """
 
     id: int | None
@@ -79,6 +85,8 @@ class TokenEvent:
     top: tuple[Alternative, ...] | None = None
     entropy: float | None = None
     mask_ms: float | None = None  # time the grammar took to compute this step's mask
+    closed: str | None = None  # why the closer chose this token, if it did
+    closing_ms: float | None = None  # time the closer took at this step
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,14 @@ class Completion:
         (max_tokens or the context is full)."""
         self.wait()
         return self._finish_reason or "stop"
+
+    @property
+    def closed_early(self) -> str | None:
+        """Why a constrained output was closed before the model ended it ("budget",
+        "free_text" or "repetition"), or None if the model wrote it all. An output
+        closed at the budget finishes with "length", complete and valid."""
+        self.wait()
+        return next((ev.closed for ev in self._events if ev.closed), None)
 
     @property
     def usage(self) -> Usage:
@@ -404,7 +420,7 @@ class LLM:
                  frequency_penalty: float = 0.0, seed: int | None = None,
                  logit_bias: Mapping[int, float] | None = None,
                  grammar: Grammar | str | None = None, schema: Any = None,
-                 prefix: PrefixCache | None = None,
+                 closing: Closing | bool = True, prefix: PrefixCache | None = None,
                  logits_processors: Sequence[LogitsProcessor] = ()) -> Completion:
         """Continue `prompt` (text, or token ids) without a chat template.
 
@@ -418,7 +434,11 @@ class LLM:
         pydantic model class) constrains the output: before every token the
         grammar's mask removes what cannot follow, end tokens are allowed only
         once the output is complete, and generation stops when nothing more can
-        be added.
+        be added. `closing` (on by default; a `Closing` to tune it, False for
+        off) makes the constrained output end valid: closed within `max_tokens`
+        (then `finish_reason` is "length" and `Completion.closed_early` says
+        "budget"), with long free text and loops closed early; a grammar whose
+        shortest output does not fit `max_tokens` raises `GrammarBudgetError`.
 
         `prefix` (from `prefix` / `prefix_chat`) holds the keys and values of
         the prompt's first tokens: as many as the prompt shares with it are
@@ -437,7 +457,7 @@ class LLM:
                        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                        presence_penalty=presence_penalty,
                        frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                       logits_processors=logits_processors)
+                       logits_processors=logits_processors, closing=closing)
         seq = self._decoding(ids, resolve_grammar(grammar, schema), seed, **options)
         return Completion(self._generate_events(ids, seq, prefix), ids, prompt_text)
 
@@ -454,8 +474,9 @@ class LLM:
         ids = self._chat_ids(messages, tools, chat_template=chat_template)
         return self.generate(ids, **options)
 
-    def chat_json(self, messages: Sequence[Mapping[str, Any]], schema: Any, *,
-                  schema_in_prompt: bool = True, **options) -> Any:
+    def chat_json(self, messages: Sequence[Mapping[str, Any]], schema: Any = None, *,
+                  grammar: Grammar | str | None = None, schema_in_prompt: bool = True,
+                  return_completion: bool = False, **options) -> Any:
         """Answer with JSON that validates against `schema` and return it parsed.
 
         `schema` is a JSON Schema (dict or text), a `Grammar` from one, or a
@@ -463,27 +484,44 @@ class LLM:
         grammar guarantees the form; with `schema_in_prompt` the model is also
         shown the schema (in the system message, as OpenAI's structured outputs
         do), which keeps small models from rambling inside free-form fields.
-        Options are those of `chat`. Raises `IncompleteOutputError` when
-        generation ends before the JSON is complete (raise `max_tokens`).
+        Instead of a schema, `grammar` (GBNF text or a `Grammar`) constrains the
+        answer; it is parsed where it is JSON and returned as text where not.
+
+        Options are those of `chat`. The answer always completes within
+        `max_tokens`: where the model would run on, the output is closed at the
+        budget (or a loop or an overlong string is closed early), and a
+        `ClosedEarlyWarning` says so. `return_completion=True` returns
+        `(value, completion)`, whose `closed_early` tells the same. Raises
+        `GrammarBudgetError` when even the shortest valid answer does not fit
+        `max_tokens`, and `IncompleteOutputError` when a stop string cut it short.
         """
+        if (schema is None) == (grammar is None):
+            raise ValueError("chat_json needs a schema= or a grammar= (one of them)")
         if isinstance(schema, Grammar) and schema.kind != "json_schema":
-            raise ValueError(f"chat_json needs a JSON Schema, got a {schema.kind} grammar")
-        grammar = resolve_grammar(schema=schema)
-        if schema_in_prompt:
-            messages = with_schema_instruction(messages, grammar.schema)
-        completion = self.chat(messages, schema=grammar, **options)
+            raise ValueError(f"chat_json's schema= takes a JSON Schema, got a {schema.kind} "
+                             f"grammar (pass it as grammar=)")
+        constraint = resolve_grammar(grammar, schema)
+        if schema_in_prompt and constraint.schema is not None:
+            messages = with_schema_instruction(messages, constraint.schema)
+        completion = self.chat(messages, grammar=constraint, **options)
         text = completion.text
-        if completion.finish_reason != "stop":
+        if completion.finish_reason != "stop" and completion.closed_early != "budget":
             raise IncompleteOutputError(
                 f"generation ended ({completion.finish_reason}) after "
-                f"{completion.usage.completion_tokens} tokens, before the JSON was complete: "
-                f"{text[:200]!r}; raise max_tokens")
+                f"{completion.usage.completion_tokens} tokens, before the output was "
+                f"complete: {text[:200]!r}; raise max_tokens")
+        if completion.closed_early:
+            warnings.warn(ClosedEarlyWarning(completion.closed_early, text), stacklevel=2)
         try:
             value = json.loads(text)
-        except json.JSONDecodeError as e:  # a stop string cut it short
-            raise IncompleteOutputError(f"the output is not complete JSON ({e}): "
-                                        f"{text[:200]!r}") from None
-        return grammar.model.model_validate(value) if grammar.model is not None else value
+        except json.JSONDecodeError as e:
+            if constraint.kind == "json_schema":  # a stop string cut it short
+                raise IncompleteOutputError(f"the output is not complete JSON ({e}): "
+                                            f"{text[:200]!r}") from None
+            value = text
+        if constraint.model is not None:
+            value = constraint.model.model_validate(value)
+        return (value, completion) if return_completion else value
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, max_tokens: int = 512,
                        stop: str | Sequence[str] | None = None,
@@ -496,7 +534,7 @@ class LLM:
                        seed: int | Sequence[int] | None = None,
                        logit_bias: Mapping[int, float] | None = None,
                        grammar: Grammar | str | None = None, schema: Any = None,
-                       prefix: PrefixCache | None = None,
+                       closing: Closing | bool = True, prefix: PrefixCache | None = None,
                        logits_processors: Sequence[LogitsProcessor] = ()
                        ) -> list[Completion]:
         """Continue several prompts at once; returns their finished `Completion`s, in order.
@@ -525,7 +563,7 @@ class LLM:
                        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                        presence_penalty=presence_penalty,
                        frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                       logits_processors=logits_processors)
+                       logits_processors=logits_processors, closing=closing)
         constraint = resolve_grammar(grammar, schema)
         seqs = [self._decoding(ids, constraint, sd, **options)
                 for (ids, _), sd in zip(requests, seeds)]
@@ -562,7 +600,7 @@ class LLM:
         while active:
             feed, still = [], []
             for i, row in zip(active, rows):
-                token, evs = seqs[i].step(row, room=caches[i].offset < caches[i].max_len,
+                token, evs = seqs[i].step(row, room=caches[i].max_len - caches[i].offset,
                                           on_device=self.backend is not None)
                 events[i].extend(evs)
                 if token is not None:
@@ -719,7 +757,8 @@ class LLM:
                   max_tokens: int, stop: str | Sequence[str] | None = None,
                   stop_tokens: Sequence[int] = (), logprobs: int | None = None,
                   logit_bias: Mapping[int, float] | None = None,
-                  logits_processors: Sequence[LogitsProcessor] = (), **sampling) -> _Decoding:
+                  logits_processors: Sequence[LogitsProcessor] = (),
+                  closing: Closing | bool = True, **sampling) -> _Decoding:
         """The checked state of one sequence about to be generated."""
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -735,7 +774,7 @@ class LLM:
                          max_tokens=max_tokens,
                          stop=[stop] if isinstance(stop, str) else [s for s in stop or [] if s],
                          stop_tokens=stop_ids, logprobs=logprobs, matcher=matcher,
-                         processors=list(logits_processors))
+                         processors=list(logits_processors), closing=Closing.of(closing))
 
     def _generate_events(self, prompt_ids: list[int], seq: _Decoding,
                          prefix: PrefixCache | None = None
@@ -752,7 +791,7 @@ class LLM:
                 return "length"
             logits = self._fill(cache, prompt_ids, prefix, on_device=True)
             while True:
-                token, events = seq.step(logits, room=cache.offset < cache.max_len,
+                token, events = seq.step(logits, room=cache.max_len - cache.offset,
                                          on_device=self.backend is not None)
                 yield from events
                 if token is None:
@@ -775,7 +814,8 @@ class _Decoding:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], sampler: Sampler, *,
                  max_tokens: int, stop: list[str], stop_tokens: frozenset[int],
                  logprobs: int | None, matcher: GrammarMatcher | None = None,
-                 processors: list[LogitsProcessor] | None = None):
+                 processors: list[LogitsProcessor] | None = None,
+                 closing: Closing | None = None):
         if any(not callable(fn) for fn in processors or ()):
             raise TypeError("logits_processors must be functions fn(ids, logits) -> logits")
         self.processors = processors or []
@@ -786,6 +826,9 @@ class _Decoding:
         self.stop = stop
         self.end_ids = tokenizer.eot_ids | stop_tokens
         self._end_array = np.fromiter(self.end_ids, dtype=np.int64)
+        self.closer = (Closer(matcher, closing, max_tokens, self._end_array)
+                       if matcher is not None and closing is not None and max_tokens > 0
+                       else None)
         self.logprobs = logprobs
         self.history = list(prompt_ids)
         self.decoder = StreamDecoder(tokenizer)
@@ -794,17 +837,17 @@ class _Decoding:
         self.finish_reason: str | None = None
         self.device_token = None  # on a GPU backend: the last sampled id, still on the device
 
-    def step(self, logits: np.ndarray, room: bool, on_device: bool = False
+    def step(self, logits: np.ndarray, room: int, on_device: bool = False
              ) -> tuple[int | None, list[TokenEvent]]:
-        """Choose the next token from `logits` (n_vocab,); `room`: whether the KV cache can
-        take one more token. Returns the token to feed back to the model, or None once
+        """Choose the next token from `logits` (n_vocab,); `room`: how many more tokens
+        the KV cache can take. Returns the token to feed back to the model, or None once
         the sequence is finished (`finish_reason` set), and the events to emit.
 
         `on_device`: `logits` is a GPU backend's array; the device sampler then picks the
         token there, unless log-probabilities or Python logits processors need every
         logit on the host."""
-        tok, logprobs, matcher = self.tok, self.logprobs, self.matcher
-        lp = top = ent = allowed = mask_ms = None
+        tok, logprobs, matcher, closer = self.tok, self.logprobs, self.matcher, self.closer
+        lp = top = ent = allowed = mask_ms = closed = closing_ms = None
         self.device_token = None
         if on_device and (logprobs is not None or self.processors):
             logits, on_device = self.sampler.backend.to_host(logits), False
@@ -822,11 +865,17 @@ class _Decoding:
             allowed = matcher.mask()
             mask_ms = matcher.mask_times[-1] * 1e3
             allowed[self._end_array] = matcher.is_accepting  # end only a complete output
-        if on_device:
-            token, self.device_token = self.sampler.sample_device(logits, self.history,
-                                                                  allowed)
-        else:
-            token = self.sampler.sample(logits, self.history, allowed)
+        if closer is not None:  # tokens this sequence may still write, this one included
+            remaining = min(self.max_tokens - self.n_generated, room + 1)
+            steered = closer.steer(allowed, remaining)
+            closed = closer.reason if steered is not allowed else None
+            allowed = steered
+        token = self._sample(logits, allowed, on_device)
+        if closer is not None:
+            if token not in self.end_ids and not closer.admits(token, remaining):
+                allowed, closed = closer.forced(), closer.reason
+                token = self._sample(logits, allowed, on_device)
+            closing_ms = closer.times[-1] * 1e3
         if logprobs is not None:
             lp = float(logp[token])
             k = min(int(logprobs), len(logp))
@@ -837,22 +886,35 @@ class _Decoding:
             return None, self._finish("stop")
         if matcher is not None:
             matcher.consume(token)
+        if closer is not None:
+            closer.advance(token)
         self.history.append(token)
         self.n_generated += 1
         self.held += self.decoder.push(token)
         released, self.held, hit = _split_stop(self.held, self.stop)
-        events = [TokenEvent(token, released, tok.decode([token]), lp, top, ent, mask_ms)]
+        events = [TokenEvent(token, released, tok.decode([token]), lp, top, ent, mask_ms,
+                             closed, closing_ms)]
         if hit:
             self.finish_reason = "stop"
             return None, events
         if matcher is not None and matcher.is_finished:  # nothing more can follow
             return None, events + self._finish("stop")
-        if self.n_generated >= self.max_tokens or not room:
+        if self.n_generated >= self.max_tokens or room <= 0:
             return None, events + self._finish("length")
         return token, events
 
+    def _sample(self, logits: Any, allowed: np.ndarray | None, on_device: bool) -> int:
+        if on_device:
+            token, self.device_token = self.sampler.sample_device(logits, self.history,
+                                                                  allowed)
+            return token
+        return self.sampler.sample(logits, self.history, allowed)
+
     def _finish(self, reason: str) -> list[TokenEvent]:
-        """End the sequence; text held back until the end goes out in a token-less event."""
+        """End the sequence; text held back until the end goes out in a token-less event.
+        An output the closer ended at the budget finishes with "length"."""
+        if self.closer is not None and self.closer.reason == "budget":
+            reason = "length"
         self.finish_reason = reason
         tail, _, _ = _split_stop(self.held + self.decoder.flush(), self.stop, final=True)
         return [TokenEvent(None, tail, "")] if tail else []

@@ -101,7 +101,7 @@ def _stream(model: LLM, ids: list[int], seq, window: int, sink: int, discard: in
         while True:
             if cache.offset == cache.max_len:  # full: forget the oldest after the sinks
                 net.kv_remove(cache, sink, sink + discard)
-            token, events = seq.step(logits, room=True)
+            token, events = seq.step(logits, room=seq.max_tokens)  # the window slides
             yield from events
             if token is None:
                 return seq.finish_reason

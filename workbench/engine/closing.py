@@ -1,0 +1,453 @@
+"""Constrained generations that end valid: closing at the budget, in free text and in loops.
+
+A grammar only says which tokens may come next; it never tells a model to finish.
+A small model asked for JSON can write a string that never closes, an array that
+keeps growing or digits without end, and at `max_tokens` the output is cut where
+it stands: not JSON. A `Closer` rides along with one sequence's `GrammarMatcher`
+and makes the output end valid:
+
+- **At the budget.** It keeps a plan: a shortest way, in tokens of this
+  vocabulary, from where the grammar stands to where it accepts (found by a
+  search over llguidance matcher copies). While the plan fits the tokens left,
+  the model writes freely. When the tokens left come down to the plan's length,
+  the sequence follows the plan: it closes the string, the containers, writes the
+  smallest value a required property takes, and ends valid at or before
+  `max_tokens`. Close to that point every token the model picks is tried on a copy
+  first, and kept only if a completion still fits after it. A grammar whose
+  shortest completion does not fit `max_tokens` is refused before the first token
+  (`GrammarBudgetError`).
+- **In free text that runs long** (`Closing.free_text_tokens`): a stretch of
+  tokens where the grammar allows most of the vocabulary, as inside a JSON string,
+  is closed once it is that long, and the model goes on after it.
+- **In a loop** (`Closing.repetition`): when the last tokens repeat one pattern
+  (32 tokens or more, a period of at most 16 tokens, three times at least), the
+  sequence follows the plan until the pattern is broken; where the grammar already
+  accepts, it ends there.
+
+Each event the closer forced carries the reason (`TokenEvent.closed`), and a
+generation closed at the budget finishes with "length". A generation the model
+ends on its own, with no loop and no overlong free text, is never touched: the
+closer only acts when a plan would no longer fit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+
+from workbench.engine.grammar import GrammarError, GrammarMatcher, _Vocabulary
+
+__all__ = ["ClosedEarlyWarning", "Closing", "Closer", "GrammarBudgetError", "Plan",
+           "shortest_completion"]
+
+# A state is free text when its grammar allows more than this share of the vocabulary.
+FREE_SHARE = 0.5
+# Within this many tokens of slack, every token the model picks is tried before it is kept.
+MARGIN = 4
+# A loop: the last LOOP_SPAN tokens (or three periods, if longer) repeat with a period of
+# at most LOOP_PERIOD tokens.
+LOOP_SPAN = 32
+LOOP_PERIOD = 16
+# Work one search may do (masks computed; one takes ~20 us on a 49k vocabulary), and the
+# states it keeps per byte of distance.
+SEARCH_MASKS = 2000
+SEARCH_WIDTH = 64
+# What a byte costs in the search: whitespace and other bytes cost more than printable
+# ASCII, so that a completion pads with none (JSON's optional whitespace would otherwise
+# multiply the states at every distance) and writes no control characters where free text
+# allows them.
+BYTE_COST = np.full(256, 8, dtype=np.int64)
+BYTE_COST[0x21:0x7F] = 1
+BYTE_COST[[0x20, 0x09, 0x0A, 0x0D]] = 6
+
+
+class GrammarBudgetError(GrammarError):
+    """The grammar's shortest completion does not fit the tokens the call allows."""
+
+
+class ClosedEarlyWarning(UserWarning):
+    """A constrained answer was closed before the model ended it; `reason` says why
+    ("budget", "free_text" or "repetition"), `text` is the answer."""
+
+    def __init__(self, reason: str, text: str):
+        why = {"budget": "at the max_tokens budget (raise max_tokens for a fuller answer)",
+               "free_text": "where a free-text value ran past its token limit",
+               "repetition": "where the model repeated itself in a loop"}[reason]
+        super().__init__(f"the answer was closed {why}: {text[:120]!r}")
+        self.reason = reason
+        self.text = text
+
+
+@dataclass(frozen=True)
+class Closing:
+    """How a constrained generation is kept able to end valid (see the module docs).
+
+    Attributes:
+        budget: close the output so it ends valid within `max_tokens` (and the
+            context), and refuse up front a grammar whose shortest completion is
+            longer.
+        free_text_tokens: close a stretch of free text (where the grammar allows
+            most tokens, as in a JSON string) after this many tokens; None: half of
+            `max_tokens`; 0: never.
+        repetition: close a loop of repeated tokens.
+    """
+
+    budget: bool = True
+    free_text_tokens: int | None = None
+    repetition: bool = True
+
+    @classmethod
+    def of(cls, value: Closing | bool | None) -> Closing | None:
+        """A call's `closing=` option: a `Closing`, True (the defaults) or False (off)."""
+        if isinstance(value, Closing):
+            return value
+        if value is None or value is True:
+            return cls()
+        if value is False:
+            return None
+        raise TypeError(f"closing must be a Closing or a bool, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A way from a matcher's state to one where its grammar accepts: the bytes, and the
+    tokens that write them."""
+
+    data: bytes
+    tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def plan_of(matcher: llguidance.LLMatcher, vocab: _Vocabulary, data: bytes) -> Plan | None:
+    """`data` as a plan from `matcher`'s state, in as few tokens as the tokenizer's own
+    encoding or the bytes take; None if the grammar does not accept there after `data`.
+    `matcher` is left as it was."""
+    tokens = [int(t) for t in vocab.byte_tokens[list(data)]]
+    if any(t < 0 for t in tokens):
+        return None
+    trial = matcher.deep_copy()
+    if trial.validate_tokens(tokens) != len(tokens):
+        return None
+    trial.consume_tokens(tokens)
+    if not trial.is_accepting():
+        return None
+    try:
+        encoded = vocab.lltokenizer.tokenize_bytes(data)
+    except Exception:  # a tokenizer that cannot encode these bytes alone: keep the bytes
+        encoded = tokens
+    if len(encoded) < len(tokens) and matcher.deep_copy().validate_tokens(encoded) == len(
+            encoded):
+        tokens = encoded
+    return Plan(data, tokens)
+
+
+def greedy_completion(matcher: llguidance.LLMatcher, vocab: _Vocabulary) -> Plan | None:
+    """A completion written by the greedy probe (`_probe`): cheap, often short, and
+    sometimes none (a probe can circle, as `0` after `0` in arithmetic)."""
+    return plan_of(matcher, vocab, _probe(matcher, vocab.byte_tokens, GREEDY_BYTES))
+
+
+def shortest_completion(matcher: llguidance.LLMatcher, vocab: _Vocabulary, *,
+                        max_masks: int = SEARCH_MASKS) -> Plan | None:
+    """A shortest way from `matcher`'s state to one where the grammar accepts.
+
+    A uniform-cost search over the bytes the grammar allows (each byte fed as its
+    single-byte token to a copy of the matcher; bytes the grammar forces are taken in
+    one move; `BYTE_COST` weighs them), first over printable ASCII without whitespace
+    or backslash, then over every byte.
+
+    States are told apart by a signature: their token mask, and the bytes a fixed
+    greedy probe writes from them (`_probe`; a mask alone does not tell `{` from
+    `{"a": 1,`). Copies with one signature are one state, reached first by the
+    shortest way, so a letter inside a string leads nowhere new. States with one
+    signature can still differ (a string with a `minLength` of 40 looks the same after
+    each letter); where the search finds nothing, it runs again merging only states at
+    one distance, and where that finds nothing within `max_masks`, the greedy probe is
+    the answer if it ends accepted (it writes that string's 40 letters). A class of
+    bytes the grammar allows in full (all lowercase letters) is tried through one
+    member. `matcher` is left as it was.
+    """
+    for plain, strict in ((True, True), (False, True), (False, False)):
+        path = _search(matcher, vocab, max_masks, plain, strict)
+        if path is not None:
+            return plan_of(matcher, vocab, bytes(path))
+    return greedy_completion(matcher, vocab)
+
+
+def _search(matcher: llguidance.LLMatcher, vocab: _Vocabulary, max_masks: int,
+            plain: bool, strict: bool) -> list[int] | None:
+    """The search of `shortest_completion`: the bytes of a completion, or None. `plain`:
+    try printable ASCII bytes only, no whitespace and no backslash (JSON's optional
+    whitespace and escapes multiply the ways to every state); `strict`: one state per
+    signature, else one per signature and distance (then a byte that leaves the
+    signature as it was is not followed)."""
+    byte_tokens = vocab.byte_tokens
+    words = np.zeros((vocab.n_vocab + 31) // 32, dtype=np.int32)
+    has_token = np.nonzero(byte_tokens >= 0)[0]  # the bytes that have a token
+    if plain:
+        has_token = has_token[(has_token > 0x20) & (has_token < 0x7F) & (has_token != 0x5C)]
+    ids = byte_tokens[has_token]
+
+    def look(m: llguidance.LLMatcher) -> tuple[tuple, list[int]]:
+        """The state's signature and the bytes to try from it."""
+        m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        # bit i of 32-bit word w is token 32 * w + i
+        tries = _representatives(has_token[(words[ids >> 5] >> (ids & 31)) & 1 == 1])
+        return (hash(words.tobytes()), m.is_accepting(), _probe(m, byte_tokens)), tries
+
+    root = matcher.deep_copy()
+    signature, allowed = look(root)
+    order = itertools.count()
+    queue = [(0, next(order), root, [], signature, allowed)]
+    best = {signature if strict else (0, signature): 0}  # the lowest cost of each state
+    per_cost: dict[int, int] = {}
+    masks = 1
+    while queue:
+        cost, _, node, path, signature, allowed = heapq.heappop(queue)
+        if strict and best[signature] < cost:  # reached by a shorter way since
+            continue
+        if signature[1]:
+            return path
+        for byte in allowed:
+            child = node.deep_copy()
+            if not child.consume_token(int(byte_tokens[byte])):
+                continue
+            step = [byte]
+            for forced in child.compute_ff_bytes():  # bytes with no choice: one move
+                if byte_tokens[forced] < 0 or not child.consume_token(int(byte_tokens[forced])):
+                    break
+                step.append(forced)
+            if masks >= max_masks:
+                return None
+            child_signature, child_allowed = look(child)
+            masks += 1
+            at = cost + int(BYTE_COST[step].sum())
+            key = child_signature if strict else (at, child_signature)
+            if best.get(key, at + 1) <= at or (not strict and child_signature == signature):
+                continue
+            if per_cost.get(at, 0) >= SEARCH_WIDTH:
+                continue
+            per_cost[at] = per_cost.get(at, 0) + 1
+            best[key] = at
+            heapq.heappush(queue, (at, next(order), child, path + step, child_signature,
+                                   child_allowed))
+    return None
+
+
+# The order in which `_probe` tries bytes: what closes first.
+PROBE_ORDER = [b for b in b'"\')]}>0,;:.' + bytes(range(0x21, 0x7F))]
+PROBE_BYTES = 24
+GREEDY_BYTES = 4096
+
+
+def _probe(m: llguidance.LLMatcher, byte_tokens: np.ndarray, length: int = PROBE_BYTES
+           ) -> bytes:
+    """What `m` writes if it takes, at each of up to `length` steps, the first byte of
+    PROBE_ORDER its grammar allows (`m` is left as it was). States alike in their masks
+    but not in what follows (after `{` and after `{"a": 1,` come different keys; after
+    `[` of a list with minItems 2 and after its first item, different closings) probe
+    differently."""
+    taken = []
+    for _ in range(length):
+        if m.is_accepting():
+            break
+        for byte in PROBE_ORDER:
+            token = int(byte_tokens[byte])
+            if token >= 0 and m.validate_tokens([token]) == 1:  # (a refused token would
+                m.consume_token(token)                          # put `m` in error)
+                taken.append(byte)
+                break
+        else:
+            break
+    if taken:
+        m.rollback(len(taken))
+    return bytes(taken)
+
+
+# Byte classes tried through one member when the grammar allows all of them.
+# Digits are tried one by one: a number's bounds tell them apart.
+_CLASSES = (range(ord("a"), ord("z") + 1), range(ord("A"), ord("Z") + 1))
+
+
+def _representatives(allowed: np.ndarray) -> list[int]:
+    """The bytes to try from a state that allows `allowed`: every one, except one member
+    for a class allowed in full, and one lead byte of a multi-byte UTF-8 character (its
+    characters are never shorter than ASCII ones)."""
+    rest = set(int(b) for b in allowed)
+    picked = []
+    for cls in _CLASSES:
+        if all(b in rest for b in cls):
+            rest.difference_update(cls)
+            picked.append(cls[0])
+    high = sorted(b for b in rest if b >= 0x80)
+    rest.difference_update(high)
+    return sorted(rest) + picked + high[:1]
+
+
+class Closer:
+    """Keeps one sequence's constrained output able to end valid (see the module docs).
+
+    Per step: `steer(allowed, remaining)` before sampling (it may narrow the mask to the
+    plan's next token, or to the end tokens), `admits(token, remaining)` after it (False:
+    the token would leave no completion that fits; sample again from `forced()`), and
+    `advance(token)` once the matcher consumed it. `reason` is why the output was closed
+    early, once it was ("budget", "free_text" or "repetition"); `times` the seconds spent
+    per step.
+
+    Plans are found cheaply first: what is left of the last plan (still right while the
+    model writes inside a string), or the greedy probe. The search for a shortest one
+    runs only when the slack comes close, so a runaway costs a few searches.
+    """
+
+    def __init__(self, matcher: GrammarMatcher, options: Closing, max_tokens: int,
+                 end_ids: np.ndarray):
+        self.matcher = matcher
+        self.options = options
+        self.end_ids = end_ids
+        self.free_limit = (max(16, max_tokens // 2) if options.free_text_tokens is None
+                           else options.free_text_tokens)
+        self.reason: str | None = None
+        self.times: list[float] = []
+        self.plan: Plan | None = None
+        self._fresh = False  # the plan starts from the matcher's current state
+        self._planned = 0  # the plan's length when it was found
+        self._since = 0  # tokens consumed since the plan went stale
+        self._next: Plan | None = None  # the plan after the token `admits` tried
+        self._wrap: str | None = None  # closing now because of free text or a loop
+        self._free_run = 0
+        self._tokens: list[int] = []
+        start = time.perf_counter()
+        self._replan(max_tokens)
+        if options.budget and self.plan is not None and len(self.plan) > max_tokens:
+            raise GrammarBudgetError(
+                f"the shortest output found for this grammar takes {len(self.plan)} tokens "
+                f"({self.plan.data.decode('utf-8', 'replace')[:80]!r}), more than "
+                f"max_tokens={max_tokens}")
+        self.times.append(time.perf_counter() - start)
+
+    def steer(self, allowed: np.ndarray, remaining: int) -> np.ndarray:
+        """The tokens the sampler may pick, given the grammar's `allowed` (bool (n_vocab,),
+        end tokens set where the output is complete) and the `remaining` tokens this
+        sequence may still write."""
+        start = time.perf_counter()
+        try:
+            free = np.count_nonzero(allowed) > FREE_SHARE * allowed.size
+            self._free_run = self._free_run + 1 if free else 0
+            self._wrap = self._wrapping(free)
+            if not self._fresh and (self._wrap or (self.options.budget
+                                                   and self._due(remaining))):
+                self._replan(remaining)
+            if self.plan is None:
+                return allowed
+            if not self.plan and (self._wrap or self.reason == "budget"):
+                self.reason = self.reason or self._wrap  # complete already: end here
+                only = np.zeros_like(allowed)
+                only[self.end_ids] = True
+                return only
+            if self.plan and (self._wrap or (self.options.budget
+                                             and len(self.plan) >= remaining)):
+                self.reason = self.reason or self._wrap or "budget"
+                return self.forced()
+            return allowed
+        finally:
+            self.times.append(time.perf_counter() - start)
+
+    def admits(self, token: int, remaining: int) -> bool:
+        """Whether a completion still fits after `token`, tried on a copy of the matcher
+        when the slack is small (the plan found is kept for `advance`)."""
+        self._next = None
+        plan = self.plan
+        if (not self.options.budget or plan is None or not self._fresh
+                or (plan and token == plan.tokens[0]) or len(plan) < remaining - MARGIN):
+            return True
+        start = time.perf_counter()
+        trial = self.matcher._matcher.deep_copy()
+        trial.consume_token(int(token))
+        after = self._find(trial, remaining - 1, self._shifted(token))
+        self.times[-1] += time.perf_counter() - start
+        if after is not None and len(after) <= remaining - 1:
+            self._next = after
+            return True
+        self.reason = self.reason or "budget"
+        return False
+
+    def forced(self) -> np.ndarray:
+        """A mask that allows only the plan's next token."""
+        only = np.zeros(self.matcher.n_vocab, dtype=bool)
+        only[self.plan.tokens[0]] = True
+        return only
+
+    def advance(self, token: int) -> None:
+        """Follow the matcher past `token` (which it has consumed)."""
+        self._tokens.append(int(token))
+        if self._next is not None:
+            self.plan, self._next, self._fresh = self._next, None, True
+            self._planned, self._since = len(self.plan), 0
+        elif self._fresh and self.plan and token == self.plan.tokens[0]:
+            self.plan = Plan(self.plan.data[len(self._bytes(token)):], self.plan.tokens[1:])
+        else:
+            self._fresh = False
+            self._since += 1
+
+    # -- internals ----------------------------------------------------------------------------
+    def _bytes(self, token: int) -> bytes:
+        return self.matcher._vocab.lltokenizer.decode_bytes([int(token)])
+
+    def _shifted(self, token: int) -> list[bytes]:
+        """What the last plan's bytes may still do after `token`: all of them (the token
+        was more of a string), or what follows the token's bytes if the plan began so."""
+        if self.plan is None:
+            return []
+        data, written = self.plan.data, self._bytes(token)
+        return [data[len(written):]] if data.startswith(written) else [data]
+
+    def _find(self, matcher: llguidance.LLMatcher, remaining: int,
+              reuse: list[bytes]) -> Plan | None:
+        """A plan from `matcher`'s state: the shortest of what is left of the last plan and
+        the greedy probe, or, when that leaves little slack, a search's."""
+        vocab = self.matcher._vocab
+        found = [p for p in (*(plan_of(matcher, vocab, d) for d in reuse),
+                             greedy_completion(matcher, vocab)) if p is not None]
+        best = min(found, key=len, default=None)
+        if best is None or len(best) >= remaining - 2 * MARGIN:
+            searched = shortest_completion(matcher, vocab)
+            if searched is not None and (best is None or len(searched) < len(best)):
+                best = searched
+        return best
+
+    def _replan(self, remaining: int) -> None:
+        """Find a plan from the current state."""
+        reuse = [self.plan.data] if self.plan is not None else []
+        self.plan = self._find(self.matcher._matcher, remaining, reuse)
+        self._fresh = self.plan is not None
+        self._planned, self._since = len(self.plan or ()), 0
+
+    def _due(self, remaining: int) -> bool:
+        """Whether a stale plan should be found again: each time a third of the slack it
+        left has been written (so a runaway costs a few searches, not one per token)."""
+        return self._since >= max(1, (remaining - self._planned - MARGIN) // 3)
+
+    def _wrapping(self, free: bool) -> str | None:
+        """Why the output should be closed now, if it should: a stretch of free text
+        past its limit, or a loop."""
+        if free and self.free_limit and self._free_run > self.free_limit:
+            return "free_text"
+        if self.options.repetition and _looping(self._tokens):
+            return "repetition"
+        return None
+
+
+def _looping(tokens: list[int]) -> bool:
+    """Whether the last tokens repeat one pattern (see LOOP_SPAN and LOOP_PERIOD)."""
+    for period in range(1, LOOP_PERIOD + 1):
+        span = max(LOOP_SPAN, 3 * period)
+        if len(tokens) >= span + period and tokens[-span:] == tokens[-span - period:-period]:
+            return True
+    return False
