@@ -17,6 +17,10 @@
    and as many threads as our engine's pool (NUMBA_NUM_THREADS, all cores by default).
    Printed: each engine's constrained and free decode tokens/s (medians) and the
    ratio of the constrained rates.
+4. Closing cost. Each schema of the sample, asked for greedily at max_tokens
+   `--closing-tokens` (128: many answers run on and are closed at the budget): the
+   closer's time per token (`TokenEvent.closing_ms`, the start plan included in the
+   first step) beside the mask's: mean, p50 and p99, and how many answers were closed.
 """
 
 from __future__ import annotations
@@ -189,17 +193,48 @@ def versus_llama_cpp(model: LLM, path: str, rounds: int, tokens: int, threads: i
           f"  (tokens: ours/llama.cpp; greedy runs differ where their logits do)")
 
 
+def closing_cost(model: LLM, tokens: int) -> None:
+    """The closer's time per token beside the mask's, over the sample's schemas."""
+    closing, masks, closed, runs = [], [], {}, 0
+    for path in sorted(SCHEMAS.glob("*.json")):
+        schema = json.loads(path.read_text())["schema"]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                grammar = Grammar.from_json_schema(schema)
+        except SchemaError:
+            continue
+        messages = [{"role": "user", "content": f"Write a JSON example of: "
+                                                f"{schema.get('title') or path.stem}"}]
+        c = model.chat(messages, schema=grammar, max_tokens=tokens, temperature=0)
+        for ev in c.events:
+            if ev.closing_ms is not None:
+                closing.append(ev.closing_ms)
+                masks.append(ev.mask_ms)
+        runs += 1
+        closed[c.closed_early] = closed.get(c.closed_early, 0) + 1
+    cl, mk = np.asarray(closing), np.asarray(masks)
+    print(f"\nclosing cost, {runs} schemas at max_tokens {tokens}, greedy, {len(cl)} steps:")
+    for name, ms in (("closer", cl), ("mask", mk)):
+        print(f"  {name:<7} mean {ms.mean():.3f} ms   p50 {np.median(ms):.3f} ms   "
+              f"p99 {np.percentile(ms, 99):.3f} ms   max {ms.max():.1f} ms")
+    print("  ended: " + ", ".join(f"{'by the model' if k is None else 'closed: ' + k} {n}"
+                                  for k, n in closed.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--closing-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     path = str(registry.resolve(args.model))
     model = LLM.load(path)
     mask_times(model)
     decode_speed(model, args.rounds, args.tokens)
     versus_llama_cpp(model, path, args.rounds, args.tokens, numba.config.NUMBA_NUM_THREADS)
+    closing_cost(model, args.closing_tokens)
     return 0
 
 

@@ -97,3 +97,18 @@ def test_stop_leaves_an_incomplete_answer(smollm2):
     assert cell.wait(60)
     assert cell.validity == "incomplete" and cell.value is None
     assert not cell.generating and smollm2.busy.get() is False
+
+
+def test_a_runaway_schema_shows_a_valid_object_closed_at_the_budget(smollm2):
+    """A poem in a string runs on past 24 tokens: the answer is closed at the budget, the
+    badge says valid, and the stats line says it was closed."""
+    cell = JSONCell(smollm2, temperature=0, max_tokens=24,
+                    schema={"type": "object", "properties": {"poem": {"type": "string"},
+                                                             "lines": {"type": "integer"}},
+                            "required": ["poem", "lines"]},
+                    prompt="Write a very long poem about the sea as JSON.")
+    cell.run()
+    assert cell.wait(120)
+    assert cell.closed == "budget" and cell.validity == "valid", cell.validation
+    assert set(cell.value) == {"poem", "lines"} and json.loads(cell.text) == cell.value
+    assert "closed at the budget" in cell.stats and "length" in cell.stats

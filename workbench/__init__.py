@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 __all__ = ["LLM", "Completion", "TokenEvent", "Encoder", "WhisperModel", "Transcript",
            "serve", "RemoteEngine", "Branch", "BranchStore", "PrefixCache", "Grammar",
-           "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "validate_chat_template",
-           "__version__"]
+           "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "Closing",
+           "ClosedEarlyWarning", "GrammarBudgetError", "validate_chat_template", "__version__"]
 _GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
 
 # `workbench.serve` is the function (the package `workbench/serve/` holds it): binding it
@@ -27,6 +27,7 @@ from workbench.serve.runner import serve  # noqa: E402  (light: no server packag
 if TYPE_CHECKING:
     from workbench.engine.branch import Branch, BranchStore
     from workbench.engine.chat_template import validate_chat_template
+    from workbench.engine.closing import ClosedEarlyWarning, Closing, GrammarBudgetError
     from workbench.engine.encoder import Encoder
     from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
     from workbench.engine.kv_cache import PrefixCache
@@ -50,6 +51,10 @@ def __getattr__(name: str):
         from workbench.engine import branch
 
         return getattr(branch, name)
+    if name in ("Closing", "ClosedEarlyWarning", "GrammarBudgetError"):
+        from workbench.engine import closing
+
+        return getattr(closing, name)
     if name == "PrefixCache":
         from workbench.engine.kv_cache import PrefixCache
 

@@ -56,6 +56,8 @@ LOOP_PERIOD = 16
 # Work one search may do (masks computed; one takes ~20 us on a 49k vocabulary), and the
 # states it keeps per byte of distance.
 SEARCH_MASKS = 2000
+# Searches remembered per grammar and vocabulary (signature -> the bytes found).
+MEMO_SIZE = 4096
 SEARCH_WIDTH = 64
 # What a byte costs in the search: whitespace and other bytes cost more than printable
 # ASCII, so that a completion pads with none (JSON's optional whitespace would otherwise
@@ -174,16 +176,18 @@ def shortest_completion(matcher: llguidance.LLMatcher, vocab: _Vocabulary, *,
     bytes the grammar allows in full (all lowercase letters) is tried through one
     member. `matcher` is left as it was.
     """
+    left = [max_masks]  # the masks the searches may still compute, all tiers together
     for plain, strict in ((True, True), (False, True), (False, False)):
-        path = _search(matcher, vocab, max_masks, plain, strict)
+        path = _search(matcher, vocab, left, plain, strict)
         if path is not None:
             return plan_of(matcher, vocab, bytes(path))
     return greedy_completion(matcher, vocab)
 
 
-def _search(matcher: llguidance.LLMatcher, vocab: _Vocabulary, max_masks: int,
+def _search(matcher: llguidance.LLMatcher, vocab: _Vocabulary, left: list[int],
             plain: bool, strict: bool) -> list[int] | None:
-    """The search of `shortest_completion`: the bytes of a completion, or None. `plain`:
+    """The search of `shortest_completion`: the bytes of a completion, or None; `left[0]`
+    is the masks it may compute (and is counted down). `plain`:
     try printable ASCII bytes only, no whitespace and no backslash (JSON's optional
     whitespace and escapes multiply the ways to every state); `strict`: one state per
     signature, else one per signature and distance (then a byte that leaves the
@@ -197,10 +201,10 @@ def _search(matcher: llguidance.LLMatcher, vocab: _Vocabulary, max_masks: int,
 
     def look(m: llguidance.LLMatcher) -> tuple[tuple, list[int]]:
         """The state's signature and the bytes to try from it."""
-        m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        # bit i of 32-bit word w is token 32 * w + i
-        tries = _representatives(has_token[(words[ids >> 5] >> (ids & 31)) & 1 == 1])
-        return (hash(words.tobytes()), m.is_accepting(), _probe(m, byte_tokens)), tries
+        left[0] -= 1
+        signature = _signature(m, vocab, words)
+        # bit i of 32-bit word w is token 32 * w + i (`words` holds the mask now)
+        return signature, _representatives(has_token[(words[ids >> 5] >> (ids & 31)) & 1 == 1])
 
     root = matcher.deep_copy()
     signature, allowed = look(root)
@@ -208,7 +212,6 @@ def _search(matcher: llguidance.LLMatcher, vocab: _Vocabulary, max_masks: int,
     queue = [(0, next(order), root, [], signature, allowed)]
     best = {signature if strict else (0, signature): 0}  # the lowest cost of each state
     per_cost: dict[int, int] = {}
-    masks = 1
     while queue:
         cost, _, node, path, signature, allowed = heapq.heappop(queue)
         if strict and best[signature] < cost:  # reached by a shorter way since
@@ -224,10 +227,9 @@ def _search(matcher: llguidance.LLMatcher, vocab: _Vocabulary, max_masks: int,
                 if byte_tokens[forced] < 0 or not child.consume_token(int(byte_tokens[forced])):
                     break
                 step.append(forced)
-            if masks >= max_masks:
+            if left[0] <= 0:
                 return None
             child_signature, child_allowed = look(child)
-            masks += 1
             at = cost + int(BYTE_COST[step].sum())
             key = child_signature if strict else (at, child_signature)
             if best.get(key, at + 1) <= at or (not strict and child_signature == signature):
@@ -241,10 +243,21 @@ def _search(matcher: llguidance.LLMatcher, vocab: _Vocabulary, max_masks: int,
     return None
 
 
+def _signature(m: llguidance.LLMatcher, vocab: _Vocabulary, words: np.ndarray | None = None
+               ) -> tuple:
+    """What tells `m`'s state from others (see `shortest_completion`): its token mask
+    (computed into `words`, (n_vocab + 31) // 32 int32, when given), whether it accepts,
+    and what the probe writes from it."""
+    if words is None:
+        words = np.zeros((vocab.n_vocab + 31) // 32, dtype=np.int32)
+    m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    return hash(words.tobytes()), m.is_accepting(), _probe(m, vocab.byte_tokens)
+
+
 # The order in which `_probe` tries bytes: what closes first.
 PROBE_ORDER = [b for b in b'"\')]}>0,;:.' + bytes(range(0x21, 0x7F))]
 PROBE_BYTES = 24
-GREEDY_BYTES = 4096
+GREEDY_BYTES = 512
 
 
 def _probe(m: llguidance.LLMatcher, byte_tokens: np.ndarray, length: int = PROBE_BYTES
@@ -299,7 +312,7 @@ class Closer:
     the token would leave no completion that fits; sample again from `forced()`), and
     `advance(token)` once the matcher consumed it. `reason` is why the output was closed
     early, once it was ("budget", "free_text" or "repetition"); `times` the seconds spent
-    per step.
+    per step (the first step's includes the start plan).
 
     Plans are found cheaply first: what is left of the last plan (still right while the
     model writes inside a string), or the greedy probe. The search for a shortest one
@@ -311,6 +324,7 @@ class Closer:
         self.matcher = matcher
         self.options = options
         self.end_ids = end_ids
+        self._memo = matcher._vocab.plans.setdefault(matcher.grammar.spec, {})
         self.free_limit = (max(16, max_tokens // 2) if options.free_text_tokens is None
                            else options.free_text_tokens)
         self.reason: str | None = None
@@ -330,7 +344,7 @@ class Closer:
                 f"the shortest output found for this grammar takes {len(self.plan)} tokens "
                 f"({self.plan.data.decode('utf-8', 'replace')[:80]!r}), more than "
                 f"max_tokens={max_tokens}")
-        self.times.append(time.perf_counter() - start)
+        self._carry = time.perf_counter() - start  # counted in the first step's time
 
     def steer(self, allowed: np.ndarray, remaining: int) -> np.ndarray:
         """The tokens the sampler may pick, given the grammar's `allowed` (bool (n_vocab,),
@@ -346,18 +360,14 @@ class Closer:
                 self._replan(remaining)
             if self.plan is None:
                 return allowed
-            if not self.plan and (self._wrap or self.reason == "budget"):
-                self.reason = self.reason or self._wrap  # complete already: end here
-                only = np.zeros_like(allowed)
-                only[self.end_ids] = True
-                return only
-            if self.plan and (self._wrap or (self.options.budget
-                                             and len(self.plan) >= remaining)):
+            if self._wrap or (self.options.budget and (
+                    len(self.plan) >= remaining or (not self.plan and self.reason == "budget"))):
                 self.reason = self.reason or self._wrap or "budget"
-                return self.forced()
+                return self.forced()  # complete already: the end tokens
             return allowed
         finally:
-            self.times.append(time.perf_counter() - start)
+            self.times.append(time.perf_counter() - start + self._carry)
+            self._carry = 0.0
 
     def admits(self, token: int, remaining: int) -> bool:
         """Whether a completion still fits after `token`, tried on a copy of the matcher
@@ -379,9 +389,10 @@ class Closer:
         return False
 
     def forced(self) -> np.ndarray:
-        """A mask that allows only the plan's next token."""
+        """A mask that allows only the plan's next token (the end tokens, where the output
+        is complete)."""
         only = np.zeros(self.matcher.n_vocab, dtype=bool)
-        only[self.plan.tokens[0]] = True
+        only[self.plan.tokens[0] if self.plan else self.end_ids] = True
         return only
 
     def advance(self, token: int) -> None:
@@ -410,14 +421,23 @@ class Closer:
 
     def _find(self, matcher: llguidance.LLMatcher, remaining: int,
               reuse: list[bytes]) -> Plan | None:
-        """A plan from `matcher`'s state: the shortest of what is left of the last plan and
-        the greedy probe, or, when that leaves little slack, a search's."""
+        """A plan from `matcher`'s state: the shortest of what is left of the last plan, a
+        search's from a state with this signature before, and the greedy probe; or, when
+        that leaves little slack, a new search's (remembered for this grammar and
+        vocabulary, so the sequences of a batch, and a model circling through the same
+        states, search once)."""
         vocab = self.matcher._vocab
+        signature = _signature(matcher, vocab)
+        known = self._memo.get(signature, False)  # False: never searched; None: found none
         found = [p for p in (*(plan_of(matcher, vocab, d) for d in reuse),
+                             plan_of(matcher, vocab, known) if known else None,
                              greedy_completion(matcher, vocab)) if p is not None]
         best = min(found, key=len, default=None)
-        if best is None or len(best) >= remaining - 2 * MARGIN:
+        if (best is None or len(best) >= remaining - 2 * MARGIN) and known is False:
             searched = shortest_completion(matcher, vocab)
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            self._memo[signature] = None if searched is None else searched.data
             if searched is not None and (best is None or len(searched) < len(best)):
                 best = searched
         return best

@@ -23,7 +23,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -281,6 +281,8 @@ class _Vocabulary:
     lltokenizer: llguidance.LLTokenizer
     n_vocab: int
     byte_tokens: np.ndarray  # (256,) int32: the token that is exactly byte b, or -1
+    # what the closer found per grammar (spec -> state signature -> completion bytes)
+    plans: dict = field(default_factory=dict, compare=False)
 
 
 _VOCABULARIES: weakref.WeakKeyDictionary[Tokenizer, dict[int, _Vocabulary]] = (

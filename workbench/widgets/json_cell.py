@@ -78,6 +78,9 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
     generating = traitlets.Bool(False).tag(sync=True)
     busy = traitlets.Bool(False).tag(sync=True)
     stats = traitlets.Unicode("").tag(sync=True)
+    # why the answer was closed before the model ended it ("budget", "free_text",
+    # "repetition"; see workbench.engine.closing), or ""
+    closed = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
 
 
@@ -134,7 +137,7 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
         options = {**self.options, "temperature": float(self.temperature),
                    "max_tokens": int(self.max_tokens)}
         self._stop.clear()
-        self.error = self.validation = self.validity = ""
+        self.error = self.validation = self.validity = self.closed = ""
         self.text = self.value_json = ""
         self._value = None
         self.generating = True
@@ -165,6 +168,8 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
                 pieces.append(event.text)
                 if event.mask_ms is not None:
                     masks.append(event.mask_ms / 1e3)
+                if event.closed and not self.closed:
+                    self.closed = event.closed
                 if self._stop.is_set():
                     reason = "stopped"
                     break
@@ -201,11 +206,14 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
                          f"{np.percentile(ms, 99):.3f} ms (p99)")
         if reason:
             parts.append(reason)
+        if self.closed:
+            parts.append(CLOSED_NOTES[self.closed])
         self.stats = " · ".join(parts)
 
     def _judge(self, text: str, grammar: Grammar, reason: str) -> None:
-        """Set `value`, `validity` and `validation` for the finished answer."""
-        if reason != "stop":
+        """Set `value`, `validity` and `validation` for the finished answer (one closed at
+        the budget ends with "length", complete)."""
+        if reason != "stop" and not (reason == "length" and self.closed == "budget"):
             self.validity, self.validation = "incomplete", f"generation ended: {reason}"
             return
         if grammar.kind != "json_schema":
@@ -239,6 +247,12 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
                 self.stop()
         except (RuntimeError, ValueError) as exc:
             self.error = f"{type(exc).__name__}: {exc}"
+
+
+# The stats line's note on an answer the closer ended (see `JSONCell.closed`).
+CLOSED_NOTES = {"budget": "closed at the budget (raise max_tokens for more)",
+                "free_text": "a long string was closed early",
+                "repetition": "a loop was closed early"}
 
 
 def _validate(value: Any, schema: Any) -> tuple[str, str]:

@@ -1,0 +1,167 @@
+"""Constrained outputs that end valid: the closer's shortest completions against a search
+of every prefix, and generations pushed to run away (a logits processor that always
+wants one more letter, or the same words) closed at the budget, in free text and in
+loops. The generation tests over the JSONSchemaBench sample are in test_grammar.py."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from workbench import ClosedEarlyWarning, Closing, Grammar
+from workbench.engine.closing import shortest_completion
+
+RECORD = {"type": "object",
+          "properties": {"note": {"type": "string"},
+                         "count": {"type": "integer", "minimum": 18}},
+          "required": ["note", "count"], "additionalProperties": False}
+
+
+def shortest_by_every_prefix(grammar: Grammar, tokenizer, alphabet: bytes,
+                             limit: int) -> bytes | None:
+    """The shortest text over `alphabet` the grammar accepts, found breadth first over
+    every prefix the grammar allows (no merging of states: slow, and sure)."""
+    vocab = grammar.matcher(tokenizer)._vocab
+    level = [(b"", grammar.matcher(tokenizer))]
+    for _ in range(limit + 1):
+        following = []
+        for text, m in level:
+            if m.is_accepting:
+                return text
+            for byte in alphabet:
+                token = int(vocab.byte_tokens[byte])
+                if m._matcher.validate_tokens([token]) == 1:
+                    child = m.clone()
+                    child.consume(token)
+                    following.append((text + bytes([byte]), child))
+        level = following
+    return None
+
+
+@pytest.mark.parametrize("kind, source, alphabet", [
+    ("regex", r"(ab|c)+d{2}", b"abcd"),
+    ("regex", r"[1-9][0-9]*x", b"0123456789x"),
+    ("gbnf", 'root ::= "(" root ")" | "[" item ("," item)* "]"\nitem ::= [0-9] | root',
+     b"()[],0123456789"),
+    ("json_schema", {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5}},
+                     "required": ["a"]}, b'{}":a0123456789'),
+    ("json_schema", {"type": "array", "items": {"enum": ["xy", "z"]}, "minItems": 2},
+     b'[]",xyz'),
+])
+def test_shortest_completion_is_as_short_as_a_search_of_every_prefix(smollm2, kind, source,
+                                                                      alphabet):
+    grammar = {"regex": Grammar.from_regex, "gbnf": Grammar.from_gbnf,
+               "json_schema": Grammar.from_json_schema}[kind](source)
+    m = grammar.matcher(smollm2.tokenizer)
+    plan = shortest_completion(m._matcher, m._vocab)
+    expected = shortest_by_every_prefix(grammar, smollm2.tokenizer, alphabet, 12)
+    assert plan is not None and expected is not None
+    assert len(plan.data) == len(expected), (plan.data, expected)
+    m.accepts(plan.tokens)
+    assert m.is_accepting
+
+
+def test_shortest_completion_from_inside_a_string(smollm2):
+    g = Grammar.from_json_schema(RECORD)
+    m = g.matcher(smollm2.tokenizer)
+    m.accepts(smollm2.tokenize('{"note": "it was a', add_bos=False))
+    plan = shortest_completion(m._matcher, m._vocab)
+    assert plan.data == b'","count":18}'
+
+
+def letter_lover(tokenizer, text: str):
+    """A logits processor that makes `text`'s tokens the model's favourites: inside a JSON
+    string the model then writes them for ever."""
+    favourite = tokenizer.encode(text, add_bos=False)
+
+    def boost(ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        logits[favourite] += 50.0
+        return logits
+    return boost
+
+
+def test_a_runaway_string_is_closed_at_the_budget(smollm2):
+    prompt = "A JSON record: "
+    runaway = dict(schema=RECORD, max_tokens=24, temperature=0,
+                   logits_processors=[letter_lover(smollm2.tokenizer, "a")])
+    c = smollm2.generate(prompt, **runaway, closing=Closing(free_text_tokens=0,
+                                                            repetition=False))
+    value = json.loads(c.text)
+    assert set(value) == {"note", "count"} and value["count"] >= 18
+    assert c.finish_reason == "length" and c.closed_early == "budget"
+    assert len(c.token_ids) <= 24
+    forced = [ev for ev in c.events if ev.closed]
+    assert forced and all(ev.closed == "budget" for ev in forced)
+    # without the closer the same call is cut inside the string
+    plain = smollm2.generate(prompt, **runaway, closing=False)
+    assert plain.finish_reason == "length" and plain.closed_early is None
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(plain.text)
+
+
+def test_a_long_string_is_closed_after_its_free_text_budget(smollm2):
+    c = smollm2.generate("A JSON record: ", schema=RECORD, max_tokens=200, temperature=0,
+                         logits_processors=[letter_lover(smollm2.tokenizer, "a")],
+                         closing=Closing(free_text_tokens=10, repetition=False))
+    value = json.loads(c.text)
+    assert c.closed_early == "free_text"
+    assert len(smollm2.tokenize(value["note"], add_bos=False)) <= 12
+    assert c.finish_reason == "stop"  # the model wrote the rest and ended it
+
+
+def test_a_loop_is_closed_and_the_model_goes_on(smollm2):
+    c = smollm2.generate("A JSON record: ", schema=RECORD, max_tokens=300, temperature=0,
+                         logits_processors=[letter_lover(smollm2.tokenizer, " ha")],
+                         closing=Closing(free_text_tokens=0))
+    value = json.loads(c.text)
+    assert c.closed_early == "repetition"
+    assert value["note"].count("ha") < 60  # closed long before the budget
+    assert len(c.token_ids) < 100
+
+
+def test_batched_runaways_all_end_valid(smollm2):
+    outputs = smollm2.generate_batch(["A JSON record: ", "Another record: "], schema=RECORD,
+                                     max_tokens=20, temperature=0,
+                                     logits_processors=[letter_lover(smollm2.tokenizer, "a")])
+    for c in outputs:
+        assert json.loads(c.text)["count"] >= 18 and len(c.token_ids) <= 20
+
+
+def test_chat_json_closed_at_the_budget_warns_and_returns_the_object(smollm2):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value, c = smollm2.chat_json(
+            [{"role": "user", "content": "Describe a cat."}], RECORD, max_tokens=16,
+            temperature=0, logits_processors=[letter_lover(smollm2.tokenizer, "a")],
+            return_completion=True)
+    assert value["count"] >= 18 and c.closed_early == "budget"
+    assert [w.category for w in caught] == [ClosedEarlyWarning]
+
+
+def test_chat_json_takes_a_gbnf_grammar(smollm2):
+    json_like = 'root ::= "{\\"name\\": \\"" [a-z]+ "\\"}"'
+    value = smollm2.chat_json([{"role": "user", "content": "Name a cat."}],
+                              grammar=json_like, temperature=0, max_tokens=32)
+    assert isinstance(value, dict) and list(value) == ["name"]
+    text = smollm2.chat_json([{"role": "user", "content": "Say yes or no."}],
+                             grammar='root ::= "yes" | "no"', temperature=0)
+    assert text in ("yes", "no")
+    with pytest.raises(ValueError, match="one of them"):
+        smollm2.chat_json([{"role": "user", "content": "hi"}])
+
+
+def test_closing_off_and_on_agree_where_the_model_ends_on_its_own(smollm2):
+    """The closer acts only where a plan would no longer fit: an answer the model ends
+    itself, greedy or sampled, is the same token for token."""
+    runs = [("Give a note and a count above 18 as JSON.", dict(temperature=0)),
+            ("Write a short note about cats and how many cats you saw (more than 18), as "
+             "JSON.", dict(temperature=0.9, seed=3))]
+    for content, options in runs:
+        messages = [{"role": "user", "content": content}]
+        on = smollm2.chat(messages, schema=RECORD, max_tokens=200, **options)
+        off = smollm2.chat(messages, schema=RECORD, max_tokens=200, closing=False, **options)
+        assert on.closed_early is None and on.finish_reason == "stop"
+        assert on.token_ids == off.token_ids
