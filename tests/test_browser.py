@@ -350,6 +350,27 @@ def test_tour_shows_its_kernels_compiling_on_a_cold_cache(cold_page, cold_lab):
 
 
 @pytest.mark.browser
+def test_json_notebook_shows_an_answer_closed_at_the_budget(page, lab):
+    """03_json in the browser: the cell asked for a long poem inside 24 tokens shows a
+    valid object, a badge that says so, and "closed at the budget" on its stats line."""
+    t0 = time.monotonic()
+    _open_and_run_all(page, lab, "03_json.ipynb")
+    run_s = time.monotonic() - t0
+    cells = page.locator(".wb-json")
+    closed = cells.filter(has=page.locator(".wb-chat-stats", has_text="closed at the budget"))
+    closed.first.wait_for(state="visible")
+    assert closed.count() == 1
+    badge = closed.first.locator(".wb-json-badge")
+    assert badge.get_attribute("data-state") == "valid", badge.get_attribute("title")
+    tree = closed.first.locator(".wb-json-output")
+    assert "poem" in tree.inner_text() and "lines" in tree.inner_text()
+    _shot(page, lab, "03_json-closed-at-the-budget", closed.first)
+    stats = closed.first.locator(".wb-chat-stats").inner_text()
+    print(f"\n03_json: run all {run_s:.1f} s; {stats}")
+    assert not page.console_errors, page.console_errors
+
+
+@pytest.mark.browser
 def test_logits_notebook_in_the_browser(page, lab):
     t0 = time.monotonic()
     _open_and_run_all(page, lab, "02_logits_and_entropy.ipynb")

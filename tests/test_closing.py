@@ -165,3 +165,36 @@ def test_closing_off_and_on_agree_where_the_model_ends_on_its_own(smollm2):
         off = smollm2.chat(messages, schema=RECORD, max_tokens=200, closing=False, **options)
         assert on.closed_early is None and on.finish_reason == "stop"
         assert on.token_ids == off.token_ids
+
+
+def test_x_max_tokens_gives_one_string_its_own_budget(smollm2):
+    schema = {"type": "object", "required": ["title", "body"], "additionalProperties": False,
+              "properties": {"title": {"type": "string", "x-max-tokens": 4},
+                             "body": {"type": "string"}}}
+    g = Grammar.from_json_schema(schema)
+    assert g.string_budgets == ((("title",), 4),)
+    c = smollm2.generate("A JSON note: ", schema=g, max_tokens=60, temperature=0,
+                         logits_processors=[letter_lover(smollm2.tokenizer, "a")],
+                         closing=Closing(free_text_tokens=0, repetition=False))
+    value = json.loads(c.text)
+    assert len(smollm2.tokenize(value["title"], add_bos=False)) <= 5
+    assert len(value["body"]) > 20  # the body has no budget of its own: it runs on
+    assert c.closed_early == "free_text"
+
+
+@pytest.mark.parametrize("budget", [0, -3, 2.5, "10", True])
+def test_x_max_tokens_must_be_a_positive_integer(budget):
+    from workbench.engine.grammar import SchemaError
+
+    with pytest.raises(SchemaError, match="x-max-tokens"):
+        Grammar.from_json_schema({"type": "string", "x-max-tokens": budget})
+
+
+def test_x_max_tokens_follows_items_refs_and_combinators():
+    g = Grammar.from_json_schema({
+        "$defs": {"tag": {"type": "string", "x-max-tokens": 3}},
+        "type": "object", "properties": {
+            "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}},
+            "notes": {"type": "object", "additionalProperties": {
+                "anyOf": [{"type": "string", "x-max-tokens": 7}, {"type": "null"}]}}}})
+    assert set(g.string_budgets) == {(("tags", "[]"), 3), (("notes", "{}"), 7)}

@@ -177,6 +177,14 @@ def test_json_schema_response_format(client):
                                                                 "schema": schema}})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    # too few tokens for the model's answer: closed at the budget, still valid
+    r = client.chat.completions.create(
+        model="smollm2-135m", max_tokens=10, temperature=0,
+        messages=[{"role": "user", "content": "Describe Paris at length."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city",
+                                                                "schema": schema}})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens <= 10
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     r = client.chat.completions.create(
         model="smollm2-135m", max_tokens=80, temperature=0, response_format={
             "type": "json_object"},
@@ -255,6 +263,11 @@ BAD_JSON = [
      400, None),
     ("bad GBNF", {"model": "smollm2-135m", "messages": QUESTION, "grammar": "root ::= ("},
      400, None),
+    ("max_tokens too few for any answer of the schema", {
+        "model": "smollm2-135m", "messages": QUESTION, "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}}}}, 400, None),
     ("tools", {"model": "smollm2-135m", "messages": QUESTION,
                "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
 ]

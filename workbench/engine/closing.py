@@ -18,7 +18,8 @@ and makes the output end valid:
   (`GrammarBudgetError`).
 - **In free text that runs long** (`Closing.free_text_tokens`): a stretch of
   tokens where the grammar allows most of the vocabulary, as inside a JSON string,
-  is closed once it is that long, and the model goes on after it.
+  is closed once it is that long, and the model goes on after it. A JSON Schema can
+  give a string its own budget with our keyword `"x-max-tokens": N`.
 - **In a loop** (`Closing.repetition`): when the last tokens repeat one pattern
   (32 tokens or more, a period of at most 16 tokens, three times at least), the
   sequence follows the plan until the pattern is broken; where the grammar already
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import time
 from dataclasses import dataclass
 
@@ -171,13 +173,15 @@ def shortest_completion(matcher: llguidance.LLMatcher, vocab: _Vocabulary, *,
     shortest way, so a letter inside a string leads nowhere new. States with one
     signature can still differ (a string with a `minLength` of 40 looks the same after
     each letter); where the search finds nothing, it runs again merging only states at
-    one distance, and where that finds nothing within `max_masks`, the greedy probe is
+    one distance (the three searches get a quarter, a half and a quarter of `max_masks`,
+    and what one leaves to the next), and where that finds nothing, the greedy probe is
     the answer if it ends accepted (it writes that string's 40 letters). A class of
     bytes the grammar allows in full (all lowercase letters) is tried through one
     member. `matcher` is left as it was.
     """
-    left = [max_masks]  # the masks the searches may still compute, all tiers together
-    for plain, strict in ((True, True), (False, True), (False, False)):
+    left = [0]  # the masks a search may still compute; what one leaves goes to the next
+    for plain, strict, share in ((True, True, 0.25), (False, True, 0.5), (False, False, 0.25)):
+        left[0] += int(share * max_masks)
         path = _search(matcher, vocab, left, plain, strict)
         if path is not None:
             return plan_of(matcher, vocab, bytes(path))
@@ -337,6 +341,11 @@ class Closer:
         self._wrap: str | None = None  # closing now because of free text or a loop
         self._free_run = 0
         self._tokens: list[int] = []
+        # JSON strings with their own budget (the schema's "x-max-tokens"): where the
+        # output stands, and the tokens written into the string open now
+        budgets = matcher.grammar.string_budgets
+        self._json = _JSONPosition(budgets) if budgets else None
+        self._string_tokens = 0
         start = time.perf_counter()
         self._replan(max_tokens)
         if options.budget and self.plan is not None and len(self.plan) > max_tokens:
@@ -398,6 +407,11 @@ class Closer:
     def advance(self, token: int) -> None:
         """Follow the matcher past `token` (which it has consumed)."""
         self._tokens.append(int(token))
+        if self._json is not None:
+            was_open = self._json.budget is not None
+            self._json.feed(self._bytes(token))
+            self._string_tokens = (self._string_tokens + 1 if was_open else 1
+                                   ) if self._json.budget is not None else 0
         if self._next is not None:
             self.plan, self._next, self._fresh = self._next, None, True
             self._planned, self._since = len(self.plan), 0
@@ -456,11 +470,74 @@ class Closer:
 
     def _wrapping(self, free: bool) -> str | None:
         """Why the output should be closed now, if it should: a stretch of free text
-        past its limit, or a loop."""
+        past its limit (or a JSON string past its own), or a loop."""
         if free and self.free_limit and self._free_run > self.free_limit:
+            return "free_text"
+        if (self._json is not None and self._json.budget is not None
+                and self._string_tokens >= self._json.budget):
             return "free_text"
         if self.options.repetition and _looping(self._tokens):
             return "repetition"
+        return None
+
+
+class _JSONPosition:
+    """Where JSON text stands as its bytes come in: the path of the value being written
+    and, inside a string value whose path has a budget, that budget (`budget`).
+
+    `budgets`: `Grammar.string_budgets`, paths of property names, "[]" for an array
+    item and "{}" for any property."""
+
+    def __init__(self, budgets: tuple[tuple[tuple[str, ...], int], ...]):
+        self.budgets = budgets
+        self.stack: list[list] = []  # ["{", key, expecting a key] or ["[", None]
+        self.budget: int | None = None
+        self._string = False  # inside a string (a key or a value)
+        self._key: bytearray | None = None  # the key being read, inside a key string
+        self._escaped = False
+
+    def feed(self, data: bytes) -> None:
+        for byte in data:
+            if self._string:
+                self._read_string(byte)
+            elif byte == 0x22:  # "
+                self._string = True
+                top = self.stack[-1] if self.stack else None
+                if top is not None and top[0] == "{" and top[2]:
+                    self._key = bytearray()
+                else:
+                    self.budget = self._budget_at(self.path())
+            elif byte in b"{[":
+                self.stack.append(["{", None, True] if byte == 0x7B else ["[", None])
+            elif byte in b"}]" and self.stack:
+                self.stack.pop()
+            elif byte == 0x3A and self.stack and self.stack[-1][0] == "{":  # :
+                self.stack[-1][2] = False
+            elif byte == 0x2C and self.stack and self.stack[-1][0] == "{":  # ,
+                self.stack[-1][1:] = [None, True]
+
+    def _read_string(self, byte: int) -> None:
+        if self._escaped:
+            self._escaped = False
+        elif byte == 0x5C:  # backslash
+            self._escaped = True
+        elif byte == 0x22:  # the closing quote
+            self._string, self.budget = False, None
+            if self._key is not None:
+                self.stack[-1][1] = json.loads(b'"' + bytes(self._key) + b'"')
+                self._key = None
+            return
+        if self._key is not None:
+            self._key.append(byte)
+
+    def path(self) -> tuple[str, ...]:
+        return tuple("[]" if frame[0] == "[" else frame[1] for frame in self.stack)
+
+    def _budget_at(self, path: tuple[str, ...]) -> int | None:
+        for pattern, budget in self.budgets:
+            if len(pattern) == len(path) and all(
+                    p == s or (p == "{}" and s != "[]") for p, s in zip(pattern, path)):
+                return budget
         return None
 
 

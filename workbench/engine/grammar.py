@@ -92,6 +92,10 @@ class Grammar:
         model: the pydantic model class the schema came from, if any.
         warnings: what was relaxed when compiling (unknown `format`s, which JSON
             Schema treats as annotations).
+        string_budgets: for a JSON Schema, the strings with a token budget (our
+            extension keyword `"x-max-tokens": N` on a string schema): (path, N) pairs,
+            a path of property names, "[]" for any array item and "{}" for any other
+            property (see `workbench.engine.closing`).
     """
 
     kind: str
@@ -100,6 +104,7 @@ class Grammar:
     schema: Any = None
     model: type | None = None
     warnings: tuple[str, ...] = ()
+    string_budgets: tuple[tuple[tuple[str, ...], int], ...] = ()
 
     @classmethod
     def from_gbnf(cls, text: str) -> Grammar:
@@ -167,7 +172,8 @@ class Grammar:
         for note in notes:
             warnings.warn(note, stacklevel=2)
         return cls("json_schema", json.dumps(schema, ensure_ascii=False), spec,
-                   schema=schema, model=model, warnings=notes)
+                   schema=schema, model=model, warnings=notes,
+                   string_budgets=tuple(_string_budgets(schema)))
 
     @classmethod
     def from_regex(cls, pattern: str) -> Grammar:
@@ -508,6 +514,45 @@ def _safe_integers(schema: Any) -> Any:
         if container is not schema or key not in ("not", "if"):
             _safe_integers(container[key])
     return schema
+
+
+# Our keyword: a token budget for the strings a schema describes.
+MAX_TOKENS_KEYWORD = "x-max-tokens"
+
+
+def _string_budgets(schema: Any, root: Any = None, path: tuple[str, ...] = (),
+                    seen: frozenset[int] = frozenset()) -> Iterable[tuple[tuple[str, ...], int]]:
+    """(path, budget) of each subschema carrying MAX_TOKENS_KEYWORD, through properties,
+    items, additional properties, the combinators and local `$ref`s."""
+    root = schema if root is None else root
+    if not isinstance(schema, dict) or id(schema) in seen:
+        return
+    seen = seen | {id(schema)}
+    budget = schema.get(MAX_TOKENS_KEYWORD)
+    if budget is not None:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise SchemaError(f"{MAX_TOKENS_KEYWORD} must be a positive integer, got "
+                              f"{budget!r}", keyword=MAX_TOKENS_KEYWORD)
+        yield path, budget
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target = root
+        for part in ref[1:].split("/")[1:]:
+            target = target.get(part.replace("~1", "/").replace("~0", "~"), {}) \
+                if isinstance(target, dict) else {}
+        yield from _string_budgets(target, root, path, seen)
+    for name, sub in (schema.get("properties") or {}).items():
+        yield from _string_budgets(sub, root, (*path, name), seen)
+    for key, step in (("items", "[]"), ("additionalItems", "[]"),
+                      ("additionalProperties", "{}")):
+        yield from _string_budgets(schema.get(key), root, (*path, step), seen)
+    for key in ("prefixItems", "items"):
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                yield from _string_budgets(sub, root, (*path, "[]"), seen)
+    for key in ("allOf", "anyOf", "oneOf"):
+        for sub in schema.get(key) or ():
+            yield from _string_budgets(sub, root, path, seen)
 
 
 def _closed(schema: dict, extra_allowed: bool) -> dict:
