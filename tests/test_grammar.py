@@ -372,27 +372,24 @@ def test_schema_sample_generations_all_end_valid(request, model_name):
     assert natural + len(closed) >= 70
 
 
-def shortest_instance_tokens(schema, tokenizer) -> int:
-    """Tokens in a smallest instance of `schema` that hypothesis finds (compact JSON,
-    keys in schema order), found apart from the engine's own search."""
-    from hypothesis import HealthCheck, find, settings
-    from hypothesis_jsonschema import from_schema
-
-    value = find(from_schema(schema), lambda v: True,
-                 settings=settings(database=None, max_examples=2000,
-                                   suppress_health_check=list(HealthCheck)))
-    text = json.dumps(in_schema_order(value, schema), separators=(",", ":"),
-                      ensure_ascii=False)
-    return len(tokenizer.encode(text, add_bos=False))
+def shortest_known_instance_tokens(path, schema, tokenizer) -> int | None:
+    """Tokens in the shortest valid instance the sample lists for the schema (compact
+    JSON, keys in schema order): a length its shortest instance cannot exceed, known apart
+    from the engine. None if the sample lists no valid instance."""
+    lengths = [len(tokenizer.encode(json.dumps(in_schema_order(t["data"], schema),
+                                               separators=(",", ":"), ensure_ascii=False),
+                                    add_bos=False))
+               for t in json.loads(path.read_text())["tests"] if t["valid"]]
+    return min(lengths, default=None)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", [128, 256])
 def test_schema_sample_fits_small_budgets(smollm2, budget):
     """Greedy, at max_tokens 128 and 256: every schema whose shortest instance fits the
-    budget gets JSON that validates; where the engine refuses a schema up front
-    (GrammarBudgetError) or ends invalid, the smallest instance hypothesis finds must not
-    fit."""
+    budget gets JSON that validates. Where the engine refuses a schema up front
+    (GrammarBudgetError) or ends invalid, no valid instance the sample lists may fit
+    (measured: all 39 validate at both budgets, 17 closed early at 128)."""
     from workbench import GrammarBudgetError
 
     ok, _ = compiled_sample()
@@ -405,8 +402,9 @@ def test_schema_sample_fits_small_budgets(smollm2, budget):
             closed += c.closed_early is not None
             assert len(c.token_ids) <= budget
         except (GrammarBudgetError, ValueError, jsonschema.ValidationError) as e:
-            shortest = shortest_instance_tokens(schema, smollm2.tokenizer)
-            assert shortest > budget, f"{path.name}: {e} (an instance of {shortest} tokens)"
+            known = shortest_known_instance_tokens(path, schema, smollm2.tokenizer)
+            assert known is None or known > budget, (
+                f"{path.name}: {e} (the sample has a valid instance of {known} tokens)")
     print(f"max_tokens {budget}: {closed} of {len(ok)} closed early")
 
 
@@ -447,21 +445,24 @@ CONVERSATIONS = {
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shown", [True, False], ids=["shown", "cold"])
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
-def test_sampled_generations_are_accepted_by_the_grammar(smollm2, name):
+def test_sampled_generations_are_accepted_by_the_grammar(smollm2, name, shown):
     """20 generations at temperature 1.0 (seeds 0-19): every token is one the grammar
     allows (an independent matcher re-checks the output), and all 20 end accepted.
     Shown an answer or two first, the model ends nearly all itself; without the closer
     about 2-3 runs in 100 of json and arithmetic ran on (arithmetic's
     `ws ::= [ \\t\\n]*` lets an expression run on across blank lines, and JSON strings
-    loop), and the closer ends those."""
+    loop). Asked cold, without the closer it ended arithmetic 0 of 20, chess 2 of 20 and
+    list 19 of 20 accepted; the closer ends the rest (at the budget or in a loop)."""
     g = parse_gbnf(gbnf(name))
     # JSON objects are long, and without a repeat penalty the model sometimes loops inside
     # a string; lines are short.
     options = (dict(max_tokens=512, repeat_penalty=1.1) if name == "json.gbnf"
                else dict(max_tokens=128))
-    outputs = smollm2.chat_batch([CONVERSATIONS[name]] * 20, grammar=g, temperature=1.0,
-                                 seed=0, **options)
+    conversation = CONVERSATIONS[name] if shown else CONVERSATIONS[name][-1:]
+    outputs = smollm2.chat_batch([conversation] * 20, grammar=g, temperature=1.0, seed=0,
+                                 **options)
     assert len({c.text for c in outputs}) > 10  # really sampled
     for c in outputs:
         m = g.matcher(smollm2.tokenizer)

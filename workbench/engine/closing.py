@@ -6,9 +6,10 @@ keeps growing or digits without end, and at `max_tokens` the output is cut where
 it stands: not JSON. A `Closer` rides along with one sequence's `GrammarMatcher`
 and makes the output end valid:
 
-- **At the budget.** It keeps a plan: a shortest way, in tokens of this
-  vocabulary, from where the grammar stands to where it accepts (found by a
-  search over llguidance matcher copies). While the plan fits the tokens left,
+- **At the budget.** It keeps a plan: a short way, in tokens of this vocabulary,
+  from where the grammar stands to where it accepts (what is left of the last
+  plan, a greedy probe, or, as the budget nears, a search for a shortest one over
+  llguidance matcher copies). While the plan fits the tokens left,
   the model writes freely. When the tokens left come down to the plan's length,
   the sequence follows the plan: it closes the string, the containers, writes the
   smallest value a required property takes, and ends valid at or before
@@ -49,7 +50,11 @@ __all__ = ["ClosedEarlyWarning", "Closing", "Closer", "GrammarBudgetError", "Pla
 
 # A state is free text when its grammar allows more than this share of the vocabulary.
 FREE_SHARE = 0.5
-# Within this many tokens of slack, every token the model picks is tried before it is kept.
+# Within this many tokens of slack (and the plan's length again), every token the model
+# picks is tried before it is kept: one token can open an object whose required
+# properties lengthen the shortest completion by dozens of tokens.
+WINDOW = 32
+# Slack under which a search for a shortest completion replaces cheaper plans.
 MARGIN = 4
 # A loop: the last LOOP_SPAN tokens (or three periods, if longer) repeat with a period of
 # at most LOOP_PERIOD tokens.
@@ -58,9 +63,9 @@ LOOP_PERIOD = 16
 # Work one search may do (masks computed; one takes ~20 us on a 49k vocabulary), and the
 # states it keeps per byte of distance.
 SEARCH_MASKS = 2000
+SEARCH_WIDTH = 64
 # Searches remembered per grammar and vocabulary (signature -> the bytes found).
 MEMO_SIZE = 4096
-SEARCH_WIDTH = 64
 # What a byte costs in the search: whitespace and other bytes cost more than printable
 # ASCII, so that a completion pads with none (JSON's optional whitespace would otherwise
 # multiply the states at every distance) and writes no control characters where free text
@@ -384,7 +389,7 @@ class Closer:
         self._next = None
         plan = self.plan
         if (not self.options.budget or plan is None or not self._fresh
-                or (plan and token == plan.tokens[0]) or len(plan) < remaining - MARGIN):
+                or (plan and token == plan.tokens[0]) or not self._near(remaining)):
             return True
         start = time.perf_counter()
         trial = self.matcher._matcher.deep_copy()
@@ -463,10 +468,17 @@ class Closer:
         self._fresh = self.plan is not None
         self._planned, self._since = len(self.plan or ()), 0
 
+    def _near(self, remaining: int) -> bool:
+        """Whether the slack the plan leaves is within the window where each token is
+        tried first."""
+        return remaining - self._planned <= WINDOW + self._planned
+
     def _due(self, remaining: int) -> bool:
-        """Whether a stale plan should be found again: each time a third of the slack it
-        left has been written (so a runaway costs a few searches, not one per token)."""
-        return self._since >= max(1, (remaining - self._planned - MARGIN) // 3)
+        """Whether a stale plan should be found again: at once near the budget, else each
+        time a third of the slack it left has been written (so a runaway costs a few
+        plans, not one per token)."""
+        slack = remaining - self._planned - WINDOW - self._planned
+        return self._since >= max(1, slack // 3)
 
     def _wrapping(self, free: bool) -> str | None:
         """Why the output should be closed now, if it should: a stretch of free text
