@@ -99,11 +99,13 @@ def mask_times(model: LLM) -> None:
         print(f"  not compiled: {line}")
 
 
-def decode_rate(model: LLM, prompt: str, tokens: int, schema=None) -> tuple[float, int]:
+def decode_rate(model: LLM, prompt: str, tokens: int, schema=None, closing: bool = True
+                ) -> tuple[float, int]:
     """Decode tokens/s from the first generated token to the last, and the token count."""
     ban = {t: -float("inf") for t in model.tokenizer.eot_ids}
     c = model.chat([{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0,
-                   schema=schema, logit_bias=None if schema is not None else ban)
+                   schema=schema, logit_bias=None if schema is not None else ban,
+                   closing=closing)
     stamps = [time.perf_counter() for ev in c.iter_events() if ev.id is not None]
     n = len(stamps)
     return ((n - 1) / (stamps[-1] - stamps[0]) if n > 1 else float("nan")), n
@@ -115,7 +117,7 @@ def decode_speed(model: LLM, rounds: int, tokens: int) -> None:
     ratios = []
     for prompt, schema in DECODE_CASES:
         grammar = Grammar.from_json_schema(schema)
-        decode_rate(model, prompt, 8, grammar)  # warm up both paths
+        decode_rate(model, prompt, 8, grammar, closing=False)  # warm up both paths
         decode_rate(model, prompt, 8)
         constrained, free, n = [], [], 0
         for _ in range(rounds):
@@ -173,7 +175,7 @@ def versus_llama_cpp(model: LLM, path: str, rounds: int, tokens: int, threads: i
     ratios = []
     for prompt, ours_grammar, peer_grammar in cases:
         ids = model.tokenize(model.apply_chat_template([{"role": "user", "content": prompt}]))
-        decode_rate(model, prompt, 8, ours_grammar)  # warm up both engines
+        decode_rate(model, prompt, 8, ours_grammar, closing=False)  # warm up both engines
         peer_rate(peer, ids, 8, peer_grammar, eot)
         runs: dict[str, list[float]] = {"ours": [], "ours_free": [], "peer": [], "peer_free": []}
         n_ours = n_peer = 0

@@ -134,9 +134,11 @@ class Plan:
         return len(self.tokens)
 
 
-def plan_of(matcher: llguidance.LLMatcher, vocab: _Vocabulary, data: bytes) -> Plan | None:
+def plan_of(matcher: llguidance.LLMatcher, vocab: _Vocabulary, data: bytes,
+            encoded: dict[bytes, list[int]] | None = None) -> Plan | None:
     """`data` as a plan from `matcher`'s state, in as few tokens as the tokenizer's own
     encoding or the bytes take; None if the grammar does not accept there after `data`.
+    `encoded`: the tokenizer's encodings found before (bytes -> tokens), used and filled.
     `matcher` is left as it was."""
     tokens = [int(t) for t in vocab.byte_tokens[list(data)]]
     if any(t < 0 for t in tokens):
@@ -147,20 +149,26 @@ def plan_of(matcher: llguidance.LLMatcher, vocab: _Vocabulary, data: bytes) -> P
     trial.consume_tokens(tokens)
     if not trial.is_accepting():
         return None
-    try:
-        encoded = vocab.lltokenizer.tokenize_bytes(data)
-    except Exception:  # a tokenizer that cannot encode these bytes alone: keep the bytes
-        encoded = tokens
-    if len(encoded) < len(tokens) and matcher.deep_copy().validate_tokens(encoded) == len(
-            encoded):
-        tokens = encoded
+    known = {} if encoded is None else encoded
+    if data not in known:
+        if len(known) >= MEMO_SIZE:
+            known.clear()
+        try:
+            known[data] = vocab.lltokenizer.tokenize_bytes(data)
+        except Exception:  # a tokenizer that cannot encode these bytes alone: the bytes
+            known[data] = tokens
+    shorter = known[data]
+    if len(shorter) < len(tokens) and matcher.deep_copy().validate_tokens(shorter) == len(
+            shorter):
+        tokens = shorter
     return Plan(data, tokens)
 
 
-def greedy_completion(matcher: llguidance.LLMatcher, vocab: _Vocabulary) -> Plan | None:
+def greedy_completion(matcher: llguidance.LLMatcher, vocab: _Vocabulary,
+                      encoded: dict[bytes, list[int]] | None = None) -> Plan | None:
     """A completion written by the greedy probe (`_probe`): cheap, often short, and
     sometimes none (a probe can circle, as `0` after `0` in arithmetic)."""
-    return plan_of(matcher, vocab, _probe(matcher, vocab.byte_tokens, GREEDY_BYTES))
+    return plan_of(matcher, vocab, _probe(matcher, vocab.byte_tokens, GREEDY_BYTES), encoded)
 
 
 def shortest_completion(matcher: llguidance.LLMatcher, vocab: _Vocabulary, *,
@@ -334,6 +342,7 @@ class Closer:
         self.options = options
         self.end_ids = end_ids
         self._memo = matcher._vocab.plans.setdefault(matcher.grammar.spec, {})
+        self._encoded: dict[bytes, list[int]] = {}  # the tokenizer's encodings of plans
         self.free_limit = (max(16, max_tokens // 2) if options.free_text_tokens is None
                            else options.free_text_tokens)
         self.reason: str | None = None
@@ -440,17 +449,21 @@ class Closer:
 
     def _find(self, matcher: llguidance.LLMatcher, remaining: int,
               reuse: list[bytes]) -> Plan | None:
-        """A plan from `matcher`'s state: the shortest of what is left of the last plan, a
-        search's from a state with this signature before, and the greedy probe; or, when
-        that leaves little slack, a new search's (remembered for this grammar and
-        vocabulary, so the sequences of a batch, and a model circling through the same
-        states, search once)."""
-        vocab = self.matcher._vocab
+        """A plan from `matcher`'s state: what is left of the last plan, if it leaves room;
+        else the shortest of that, a search's from a state with this signature before,
+        and the greedy probe; or, when that leaves little slack, a new search's
+        (remembered for this grammar and vocabulary, so the sequences of a batch, and a
+        model circling through the same states, search once)."""
+        vocab, encoded = self.matcher._vocab, self._encoded
+        found = [p for p in (plan_of(matcher, vocab, d, encoded) for d in reuse)
+                 if p is not None]
+        best = min(found, key=len, default=None)
+        if best is not None and len(best) < remaining - 2 * MARGIN:
+            return best  # what is left of the last plan still fits: nothing more to find
         signature = _signature(matcher, vocab)
         known = self._memo.get(signature, False)  # False: never searched; None: found none
-        found = [p for p in (*(plan_of(matcher, vocab, d) for d in reuse),
-                             plan_of(matcher, vocab, known) if known else None,
-                             greedy_completion(matcher, vocab)) if p is not None]
+        found += [p for p in (plan_of(matcher, vocab, known, encoded) if known else None,
+                              greedy_completion(matcher, vocab, encoded)) if p is not None]
         best = min(found, key=len, default=None)
         if (best is None or len(best) >= remaining - 2 * MARGIN) and known is False:
             searched = shortest_completion(matcher, vocab)
