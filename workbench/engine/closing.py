@@ -54,8 +54,6 @@ FREE_SHARE = 0.5
 # picks is tried before it is kept: one token can open an object whose required
 # properties lengthen the shortest completion by dozens of tokens.
 WINDOW = 32
-# Slack under which a search for a shortest completion replaces cheaper plans.
-MARGIN = 4
 # A loop: the last LOOP_SPAN tokens (or three periods, if longer) repeat with a period of
 # at most LOOP_PERIOD tokens.
 LOOP_SPAN = 32
@@ -64,7 +62,9 @@ LOOP_PERIOD = 16
 # states it keeps per byte of distance.
 SEARCH_MASKS = 2000
 SEARCH_WIDTH = 64
-# Searches remembered per grammar and vocabulary (signature -> the bytes found).
+# Searches one sequence may run, and those remembered per grammar and vocabulary
+# (signature -> the bytes found).
+SEARCHES = 4
 MEMO_SIZE = 4096
 # What a byte costs in the search: whitespace and other bytes cost more than printable
 # ASCII, so that a completion pads with none (JSON's optional whitespace would otherwise
@@ -272,33 +272,44 @@ def _signature(m: llguidance.LLMatcher, vocab: _Vocabulary, words: np.ndarray | 
 
 
 # The order in which `_probe` tries bytes: what closes first.
-PROBE_ORDER = [b for b in b'"\')]}>0,;:.' + bytes(range(0x21, 0x7F))]
+PROBE_ORDER = [b for b in b'"\')]}>,;:0.' + bytes(range(0x21, 0x7F))]
 PROBE_BYTES = 24
 GREEDY_BYTES = 512
+# The probe takes one byte at most this many times in a row where another is allowed
+# (digits of a number would otherwise go on for ever).
+PROBE_RUN = 8
 
 
 def _probe(m: llguidance.LLMatcher, byte_tokens: np.ndarray, length: int = PROBE_BYTES
            ) -> bytes:
     """What `m` writes if it takes, at each of up to `length` steps, the first byte of
-    PROBE_ORDER its grammar allows (`m` is left as it was). States alike in their masks
-    but not in what follows (after `{` and after `{"a": 1,` come different keys; after
-    `[` of a list with minItems 2 and after its first item, different closings) probe
+    PROBE_ORDER its grammar allows, one byte PROBE_RUN times in a row at most while
+    another is allowed (`m` is left as it was). States alike in their masks but not in
+    what follows (after `{` and after `{"a": 1,` come different keys; after `[` of a
+    list with minItems 2 and after its first item, different closings) probe
     differently."""
-    taken = []
+    taken: list[int] = []
     for _ in range(length):
         if m.is_accepting():
             break
-        for byte in PROBE_ORDER:
-            token = int(byte_tokens[byte])
-            if token >= 0 and m.validate_tokens([token]) == 1:  # (a refused token would
-                m.consume_token(token)                          # put `m` in error)
-                taken.append(byte)
-                break
-        else:
+        tired = (taken[-1] if len(taken) >= PROBE_RUN
+                 and taken[-PROBE_RUN:] == taken[-1:] * PROBE_RUN else None)
+        byte = next((b for b in PROBE_ORDER if b != tired and _allows(m, byte_tokens, b)),
+                    tired if tired is not None and _allows(m, byte_tokens, tired) else None)
+        if byte is None:
             break
+        m.consume_token(int(byte_tokens[byte]))
+        taken.append(byte)
     if taken:
         m.rollback(len(taken))
     return bytes(taken)
+
+
+def _allows(m: llguidance.LLMatcher, byte_tokens: np.ndarray, byte: int) -> bool:
+    """Whether `m` takes `byte` next (asked without consuming: a refused token would put
+    `m` in error)."""
+    token = int(byte_tokens[byte])
+    return token >= 0 and m.validate_tokens([token]) == 1
 
 
 # Byte classes tried through one member when the grammar allows all of them.
@@ -343,6 +354,7 @@ class Closer:
         self.end_ids = end_ids
         self._memo = matcher._vocab.plans.setdefault(matcher.grammar.spec, {})
         self._encoded: dict[bytes, list[int]] = {}  # the tokenizer's encodings of plans
+        self._searches = 0
         self.free_limit = (max(16, max_tokens // 2) if options.free_text_tokens is None
                            else options.free_text_tokens)
         self.reason: str | None = None
@@ -449,23 +461,26 @@ class Closer:
 
     def _find(self, matcher: llguidance.LLMatcher, remaining: int,
               reuse: list[bytes]) -> Plan | None:
-        """A plan from `matcher`'s state: what is left of the last plan, if it leaves room;
-        else the shortest of that, a search's from a state with this signature before,
-        and the greedy probe; or, when that leaves little slack, a new search's
-        (remembered for this grammar and vocabulary, so the sequences of a batch, and a
-        model circling through the same states, search once)."""
+        """A plan from `matcher`'s state: what is left of the last plan, if it fits the
+        `remaining` tokens; else the shortest of that, a search's from a state with this
+        signature before, and the greedy probe; and, where none of them fits, a new
+        search's (remembered for this grammar and vocabulary, so the sequences of a batch,
+        and a model circling through the same states, search once; at most SEARCHES per
+        sequence, since one can take a second on a large schema)."""
         vocab, encoded = self.matcher._vocab, self._encoded
         found = [p for p in (plan_of(matcher, vocab, d, encoded) for d in reuse)
                  if p is not None]
         best = min(found, key=len, default=None)
-        if best is not None and len(best) < remaining - 2 * MARGIN:
+        if best is not None and len(best) <= remaining:
             return best  # what is left of the last plan still fits: nothing more to find
         signature = _signature(matcher, vocab)
         known = self._memo.get(signature, False)  # False: never searched; None: found none
         found += [p for p in (plan_of(matcher, vocab, known, encoded) if known else None,
                               greedy_completion(matcher, vocab, encoded)) if p is not None]
         best = min(found, key=len, default=None)
-        if (best is None or len(best) >= remaining - 2 * MARGIN) and known is False:
+        if ((best is None or len(best) > remaining) and known is False
+                and self._searches < SEARCHES):
+            self._searches += 1
             searched = shortest_completion(matcher, vocab)
             if len(self._memo) >= MEMO_SIZE:
                 self._memo.clear()
