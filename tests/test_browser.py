@@ -358,6 +358,18 @@ def test_json_notebook_shows_an_answer_closed_at_the_budget(page, lab):
     run_s = time.monotonic() - t0
     cells = page.locator(".wb-json")
     closed = cells.filter(has=page.locator(".wb-chat-stats", has_text="closed at the budget"))
+    # JupyterLab renders the cells near the view only: scroll down until the cell is there
+    scroll = """() => {
+        const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+        for (const el of panel.querySelectorAll('*'))
+            if (el.scrollHeight > el.clientHeight + 10 && getComputedStyle(el).overflowY
+                    .match(/auto|scroll/)) { el.scrollTop += 600; return; }
+    }"""
+    for _ in range(60):
+        if closed.count():
+            break
+        page.evaluate(scroll)
+        page.wait_for_timeout(250)
     closed.first.wait_for(state="visible")
     assert closed.count() == 1
     badge = closed.first.locator(".wb-json-badge")
