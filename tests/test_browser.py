@@ -358,19 +358,19 @@ def test_json_notebook_shows_an_answer_closed_at_the_budget(page, lab):
     run_s = time.monotonic() - t0
     cells = page.locator(".wb-json")
     closed = cells.filter(has=page.locator(".wb-chat-stats", has_text="closed at the budget"))
-    # JupyterLab renders the cells near the view only: scroll down until the cell is there
-    scroll = """() => {
-        const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
-        for (const el of panel.querySelectorAll('*'))
-            if (el.scrollHeight > el.clientHeight + 10 && getComputedStyle(el).overflowY
-                    .match(/auto|scroll/)) { el.scrollTop += 600; return; }
-    }"""
-    for _ in range(60):
+    # JupyterLab renders the cells near the view only: walk down, cell by cell (command
+    # mode's "j" moves to the next cell and scrolls it into view), until the cell is there
+    page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").first.click()
+    page.keyboard.press("Escape")
+    for _ in range(40):
         if closed.count():
             break
-        page.evaluate(scroll)
-        page.wait_for_timeout(250)
-    closed.first.wait_for(state="visible")
+        page.keyboard.press("j")
+        page.wait_for_timeout(300)
+    if not closed.count():
+        _shot(page, lab, "03_json-no-closed-cell")
+        stats = page.locator(".wb-json .wb-chat-stats").all_inner_texts()
+        pytest.fail(f"no JSON cell says 'closed at the budget'; stats lines: {stats}")
     assert closed.count() == 1
     badge = closed.first.locator(".wb-json-badge")
     assert badge.get_attribute("data-state") == "valid", badge.get_attribute("title")
