@@ -343,8 +343,9 @@ class Closer:
     per step (the first step's includes the start plan).
 
     Plans are found cheaply first: what is left of the last plan (still right while the
-    model writes inside a string), or the greedy probe. The search for a shortest one
-    runs only when the slack comes close, so a runaway costs a few searches.
+    model writes inside a string), a plan remembered for an alike state, or the greedy
+    probe. A search for a shortest one runs only where none of those fits the tokens
+    left, so a runaway costs a few searches at most.
     """
 
     def __init__(self, matcher: GrammarMatcher, options: Closing, max_tokens: int,
@@ -398,7 +399,7 @@ class Closer:
             if self._wrap or (self.options.budget and (
                     len(self.plan) >= remaining or (not self.plan and self.reason == "budget"))):
                 self.reason = self.reason or self._wrap or "budget"
-                return self.forced()  # complete already: the end tokens
+                return self.forced()
             return allowed
         finally:
             self.times.append(time.perf_counter() - start + self._carry)
