@@ -66,6 +66,7 @@ SEARCH_WIDTH = 64
 # (signature -> the bytes found).
 SEARCHES = 4
 MEMO_SIZE = 4096
+MEMO_GRAMMARS = 64
 # What a byte costs in the search: whitespace and other bytes cost more than printable
 # ASCII, so that a completion pads with none (JSON's optional whitespace would otherwise
 # multiply the states at every distance) and writes no control characters where free text
@@ -353,7 +354,10 @@ class Closer:
         self.matcher = matcher
         self.options = options
         self.end_ids = end_ids
-        self._memo = matcher._vocab.plans.setdefault(matcher.grammar.spec, {})
+        plans = matcher._vocab.plans
+        if matcher.grammar.spec not in plans and len(plans) >= MEMO_GRAMMARS:
+            plans.clear()  # a long session of many grammars: start over
+        self._memo = plans.setdefault(matcher.grammar.spec, {})
         self._encoded: dict[bytes, list[int]] = {}  # the tokenizer's encodings of plans
         self._searches = 0
         self.free_limit = (max(16, max_tokens // 2) if options.free_text_tokens is None
