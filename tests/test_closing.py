@@ -24,7 +24,7 @@ def shortest_by_every_prefix(grammar: Grammar, tokenizer, alphabet: bytes,
                              limit: int) -> bytes | None:
     """The shortest text over `alphabet` the grammar accepts, found breadth first over
     every prefix the grammar allows (no merging of states: slow, and sure)."""
-    vocab = grammar.matcher(tokenizer)._vocab
+    vocab = grammar.matcher(tokenizer).vocabulary
     level = [(b"", grammar.matcher(tokenizer))]
     for _ in range(limit + 1):
         following = []
@@ -33,7 +33,7 @@ def shortest_by_every_prefix(grammar: Grammar, tokenizer, alphabet: bytes,
                 return text
             for byte in alphabet:
                 token = int(vocab.byte_tokens[byte])
-                if m._matcher.validate_tokens([token]) == 1:
+                if m.llmatcher.validate_tokens([token]) == 1:
                     child = m.clone()
                     child.consume(token)
                     following.append((text + bytes([byte]), child))
@@ -56,7 +56,7 @@ def test_shortest_completion_is_as_short_as_a_search_of_every_prefix(smollm2, ki
     grammar = {"regex": Grammar.from_regex, "gbnf": Grammar.from_gbnf,
                "json_schema": Grammar.from_json_schema}[kind](source)
     m = grammar.matcher(smollm2.tokenizer)
-    plan = shortest_completion(m._matcher, m._vocab)
+    plan = shortest_completion(m.llmatcher, m.vocabulary)
     expected = shortest_by_every_prefix(grammar, smollm2.tokenizer, alphabet, 12)
     assert plan is not None and expected is not None
     assert len(plan.data) == len(expected), (plan.data, expected)
@@ -68,7 +68,7 @@ def test_shortest_completion_from_inside_a_string(smollm2):
     g = Grammar.from_json_schema(RECORD)
     m = g.matcher(smollm2.tokenizer)
     m.accepts(smollm2.tokenize('{"note": "it was a', add_bos=False))
-    plan = shortest_completion(m._matcher, m._vocab)
+    plan = shortest_completion(m.llmatcher, m.vocabulary)
     assert plan.data == b'","count":18}'
 
 

@@ -354,7 +354,7 @@ class Closer:
         self.matcher = matcher
         self.options = options
         self.end_ids = end_ids
-        plans = matcher._vocab.plans
+        plans = matcher.vocabulary.plans
         if matcher.grammar.spec not in plans and len(plans) >= MEMO_GRAMMARS:
             plans.clear()  # a long session of many grammars: start over
         self._memo = plans.setdefault(matcher.grammar.spec, {})
@@ -418,7 +418,7 @@ class Closer:
                 or (plan and token == plan.tokens[0]) or not self._near(remaining)):
             return True
         start = time.perf_counter()
-        trial = self.matcher._matcher.deep_copy()
+        trial = self.matcher.llmatcher.deep_copy()
         trial.consume_token(int(token))
         after = self._find(trial, remaining - 1, self._shifted(token))
         self.times[-1] += time.perf_counter() - start
@@ -454,7 +454,7 @@ class Closer:
 
     # -- internals ----------------------------------------------------------------------------
     def _bytes(self, token: int) -> bytes:
-        return self.matcher._vocab.lltokenizer.decode_bytes([int(token)])
+        return self.matcher.vocabulary.lltokenizer.decode_bytes([int(token)])
 
     def _shifted(self, token: int) -> list[bytes]:
         """What the last plan's bytes may still do after `token`: all of them (the token
@@ -472,7 +472,7 @@ class Closer:
         search's (remembered for this grammar and vocabulary, so the sequences of a batch,
         and a model circling through the same states, search once; at most SEARCHES per
         sequence, since one can take a second on a large schema)."""
-        vocab, encoded = self.matcher._vocab, self._encoded
+        vocab, encoded = self.matcher.vocabulary, self._encoded
         found = [p for p in (plan_of(matcher, vocab, d, encoded) for d in reuse)
                  if p is not None]
         best = min(found, key=len, default=None)
@@ -497,7 +497,7 @@ class Closer:
     def _replan(self, remaining: int) -> None:
         """Find a plan from the current state."""
         reuse = [self.plan.data] if self.plan is not None else []
-        self.plan = self._find(self.matcher._matcher, remaining, reuse)
+        self.plan = self._find(self.matcher.llmatcher, remaining, reuse)
         self._fresh = self.plan is not None
         self._planned, self._since = len(self.plan or ()), 0
 

@@ -264,6 +264,17 @@ class GrammarMatcher:
         return n
 
     @property
+    def llmatcher(self) -> llguidance.LLMatcher:
+        """llguidance's matcher underneath, for dry runs on its copies (`deep_copy()`);
+        feed this matcher through `consume` only."""
+        return self._matcher
+
+    @property
+    def vocabulary(self) -> _Vocabulary:
+        """The vocabulary as llguidance sees it (token bytes, the single-byte tokens)."""
+        return self._vocab
+
+    @property
     def is_accepting(self) -> bool:
         """Whether the text so far is a complete match (the sequence may end here)."""
         return self._matcher.is_accepting()
