@@ -144,9 +144,9 @@ def plan_of(matcher: llguidance.LLMatcher, vocab: _Vocabulary, data: bytes,
     tokens = [int(t) for t in vocab.byte_tokens[list(data)]]
     if any(t < 0 for t in tokens):
         return None
-    trial = matcher.deep_copy()
-    if trial.validate_tokens(tokens) != len(tokens):
+    if matcher.validate_tokens(tokens) != len(tokens):  # (asking changes nothing)
         return None
+    trial = matcher.deep_copy()
     trial.consume_tokens(tokens)
     if not trial.is_accepting():
         return None
@@ -159,8 +159,7 @@ def plan_of(matcher: llguidance.LLMatcher, vocab: _Vocabulary, data: bytes,
         except Exception:  # a tokenizer that cannot encode these bytes alone: the bytes
             known[data] = tokens
     shorter = known[data]
-    if len(shorter) < len(tokens) and matcher.deep_copy().validate_tokens(shorter) == len(
-            shorter):
+    if len(shorter) < len(tokens) and matcher.validate_tokens(shorter) == len(shorter):
         tokens = shorter
     return Plan(data, tokens)
 

@@ -137,7 +137,6 @@ class StackWeights:
             sin=np.stack([r.sin for r in ropes]),
         )
 
-
     def first_layer(self) -> StackWeights:
         """The first layer alone, then the final norm: arrays of the same types, so
         `decode_stack` runs the same compiled code over one layer (a cheap warm-up)."""
