@@ -9,11 +9,17 @@ check this parser against `GGUFReader` on the real files.
 
 On top of reading, this module gives clear errors for files that are missing,
 truncated or not GGUF at all, and describes tensors in NumPy order (rows first)
-with their raw, still-quantized data.
+with their raw, still-quantized data. Crafted headers fail with a `GGUFError`
+before anything is allocated from them: every length and count is checked
+against the bytes left in the file, arrays nest at most `MAX_ARRAY_DEPTH` deep,
+tensors have 1 to `MAX_DIMS` positive dimensions and lie inside the file. The
+architecture modules read their settings with `GGUFFile.get_int` / `get_float`,
+which check type and range.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -24,6 +30,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 GGUF_MAGIC = b"GGUF"
+MAX_INT = 2**31 - 1
+"""Default upper bound of `GGUFFile.get_int`: sizes and counts past int32 are no real model's."""
 
 
 class GGUFError(ValueError):
@@ -86,14 +94,17 @@ class GGUFFile:
         self.path = path
         mm = np.memmap(path, dtype=np.uint8, mode="r")
         try:
-            self.metadata, directory, data_start = _parse_header(memoryview(mm))
-        except (struct.error, IndexError, UnicodeDecodeError, ValueError) as exc:
+            self.metadata, directory, (data_start, alignment) = _parse_header(memoryview(mm))
+        except (struct.error, IndexError, UnicodeDecodeError, ValueError, OverflowError) as exc:
             raise GGUFError(
                 f"{path} is truncated or corrupt ({size} bytes): its header could not be read "
                 f"({type(exc).__name__}: {exc})"
-            ) from exc
+            ) from None
+        _check_tokenizer_metadata(path, self.metadata)
         self.tensors: dict[str, TensorInfo] = {}
         for name, dims, type_id, offset in directory:
+            if name in self.tensors:
+                raise GGUFError(f"{path} is corrupt: the tensor {name!r} is listed twice")
             try:
                 qtype = GGMLQuantizationType(type_id)
             except ValueError:
@@ -102,10 +113,15 @@ class GGUFFile:
                 ) from None
             block, type_size = GGML_QUANT_SIZES[qtype]
             shape = tuple(reversed(dims))  # GGUF lists the fastest dim first
-            n_elements = int(np.prod(shape))
+            if any(d < 1 for d in shape):
+                raise GGUFError(f"{path} is corrupt: tensor {name!r} has shape {shape}")
+            n_elements = math.prod(shape)  # Python ints: a crafted shape cannot overflow
             if shape[-1] % block:
                 raise GGUFError(f"tensor {name!r}: row length {shape[-1]} is not a multiple "
                                 f"of the {qtype.name} block size {block}")
+            if offset % alignment:
+                raise GGUFError(f"{path} is corrupt: tensor {name!r} starts at offset {offset}, "
+                                f"not a multiple of the alignment {alignment}")
             n_bytes = n_elements // block * type_size
             begin = data_start + offset
             if begin + n_bytes > size:
@@ -147,8 +163,83 @@ class GGUFFile:
             raise GGUFError(f"{self.path.name} lacks the metadata key {key!r}")
         return self.metadata[key]
 
+    def get_int(self, key: str, default: int | None = None, *, lo: int = 1,
+                hi: int = MAX_INT) -> int:
+        """The integer at `key` (or `default` when absent; None: required), checked to lie
+        in [lo, hi]; a `GGUFError` naming the key, the value and the range otherwise."""
+        value = self.metadata.get(key, default)
+        if value is None:
+            raise GGUFError(f"{self.path.name} lacks the metadata key {key!r}")
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise GGUFError(f"{self.path.name}: metadata key {key!r} holds {_describe(value)}, "
+                            "not an integer; the file is damaged or was written wrongly")
+        if not lo <= value <= hi:
+            raise GGUFError(f"{self.path.name}: metadata key {key!r} is {value}, outside "
+                            f"[{lo}, {hi}]; the file is damaged or was written wrongly")
+        return int(value)
+
+    def get_float(self, key: str, default: float | None = None, *,
+                  hi: float = math.inf) -> float:
+        """The number at `key` (or `default` when absent; None: required), checked to be
+        finite, > 0 and <= hi (epsilons, RoPE bases and factors); a `GGUFError` otherwise."""
+        value = self.metadata.get(key, default)
+        if value is None:
+            raise GGUFError(f"{self.path.name} lacks the metadata key {key!r}")
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+            raise GGUFError(f"{self.path.name}: metadata key {key!r} holds {_describe(value)}, "
+                            "not a number; the file is damaged or was written wrongly")
+        value = float(value)
+        if not (math.isfinite(value) and 0.0 < value <= hi):
+            bound = f" and <= {hi}" if hi < math.inf else ""
+            raise GGUFError(f"{self.path.name}: metadata key {key!r} is {value}; it must be "
+                            f"finite and > 0{bound}; the file is damaged or was written wrongly")
+        return value
+
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r}, arch={self.metadata.get('general.architecture')!r})"
+
+
+def _check_tokenizer_metadata(path: Path, md: dict[str, Any]) -> None:
+    """A `GGUFError` unless the `tokenizer.*` keys hold what the tokenizers read: the token
+    list as distinct strings, scores and types as numeric arrays of one per token, special
+    token ids as integers, text where text is expected."""
+    def bad(key: str, what: str) -> GGUFError:
+        return GGUFError(f"{path.name}: metadata key {key!r} holds {_describe(md[key])}; "
+                         f"expected {what}; the file is damaged or was written wrongly")
+
+    tokens = md.get("tokenizer.ggml.tokens")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        value = md.get(key)
+        if value is not None and not (isinstance(value, list)
+                                      and all(isinstance(v, str) for v in value)):
+            raise bad(key, "an array of strings")
+    n_tokens = len(tokens) if tokens is not None else None
+    if tokens is not None and len(set(tokens)) != n_tokens:
+        raise GGUFError(f"{path.name}: tokenizer.ggml.tokens holds the same token text twice; "
+                        "the file is damaged or was written wrongly")
+    for key, kind in (("tokenizer.ggml.scores", "fiu"), ("tokenizer.ggml.token_type", "iu")):
+        value = md.get(key)
+        if value is not None and not (isinstance(value, np.ndarray) and value.dtype.kind in kind
+                                      and value.ndim == 1 and len(value) == n_tokens):
+            raise bad(key, f"a numeric array of one value per token ({n_tokens})")
+    for key, value in md.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if key.endswith("_token_id"):  # out of range is tolerated, as llama.cpp does
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(key, "a token id")
+        elif key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template") \
+                and not isinstance(value, str):
+            raise bad(key, "a string")
+        elif key.startswith("tokenizer.ggml.add_") and not isinstance(value, (bool, int)):
+            raise bad(key, "a boolean")
+
+
+def _describe(value: Any) -> str:
+    """A short description of a metadata value for error messages."""
+    if isinstance(value, (str, list, np.ndarray)):
+        return f"a {type(value).__name__} of length {len(value)}"
+    return f"{value!r} ({type(value).__name__})"
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -165,49 +256,83 @@ _SCALARS = {
 _ARRAY_DTYPES = {t: np.dtype(f) for t, f in _SCALARS.items()}
 
 
+MAX_ARRAY_DEPTH = 4
+"""Deepest nesting of arrays in metadata values (real files nest none; llama.cpp takes 1)."""
+MAX_DIMS = 4
+"""Most dimensions a tensor may have (GGML_MAX_DIMS)."""
+# Fewest bytes one item takes in the file, used to refuse a count that cannot fit in what
+# is left before allocating anything for it: a string is at least its 8-byte length, a
+# nested array its 4-byte type and 8-byte count, a metadata entry a key and a type, a
+# tensor entry a name, n_dims, a type and an offset.
+_MIN_STRING, _MIN_ARRAY, _MIN_KV, _MIN_TENSOR = 8, 12, 8 + 4, 8 + 4 + 4 + 8
+
+
 class _Cursor:
-    """Sequential little-endian reads from the mapped header."""
+    """Sequential little-endian reads from the mapped header; every length and count is
+    checked against the bytes left before anything is allocated for it."""
 
     def __init__(self, buf: memoryview):
         self.buf, self.pos = buf, 0
+
+    def left(self) -> int:
+        return len(self.buf) - self.pos
 
     def unpack(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += struct.calcsize(fmt)
         return value
 
+    def count(self, what: str, item_bytes: int) -> int:
+        """A uint64 count of items of at least `item_bytes` each, checked to fit."""
+        n = self.unpack("<Q")
+        if n * item_bytes > self.left():
+            raise GGUFError(f"{what} claims {n} items, more than the {self.left()} bytes "
+                            "left in the file can hold")
+        return n
+
     def string(self) -> str:
         n = self.unpack("<Q")
-        if self.pos + n > len(self.buf):
-            raise ValueError("string runs past the end of the file")
+        if n > self.left():
+            raise GGUFError(f"a string of {n} bytes runs past the end of the file")
         text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return text
 
-    def value(self, vtype: int) -> Any:
-        vtype = GGUFValueType(vtype)
+    def value(self, vtype: int, key: str, depth: int = 0) -> Any:
+        try:
+            vtype = GGUFValueType(vtype)
+        except ValueError:
+            raise GGUFError(f"metadata key {key!r} has unknown value type {vtype}") from None
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype != GGUFValueType.ARRAY:
             return self.unpack(_SCALARS[vtype])
-        item_type, count = GGUFValueType(self.unpack("<I")), self.unpack("<Q")
+        if depth >= MAX_ARRAY_DEPTH:
+            raise GGUFError(f"metadata key {key!r} nests arrays deeper than {MAX_ARRAY_DEPTH}")
+        item_id = self.unpack("<I")
+        try:
+            item_type = GGUFValueType(item_id)
+        except ValueError:
+            raise GGUFError(f"metadata key {key!r} is an array of unknown type {item_id}") \
+                from None
         if item_type == GGUFValueType.STRING:
-            return [self.string() for _ in range(count)]
+            return [self.string() for _ in range(self.count(f"array {key!r}", _MIN_STRING))]
         if item_type == GGUFValueType.ARRAY:
-            return [self.value(item_type) for _ in range(count)]
+            n = self.count(f"array {key!r}", _MIN_ARRAY)
+            return [self.value(item_type, key, depth + 1) for _ in range(n)]
         dtype = _ARRAY_DTYPES[item_type]
-        end = self.pos + count * dtype.itemsize
-        if end > len(self.buf):
-            raise ValueError("array runs past the end of the file")
+        n = self.count(f"array {key!r}", dtype.itemsize)
+        end = self.pos + n * dtype.itemsize
         arr = np.frombuffer(self.buf[self.pos : end], dtype=dtype).copy()
         self.pos = end
         return arr
 
 
-def _parse_header(buf: memoryview) -> tuple[dict[str, Any], list, int]:
+def _parse_header(buf: memoryview) -> tuple[dict[str, Any], list, tuple[int, int]]:
     """Parse magic, metadata and the tensor directory.
 
-    Returns (metadata, [(name, dims fastest-first, type id, offset)], data start).
+    Returns (metadata, [(name, dims fastest-first, type id, offset)],
+    (data start, alignment)).
     """
     cur = _Cursor(buf)
     cur.pos = 4  # magic, checked by the caller
@@ -215,17 +340,29 @@ def _parse_header(buf: memoryview) -> tuple[dict[str, Any], list, int]:
     if version not in (2, 3):
         raise GGUFError(f"GGUF version {version} is not supported (2 and 3 are)"
                         + (" - a big-endian file?" if version > 0xFFFF else ""))
-    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    n_tensors = cur.unpack("<Q")
+    n_kv = cur.count("the metadata", _MIN_KV)
+    if n_tensors * _MIN_TENSOR > cur.left():
+        raise GGUFError(f"the header claims {n_tensors} tensors, more than the file can hold")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string()
-        metadata[key] = cur.value(cur.unpack("<I"))
+        if key in metadata:
+            raise GGUFError(f"the metadata key {key!r} appears twice")
+        metadata[key] = cur.value(cur.unpack("<I"), key)
     directory = []
     for _ in range(n_tensors):
         name = cur.string()
         n_dims = cur.unpack("<I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GGUFError(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} are "
+                            "possible)")
         dims = tuple(cur.unpack("<Q") for _ in range(n_dims))
         directory.append((name, dims, cur.unpack("<I"), cur.unpack("<Q")))
-    alignment = int(metadata.get("general.alignment", 32))
+    alignment = metadata.get("general.alignment", 32)
+    if isinstance(alignment, bool) or not isinstance(alignment, (int, np.integer)) \
+            or alignment < 1 or alignment & (alignment - 1):
+        raise GGUFError(f"general.alignment is {alignment!r}; it must be a power of two")
+    alignment = int(alignment)
     data_start = -(-cur.pos // alignment) * alignment
-    return metadata, directory, data_start
+    return metadata, directory, (data_start, alignment)

@@ -30,6 +30,7 @@ ARCHITECTURES = ("bert",)
 
 # `bert.pooling_type` values (llama.cpp's enum llama_pooling_type)
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+MAX_NORM_EPS = 1.0  # a LayerNorm epsilon past this (real ones are 1e-12 to 1e-5) flattens it
 
 
 @dataclass(frozen=True)
@@ -50,35 +51,67 @@ class BertConfig:
         arch = g.architecture
         if arch not in ARCHITECTURES:
             raise GGUFError(f"{arch!r} is not a BERT architecture")
-
-        def key(name: str, default=None):
-            value = g.get(f"{arch}.{name}", default)
-            if value is None:
-                raise GGUFError(f"{g.path.name} lacks the metadata key {arch}.{name}")
-            return value
-
-        if g.get(f"{arch}.attention.causal", False):
-            raise GGUFError(f"{g.path.name}: a causal BERT is not an encoder this engine runs")
-        pooling_id = int(key("pooling_type", 0))
+        name = g.path.name
+        causal = g.get(f"{arch}.attention.causal", False)
+        if not isinstance(causal, (bool, int)) or causal:
+            raise GGUFError(f"{name}: a causal BERT is not an encoder this engine runs")
+        pooling_id = g.get_int(f"{arch}.pooling_type", 0, lo=0)
         pooling = POOLING_TYPES.get(pooling_id)
         if pooling is None or pooling == "rank":
-            raise GGUFError(f"{g.path.name}: pooling type {pooling_id} ({pooling or 'unknown'}) "
+            raise GGUFError(f"{name}: pooling type {pooling_id} ({pooling or 'unknown'}) "
                             "is not supported (mean, cls and last are)")
+        n_embd = g.get_int(f"{arch}.embedding_length")
+        n_head = g.get_int(f"{arch}.attention.head_count")
+        if n_embd % n_head:
+            raise GGUFError(f"{name}: embedding_length {n_embd} does not split into "
+                            f"{n_head} heads")
+        tokens = g.require("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens:
+            raise GGUFError(f"{name}: tokenizer.ggml.tokens must be a non-empty list of strings")
         n_positions = g.tensor("position_embd.weight").shape[0]
-        n_ctx = min(int(key("context_length")), n_positions)
-        max_seq = int(g.get("sentence_transformers.max_seq_length", n_ctx) or n_ctx)
+        n_ctx = min(g.get_int(f"{arch}.context_length"), n_positions)
+        max_seq = g.get_int("sentence_transformers.max_seq_length", n_ctx)
         return cls(
             arch=arch,
-            n_layer=int(key("block_count")),
-            n_embd=int(key("embedding_length")),
-            n_ff=int(key("feed_forward_length")),
-            n_head=int(key("attention.head_count")),
-            n_vocab=len(g.require("tokenizer.ggml.tokens")),
+            n_layer=g.get_int(f"{arch}.block_count"),
+            n_embd=n_embd,
+            n_ff=g.get_int(f"{arch}.feed_forward_length"),
+            n_head=n_head,
+            n_vocab=len(tokens),
             n_ctx_train=n_ctx,
             max_seq_length=min(max_seq, n_ctx),
-            norm_eps=float(key("attention.layer_norm_epsilon")),
+            norm_eps=g.get_float(f"{arch}.attention.layer_norm_epsilon", hi=MAX_NORM_EPS),
             pooling=pooling,
         )
+
+
+def check_tensor_shapes(g: GGUFFile, cfg: BertConfig) -> None:
+    """A `GGUFError` naming the first tensor whose shape does not fit `cfg`."""
+    D, F = cfg.n_embd, cfg.n_ff
+    expected: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (cfg.n_vocab, D), "token_types.weight": (None, D),
+        "position_embd.weight": (None, D), "token_embd_norm.weight": (D,),
+        "token_embd_norm.bias": (D,)}
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        for n in "qkv":
+            expected[p + f"attn_{n}.weight"], expected[p + f"attn_{n}.bias"] = (D, D), (D,)
+        expected.update({
+            p + "attn_output.weight": (D, D), p + "attn_output.bias": (D,),
+            p + "attn_output_norm.weight": (D,), p + "attn_output_norm.bias": (D,),
+            p + "ffn_up.weight": (F, D), p + "ffn_up.bias": (F,),
+            p + "ffn_down.weight": (D, F), p + "ffn_down.bias": (D,),
+            p + "layer_output_norm.weight": (D,), p + "layer_output_norm.bias": (D,)})
+    for name, shape in expected.items():
+        t = g.tensors.get(name)
+        if t is None:
+            continue
+        if len(t.shape) != len(shape) or any(s is not None and s != n
+                                             for s, n in zip(shape, t.shape)):
+            want = tuple("any" if s is None else s for s in shape)
+            raise GGUFError(f"{g.path.name}: tensor {name!r} has shape {t.shape}, but the "
+                            f"metadata makes it {want}; the file is damaged or its metadata "
+                            "does not belong to its weights")
 
 
 class BertLayer:
@@ -118,6 +151,7 @@ class BertModel:
 
     def __init__(self, g: GGUFFile):
         cfg = self.config = BertConfig.from_gguf(g)
+        check_tensor_shapes(g, cfg)
         self.embed = linear(g, "token_embd.weight")
         if self.embed.shape != (cfg.n_vocab, cfg.n_embd):
             raise GGUFError(f"{g.path.name}: token_embd.weight has shape {self.embed.shape}, "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench.engine.gguf import GGUFFile
+from workbench.engine.gguf import GGUFError, GGUFFile
 from workbench.engine.models.weights import Stacked, experts, fused, linear, vector
 from workbench.kernels import layers
 
@@ -34,8 +34,9 @@ class MoEFeedForward:
         self.down = experts(g, p + "ffn_down_exps.weight")
         n_expert = self.router.shape[0]
         if not 0 < n_used <= n_expert or len(self.down) != n_expert:
-            raise ValueError(f"layer {i}: {n_used} of {n_expert} router rows and "
-                             f"{len(self.down)} experts do not fit together")
+            raise GGUFError(f"{g.path.name}: layer {i}: routing to {n_used} of {n_expert} "
+                            f"router rows over {len(self.down)} experts does not fit together; "
+                            "the file is damaged or its metadata does not match its weights")
         self.n_used, self.normalize = n_used, normalize
         self.shared = None  # Qwen2-MoE: (gate_up, down, gate vector (n_embd,))
         if p + "ffn_up_shexp.weight" in g.tensors:
