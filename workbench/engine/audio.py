@@ -2,82 +2,275 @@
 
 - arrays are taken as they are (float in [-1, 1] at 16 kHz; integer PCM is
   scaled), stereo is averaged to mono, NaN or infinite samples are an error;
-- files go through `soundfile` (WAV, FLAC, OGG/Vorbis and Opus, MP3 ...) and
-  are resampled with `soxr` (high quality) when their rate is not 16 kHz;
-- encoded bytes, or files libsndfile cannot read (WebM/Opus and MP4/AAC, what
-  browsers record), are decoded with PyAV (FFmpeg) when it is installed
-  (`pip install av`, part of the `notebook` extra).
+- files and bytes go through `soundfile` (WAV, FLAC, OGG/Vorbis and Opus, MP3 ...)
+  and are resampled with `soxr` (high quality) when their rate is not 16 kHz;
+- what libsndfile cannot read (WebM/Opus and MP4/AAC, what browsers record) is
+  decoded with PyAV (FFmpeg) when it is installed (`pip install av`, part of the
+  `notebook` extra).
+
+`open_audio` reads a source in pieces: its header is checked first (sample rate,
+channels, and the duration against `max_seconds`) and `AudioSource.blocks()` then
+decodes and resamples it block by block, so that a long file never sits whole in
+memory; `load_audio` is the whole array, for notebooks.
 """
 
 from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
+from workbench.engine.cancel import CancelFlag, check_cancel
+
 SAMPLE_RATE = 16_000
+MAX_AUDIO_SECONDS = 3600  # the longest audio the server accepts per request (its max_seconds)
+MIN_SOURCE_RATE = 1_000  # sample rates outside these bounds are a broken or hostile header
+MAX_SOURCE_RATE = 384_000
+MAX_CHANNELS = 64
+BLOCK_SAMPLES = 1 << 18  # samples (frames x channels) decoded at a time: 1 MiB of float32
 
 
 class AudioError(ValueError):
-    """Audio that cannot be read or used (unknown format, NaN samples, wrong shape)."""
+    """Audio that cannot be read or used (unknown format, NaN samples, wrong shape,
+    an implausible header, longer than allowed)."""
 
 
-def load_audio(source: str | os.PathLike | bytes | np.ndarray, *,
-               sample_rate: int | None = None) -> np.ndarray:
-    """16 kHz mono float32 samples of `source`: a file path, encoded bytes, or an array.
+def format_duration(seconds: float) -> str:
+    """`seconds` as H:MM:SS (whole seconds, rounded down): 36000 -> "10:00:00"."""
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
-    For an array, `sample_rate` says its rate (default 16 kHz); (n,) is mono,
-    (n, channels) is averaged to mono. Integer arrays are scaled from their
-    full range to [-1, 1].
+
+class AudioSource:
+    """Audio opened for reading in pieces, its header already checked.
+
+    `duration`: seconds, as the header or container says (None when it does not say);
+    `sample_rate` and `channels`: the source's own. `blocks()` decodes it from the
+    start (again on every call) as 16 kHz mono float32 blocks of at most about
+    `BLOCK_SAMPLES` samples, and raises `AudioError` for NaN or infinite samples and
+    as soon as the audio runs past `max_seconds`, whatever the header said.
     """
+
+    def __init__(self, blocks: Callable[[], Iterator[np.ndarray]], *, duration: float | None,
+                 sample_rate: int, channels: int, max_seconds: float | None):
+        self._blocks = blocks
+        self.duration = duration
+        self.sample_rate = sample_rate
+        self.channels = channels
+        self.max_seconds = max_seconds
+
+    def blocks(self, cancel: CancelFlag | None = None) -> Iterator[np.ndarray]:
+        """16 kHz mono float32 blocks, in order; `cancel` is looked at between blocks."""
+        limit = None if self.max_seconds is None else self.max_seconds * SAMPLE_RATE
+        n = 0
+        for block in self._blocks():
+            check_cancel(cancel)
+            _checked(block, offset=n)
+            n += len(block)
+            if limit is not None and n > limit + 1:  # + 1: a resampler's rounding
+                raise AudioError(f"the audio is longer than {format_duration(self.max_seconds)}"
+                                 f", the most this call allows (max_seconds)")
+            yield block
+
+
+def open_audio(source: str | os.PathLike | bytes | np.ndarray, *,
+               sample_rate: int | None = None, max_seconds: float | None = None
+               ) -> AudioSource:
+    """Open `source` (a file path, encoded bytes, or an array) for reading in pieces.
+
+    The header is checked before any decoding: a sample rate outside
+    [MIN_SOURCE_RATE, MAX_SOURCE_RATE], more than MAX_CHANNELS channels, or a
+    duration over `max_seconds` (None: no limit) raise `AudioError`. For an array,
+    `sample_rate` says its rate (default 16 kHz); (n,) is mono, (n, channels) is
+    averaged to mono, integer arrays are scaled from their full range to [-1, 1].
+    """
+    _check_max_seconds(max_seconds)
     if isinstance(source, np.ndarray):
-        return _from_array(source, sample_rate or SAMPLE_RATE)
+        return _array_source(source, sample_rate or SAMPLE_RATE, max_seconds)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return decode_audio(bytes(source))
+        data = bytes(source)
+        if not data:
+            return AudioSource(lambda: iter(()), duration=0.0, sample_rate=SAMPLE_RATE,
+                               channels=1, max_seconds=max_seconds)
+        return _open_encoded(lambda: io.BytesIO(data), "the data", max_seconds)
     path = Path(source).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"audio file not found: {path}")
+    return _open_encoded(lambda: str(path), str(path), max_seconds)
+
+
+def load_audio(source: str | os.PathLike | bytes | np.ndarray, *,
+               sample_rate: int | None = None, max_seconds: float | None = None) -> np.ndarray:
+    """16 kHz mono float32 samples of `source`: a file path, encoded bytes, or an array.
+
+    The whole audio as one array (for notebooks; `open_audio` reads it in pieces).
+    `sample_rate` and `max_seconds` as for `open_audio`: audio longer than
+    `max_seconds` is refused from its header when it tells the duration, else
+    while decoding.
+    """
+    if isinstance(source, np.ndarray):
+        _check_array_duration(source, sample_rate or SAMPLE_RATE, max_seconds)
+        return _from_array(source, sample_rate or SAMPLE_RATE)
+    blocks = list(open_audio(source, max_seconds=max_seconds).blocks())
+    return np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
+
+
+def decode_audio(data: bytes, *, max_seconds: float | None = None) -> np.ndarray:
+    """Decode encoded audio bytes (WebM/Opus, OGG, MP4/AAC, WAV ...) to 16 kHz mono float32."""
+    return load_audio(bytes(data), max_seconds=max_seconds)
+
+
+# -- sources --------------------------------------------------------------------------------
+
+def _check_header(where: str, rate: int, channels: int, duration: float | None,
+                  max_seconds: float | None) -> None:
+    if not MIN_SOURCE_RATE <= rate <= MAX_SOURCE_RATE:
+        raise AudioError(f"{where}: a sample rate of {rate} Hz is outside "
+                         f"{MIN_SOURCE_RATE}..{MAX_SOURCE_RATE} Hz (a broken header?)")
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise AudioError(f"{where}: {channels} channels is outside 1..{MAX_CHANNELS}")
+    if max_seconds is not None and duration is not None and duration > max_seconds:
+        raise AudioError(f"the audio is {format_duration(duration)} long; this call allows "
+                         f"at most {format_duration(max_seconds)} (max_seconds)")
+
+
+def _open_encoded(opener: Callable[[], str | io.BytesIO], where: str,
+                  max_seconds: float | None) -> AudioSource:
+    """libsndfile when it reads the format, else PyAV."""
     import soundfile
 
     try:
-        data, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+        with soundfile.SoundFile(opener()) as f:
+            rate, channels, frames = f.samplerate, f.channels, f.frames
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
         try:
-            return decode_audio(path.read_bytes())
+            return _open_pyav(opener, where, max_seconds)
         except AudioError as inner:
-            raise AudioError(f"{path}: not an audio file soundfile or FFmpeg can read "
-                             f"({exc}; {inner})") from None
-    return _from_array(data, rate)
+            reason = getattr(exc, "error_string", None) or exc  # without the file object
+            raise AudioError(f"{where}: not audio that soundfile or FFmpeg can read "
+                             f"({reason}; {inner})") from None
+    # libsndfile says 0 or a huge count when the header does not know: checked while reading
+    duration = frames / rate if 0 < frames < 1 << 62 and rate > 0 else None
+    _check_header(where, rate, channels, duration, max_seconds)
+
+    def blocks() -> Iterator[np.ndarray]:
+        per_block = max(1, BLOCK_SAMPLES // channels)
+        stream = _Resampler(rate)
+        try:
+            with soundfile.SoundFile(opener()) as f:
+                while True:
+                    data = f.read(per_block, dtype="float32", always_2d=True)
+                    if not len(data):
+                        break
+                    pcm = data[:, 0] if channels == 1 else data.mean(axis=1)
+                    out = stream(np.ascontiguousarray(pcm, dtype=np.float32))
+                    if len(out):
+                        yield out
+        except (soundfile.LibsndfileError, RuntimeError) as exc:
+            raise AudioError(f"{where}: could not decode the audio ({exc})") from None
+        tail = stream.flush()
+        if len(tail):
+            yield tail
+
+    return AudioSource(blocks, duration=duration, sample_rate=rate, channels=channels,
+                       max_seconds=max_seconds)
 
 
-def decode_audio(data: bytes) -> np.ndarray:
-    """Decode encoded audio bytes (WebM/Opus, OGG, MP4/AAC, WAV ...) with PyAV to 16 kHz
-    mono float32."""
-    if not data:
-        return np.zeros(0, np.float32)
+def _open_pyav(opener: Callable[[], str | io.BytesIO], where: str,
+               max_seconds: float | None) -> AudioSource:
+    """Compressed audio (WebM, MP4 ...) decoded packet by packet with PyAV."""
     try:
         import av
     except ImportError:
         raise AudioError("decoding compressed audio needs PyAV: pip install av") from None
-    chunks = []
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with av.open(opener(), mode="r") as container:
             if not container.streams.audio:
                 raise AudioError("the data holds no audio stream")
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-            for frame in container.decode(audio=0):
-                for out in resampler.resample(frame):
-                    chunks.append(out.to_ndarray().reshape(-1))
-            for out in resampler.resample(None):  # flush
-                chunks.append(out.to_ndarray().reshape(-1))
+            stream = container.streams.audio[0]
+            rate = int(stream.codec_context.sample_rate or 0)
+            channels = int(stream.codec_context.channels or 0)
+            if stream.duration and stream.time_base:
+                duration = float(stream.duration * stream.time_base)
+            elif container.duration:
+                duration = container.duration / av.time_base
+            else:
+                duration = None  # MediaRecorder's WebM: checked while decoding
     except AudioError:
         raise
     except Exception as exc:  # av.error.InvalidDataError and friends
         raise AudioError(f"could not decode the audio ({type(exc).__name__}: {exc})") from None
-    pcm = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
-    return _checked(pcm)
+    _check_header(where, rate, channels, duration, max_seconds)
+
+    def blocks() -> Iterator[np.ndarray]:
+        try:
+            with av.open(opener(), mode="r") as container:
+                resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+                for frame in container.decode(audio=0):
+                    if not MIN_SOURCE_RATE <= frame.sample_rate <= MAX_SOURCE_RATE:
+                        raise AudioError(f"{where}: a frame at {frame.sample_rate} Hz")
+                    for out in resampler.resample(frame):
+                        yield out.to_ndarray().reshape(-1).astype(np.float32, copy=False)
+                for out in resampler.resample(None):  # flush
+                    yield out.to_ndarray().reshape(-1).astype(np.float32, copy=False)
+        except AudioError:
+            raise
+        except Exception as exc:
+            raise AudioError(f"could not decode the audio ({type(exc).__name__}: {exc})"
+                             ) from None
+
+    return AudioSource(blocks, duration=duration, sample_rate=rate, channels=channels,
+                       max_seconds=max_seconds)
+
+
+def _array_source(data: np.ndarray, rate: int, max_seconds: float | None) -> AudioSource:
+    _check_array_duration(data, rate, max_seconds)
+    pcm = _from_array(data, rate)
+
+    def blocks() -> Iterator[np.ndarray]:
+        for start in range(0, len(pcm), BLOCK_SAMPLES):
+            yield pcm[start : start + BLOCK_SAMPLES]
+
+    return AudioSource(blocks, duration=len(pcm) / SAMPLE_RATE, sample_rate=rate, channels=1,
+                       max_seconds=max_seconds)
+
+
+def _check_max_seconds(max_seconds: float | None) -> None:
+    if max_seconds is not None and not max_seconds > 0:
+        raise ValueError(f"max_seconds must be positive or None, not {max_seconds!r}")
+
+
+def _check_array_duration(data: np.ndarray, rate: int, max_seconds: float | None) -> None:
+    _check_max_seconds(max_seconds)
+    if not MIN_SOURCE_RATE <= rate <= MAX_SOURCE_RATE:
+        raise AudioError(f"sample_rate={rate} is outside {MIN_SOURCE_RATE}..{MAX_SOURCE_RATE} Hz")
+    shape = np.shape(data)
+    n = shape[1] if len(shape) == 2 and shape[1] > 8 else (shape[0] if shape else 0)
+    _check_header("the array", rate, 1, n / rate, max_seconds)
+
+
+class _Resampler:
+    """Streaming `soxr` resampling of mono float32 blocks to 16 kHz (the same samples as
+    `soxr.resample` on the whole)."""
+
+    def __init__(self, rate: int):
+        import soxr
+
+        self._stream = None if rate == SAMPLE_RATE else soxr.ResampleStream(
+            rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
+
+    def __call__(self, pcm: np.ndarray) -> np.ndarray:
+        if self._stream is None:
+            return pcm
+        return self._stream.resample_chunk(pcm, last=False)
+
+    def flush(self) -> np.ndarray:
+        if self._stream is None:
+            return np.zeros(0, np.float32)
+        return self._stream.resample_chunk(np.zeros(0, np.float32), last=True)
 
 
 def _from_array(data: np.ndarray, rate: int) -> np.ndarray:
@@ -98,8 +291,12 @@ def _from_array(data: np.ndarray, rate: int) -> np.ndarray:
     return pcm
 
 
-def _checked(pcm: np.ndarray) -> np.ndarray:
+def _checked(pcm: np.ndarray, offset: int = 0) -> np.ndarray:
     if not np.isfinite(pcm).all():
-        bad = int(np.flatnonzero(~np.isfinite(pcm))[0])
+        bad = offset + int(np.flatnonzero(~np.isfinite(pcm))[0])
         raise AudioError(f"the audio has NaN or infinite samples (the first at sample {bad})")
     return pcm
+
+
+__all__ = ["MAX_AUDIO_SECONDS", "SAMPLE_RATE", "AudioError", "AudioSource", "decode_audio",
+           "format_duration", "load_audio", "open_audio"]

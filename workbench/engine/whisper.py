@@ -7,10 +7,13 @@
     >>> w.transcribe(pcm, beam_size=5, timestamps=True)
     >>> w.detect_language("speech.wav")             # ("fr", 0.97) on multilingual models
 
-Audio is decoded and resampled to 16 kHz mono (`workbench.engine.audio`), turned
-into a log-mel spectrogram and cut into 30 s chunks; chunks whose RMS is below
-1e-4 (silence) are skipped. Each chunk is encoded once and decoded greedily
-(`beam_size=1`) or with beam search, under whisper.cpp's token rules: special
+Audio is decoded and resampled to 16 kHz mono (`workbench.engine.audio`) and turned
+into a log-mel spectrogram in 30 s chunks, streamed: never the whole audio nor its
+whole spectrogram in memory. Whisper's log-mel is clamped to 8 below its maximum over
+the whole audio, so audio longer than one chunk is decoded twice: once for that
+maximum, once to transcribe (the chunks are exactly those of the whole spectrogram).
+Chunks whose RMS is below 1e-4 (silence) are skipped. Each chunk is encoded once and
+decoded greedily (`beam_size=1`) or with beam search, under whisper.cpp's token rules: special
 and language tokens never sampled, no blank or end at the start, timestamps in
 increasing pairs (`timestamps=True`) that begin each segment within its first
 second. Whisper's non-speech annotations (`[BLANK_AUDIO]`, `[silent]`,
@@ -28,15 +31,16 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from workbench import registry
-from workbench.engine.audio import SAMPLE_RATE, AudioError, load_audio
+from workbench.engine.audio import SAMPLE_RATE, AudioError, AudioSource, open_audio
 from workbench.engine.backend import Backend, select_backend
+from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.models import whisper as arch
 from workbench.engine.sampling import log_softmax
 from workbench.engine.tokenizers.whisper import WhisperTokenizer
@@ -64,20 +68,24 @@ class Segment:
 
 class Transcript(str):
     """The transcribed text, with `.language`, `.language_probability`, `.segments`
-    (`Segment` list) and `.tokens` (all decoded token ids, specials included)."""
+    (`Segment` list), `.tokens` (all decoded token ids, specials included) and
+    `.duration` (seconds of audio)."""
 
     language: str
     language_probability: float
     segments: list[Segment]
     tokens: list[int]
+    duration: float
 
     def __new__(cls, text: str, *, language: str, language_probability: float = 1.0,
-                segments: Sequence[Segment] = (), tokens: Sequence[int] = ()) -> Transcript:
+                segments: Sequence[Segment] = (), tokens: Sequence[int] = (),
+                duration: float = 0.0) -> Transcript:
         obj = super().__new__(cls, text)
         obj.language = language
         obj.language_probability = language_probability
         obj.segments = list(segments)
         obj.tokens = list(tokens)
+        obj.duration = duration
         return obj
 
 
@@ -154,7 +162,9 @@ class WhisperModel:
     # -- public API ------------------------------------------------------------------------
     def transcribe(self, audio: str | os.PathLike | bytes | np.ndarray, *,
                    language: str | None = "en", task: str = "transcribe", beam_size: int = 1,
-                   max_tokens: int = 224, timestamps: bool = False) -> Transcript:
+                   max_tokens: int = 224, timestamps: bool = False,
+                   max_seconds: float | None = None,
+                   cancel: CancelFlag | None = None) -> Transcript:
         """Transcribe `audio`: a file path, encoded bytes, or 16 kHz mono float32 samples.
 
         language: a code such as "en" or "fr", or "auto" (None) to detect it on
@@ -164,45 +174,82 @@ class WhisperModel:
         max_tokens: the most tokens decoded per 30 s chunk.
         timestamps: decode Whisper's timestamp tokens and split each chunk into
             timed segments (otherwise a chunk is one segment).
+        max_seconds: refuse longer audio with `AudioError`: from the header, before
+            any decoding, when it tells the duration, else as soon as decoding passes
+            it. None (the default) is no limit; the server passes
+            `workbench.engine.audio.MAX_AUDIO_SECONDS`.
+        cancel: a flag (`threading.Event`) looked at between blocks of decoded audio,
+            30 s chunks and tokens; once it is set the call raises `Cancelled`.
+
+        The audio is read in 30 s windows and never held whole (see the module's
+        docstring); the transcript's `.duration` is its length in seconds.
         """
-        pcm = load_audio(audio)
-        return self._transcribe_pcm(pcm, language, task, beam_size, max_tokens, timestamps)
+        self._check_options(language, task, beam_size, max_tokens)
+        source = open_audio(audio, max_seconds=max_seconds)
+        with self._busy:
+            filters = self._net().mel_filters
+            first, n_samples, log_max, n_windows = _first_pass(source, filters, cancel)
+            if first is None and n_windows:
+                windows = arch.mel_windows(source.blocks(cancel))
+            else:  # one window, kept, or nothing but silence
+                windows = first or []
+            n_frames = n_samples // arch.HOP_LENGTH
+            chunks = _mel_chunks(windows, n_frames, n_windows, filters, log_max)
+            return self._transcribe(chunks,
+                                    n_frames, n_samples / SAMPLE_RATE, language, task,
+                                    beam_size, max_tokens, timestamps, cancel)
 
     def transcribe_mel(self, mel: np.ndarray, n_frames: int | None = None, *,
                        language: str | None = "en", task: str = "transcribe",
                        beam_size: int = 1, max_tokens: int = 224,
-                       timestamps: bool = False) -> Transcript:
+                       timestamps: bool = False, cancel: CancelFlag | None = None
+                       ) -> Transcript:
         """Transcribe a log-mel spectrogram (n_mels, frames), as `log_mel_spectrogram`
         makes it; `n_frames` of its frames hold audio (default: all)."""
         mel = np.asarray(mel, dtype=np.float32)
         if mel.ndim != 2 or mel.shape[0] != self.config.n_mels:
             raise ValueError(f"mel must be ({self.config.n_mels}, frames), not {mel.shape}")
         n_frames = mel.shape[1] if n_frames is None else int(n_frames)
-        return self._transcribe(mel, n_frames, None, language, task, beam_size, max_tokens,
-                                timestamps)
+        self._check_options(language, task, beam_size, max_tokens)
+        chunks = ((seek, _chunk(mel, seek)) for seek in range(0, n_frames, arch.N_FRAMES))
+        with self._busy:
+            return self._transcribe(chunks, n_frames, n_frames * arch.HOP_LENGTH / SAMPLE_RATE,
+                                    language, task, beam_size, max_tokens, timestamps, cancel)
 
     def detect_language(self, audio: str | os.PathLike | bytes | np.ndarray
                         ) -> tuple[str, float]:
-        """The spoken language of the first 30 s of `audio` (samples, a path, or a log-mel
-        spectrogram of shape (n_mels, frames)) and its probability.
+        """The spoken language of the first 30 s of `audio` (samples, a path, encoded
+        bytes, or a log-mel spectrogram of shape (n_mels, frames)) and its probability.
 
+        Only the first 30 s are decoded (their spectrogram clamped to its own maximum).
         English-only models answer ("en", 1.0).
         """
         if not self.multilingual:
             return "en", 1.0
         if isinstance(audio, np.ndarray) and audio.ndim == 2 \
                 and audio.shape[0] == self.config.n_mels:
-            mel = audio
+            mel = _chunk(audio, 0)
         else:
-            mel = self.log_mel(load_audio(audio))
+            filters = self._net().mel_filters
+            blocks = open_audio(audio).blocks()
+            try:
+                window = next(arch.mel_windows(blocks), None)
+            finally:
+                blocks.close()  # the rest is never decoded
+            x = window[1] if window is not None else np.zeros(
+                arch.WINDOW_BEFORE + arch.N_SAMPLES + arch.WINDOW_AFTER, np.float32)
+            log10 = arch.window_log10_mel(x, filters)
+            mel = arch.scale_log_mel(log10[:, : arch.N_FRAMES],
+                                     max(arch.LOG_MEL_FLOOR, float(log10.max())))
         with self._busy, self._lock:
-            features = self._net().encode(_chunk(mel, 0))
+            features = self._net().encode(mel)
             probs = self._language_probs(features)
         best = int(np.argmax(probs))
         return self.tokenizer.languages[best], float(probs[best])
 
     def log_mel(self, pcm: np.ndarray, padding: int = arch.N_SAMPLES) -> np.ndarray:
-        """The log-mel spectrogram of 16 kHz samples, with a chunk of silence appended."""
+        """The log-mel spectrogram of 16 kHz samples, with a chunk of silence appended
+        (the whole spectrogram at once: `transcribe` computes it chunk by chunk)."""
         return arch.log_mel_spectrogram(pcm, self._net().mel_filters, padding=padding)
 
     # -- internals -------------------------------------------------------------------------
@@ -211,56 +258,57 @@ class WhisperModel:
             raise RuntimeError("this WhisperModel has been closed")
         return self.net
 
-    def _transcribe_pcm(self, pcm: np.ndarray, language, task, beam_size, max_tokens,
-                        timestamps) -> Transcript:
-        mel = self.log_mel(pcm)
-        return self._transcribe(mel, len(pcm) // arch.HOP_LENGTH, pcm, language, task,
-                                beam_size, max_tokens, timestamps)
-
-    def _transcribe(self, mel: np.ndarray, n_frames: int, pcm: np.ndarray | None,
-                    language: str | None, task: str, beam_size: int, max_tokens: int,
-                    timestamps: bool) -> Transcript:
+    def _check_options(self, language: str | None, task: str, beam_size: int,
+                       max_tokens: int) -> None:
+        """ValueError for bad options, before any work."""
         if beam_size < 1:
             raise ValueError("beam_size must be >= 1")
         if not 1 <= max_tokens <= self.config.n_text_ctx // 2:
             raise ValueError(f"max_tokens must be in [1, {self.config.n_text_ctx // 2}]")
         if task not in ("transcribe", "translate"):
             raise ValueError(f"task must be 'transcribe' or 'translate', not {task!r}")
-        tok = self.tokenizer
-        auto = language in (None, "auto")
         if not self.multilingual:
             if language not in (None, "auto", "en"):
                 raise ValueError(f"{self.path.name} is an English-only model; it cannot "
                                  f"transcribe language {language!r} (use whisper-base)")
+        elif language not in (None, "auto"):
+            self.tokenizer.language_token(language)  # ValueError for an unknown code
+
+    def _transcribe(self, chunks: Iterable[tuple[int, np.ndarray]], n_frames: int,
+                    duration: float, language: str | None, task: str, beam_size: int,
+                    max_tokens: int, timestamps: bool, cancel: CancelFlag | None) -> Transcript:
+        """Decode each `(seek, mel chunk (n_mels, 3000))` of `chunks` (the silent ones
+        left out) of audio `n_frames` mel frames (`duration` seconds) long."""
+        tok = self.tokenizer
+        auto = language in (None, "auto")
+        if not self.multilingual:
             language, auto = "en", False
-        elif not auto:
-            tok.language_token(language)  # ValueError for an unknown code, before any work
         segments: list[Segment] = []
         all_tokens: list[int] = []
         language_probability = 1.0
-        with self._busy, self._lock:
+        frames_per_second = SAMPLE_RATE / arch.HOP_LENGTH
+        with self._lock:
             net = self._net()
-            for seek in range(0, n_frames, arch.N_FRAMES):
-                if pcm is not None:
-                    part = pcm[seek * arch.HOP_LENGTH : (seek + arch.N_FRAMES) * arch.HOP_LENGTH]
-                    if not len(part) or float(np.sqrt(np.mean(part * part))) < SILENCE_RMS:
-                        continue
-                features = net.encode(_chunk(mel, seek))
+            for seek, mel in chunks:
+                check_cancel(cancel)
+                features = net.encode(mel)
                 if auto:
                     probs = self._language_probs(features)
                     best = int(np.argmax(probs))
                     language, language_probability = tok.languages[best], float(probs[best])
                     auto = False
                 prompt = tok.sot_sequence(language, task, timestamps)
-                tokens = self._decode(features, prompt, beam_size, max_tokens, timestamps)
+                tokens = self._decode(features, prompt, beam_size, max_tokens, timestamps,
+                                      cancel)
                 all_tokens.extend(prompt + tokens)
-                start = seek / (SAMPLE_RATE / arch.HOP_LENGTH)
-                end = min(seek + arch.N_FRAMES, n_frames) / (SAMPLE_RATE / arch.HOP_LENGTH)
+                start = seek / frames_per_second
+                end = min(seek + arch.N_FRAMES, n_frames) / frames_per_second
                 segments.extend(self._segments(tokens, start, end, timestamps))
         text = " ".join(s.text for s in segments if s.text)
         return Transcript(text, language=language or "en",
                           language_probability=language_probability,
-                          segments=[s for s in segments if s.text], tokens=all_tokens)
+                          segments=[s for s in segments if s.text], tokens=all_tokens,
+                          duration=duration)
 
     def _language_probs(self, features) -> np.ndarray:
         """Probabilities of the language tokens after `<|startoftranscript|>`."""
@@ -300,21 +348,23 @@ class WhisperModel:
 
     # -- decoding --------------------------------------------------------------------------
     def _decode(self, features, prompt: list[int], beam_size: int, max_tokens: int,
-                timestamps: bool) -> list[int]:
+                timestamps: bool, cancel: CancelFlag | None = None) -> list[int]:
         """The tokens decoded after `prompt` from one chunk's encoder output `features`
         (NumPy, or a device array on a GPU backend)."""
         net = self._net()
         cache = net.new_cache(features)
         logits = net.decode(np.array([prompt]), cache)  # (1, V)
         if beam_size == 1:
-            return self._greedy(cache, logits, max_tokens, timestamps)
-        return self._beam(cache, logits, beam_size, max_tokens, timestamps)
+            return self._greedy(cache, logits, max_tokens, timestamps, cancel)
+        return self._beam(cache, logits, beam_size, max_tokens, timestamps, cancel)
 
     def _greedy(self, cache: arch.DecoderCache | arch.DeviceDecoderCache, logits: np.ndarray,
-                max_tokens: int, timestamps: bool) -> list[int]:
+                max_tokens: int, timestamps: bool, cancel: CancelFlag | None = None
+                ) -> list[int]:
         eot = self.tokenizer.eot
         out: list[int] = []
         for _ in range(max_tokens):
+            check_cancel(cancel)
             row = self._filtered(logits[0], out, timestamps)
             token = int(np.argmax(row))
             out.append(token)
@@ -324,7 +374,8 @@ class WhisperModel:
         return out
 
     def _beam(self, cache: arch.DecoderCache | arch.DeviceDecoderCache, logits: np.ndarray,
-              beam_size: int, max_tokens: int, timestamps: bool) -> list[int]:
+              beam_size: int, max_tokens: int, timestamps: bool,
+              cancel: CancelFlag | None = None) -> list[int]:
         """Beam search: each beam's best `beam_size + 1` continuations compete on
         cumulative log-probability; going down that ranking until `beam_size` continue,
         those that end in EOT are set aside as finished. The search stops once
@@ -333,6 +384,7 @@ class WhisperModel:
         beams = [_Hypothesis([])]
         finished: list[_Hypothesis] = []
         for _ in range(max_tokens):
+            check_cancel(cancel)
             candidates = []
             for b, hyp in enumerate(beams):
                 logprobs = log_softmax(self._filtered(logits[b], hyp.tokens, timestamps))
@@ -403,6 +455,44 @@ def _chunk(mel: np.ndarray, seek: int) -> np.ndarray:
                       np.float32)
         part = np.concatenate([part, pad], axis=1)
     return np.ascontiguousarray(part, dtype=np.float32)
+
+
+def _first_pass(source: AudioSource, filters: np.ndarray, cancel: CancelFlag | None
+                ) -> tuple[list[tuple[np.ndarray, np.ndarray]] | None, int, float, int]:
+    """Decode `source` once for its length in 16 kHz samples, the maximum of its log10
+    mel spectrogram (Whisper clamps to 8 below it) and the number of windows up to the
+    last one with sound (the rest need not be decoded again). Audio of at most one 30 s
+    window comes back as that window `[(samples, x)]` (`arch.mel_windows`), not to be
+    decoded again; longer audio as None."""
+    log_max, n, n_windows = arch.LOG_MEL_FLOOR, 0, 0
+    kept: list[tuple[np.ndarray, np.ndarray]] | None = []
+    for k, (samples, x) in enumerate(arch.mel_windows(source.blocks(cancel))):
+        n += len(samples)
+        log_max = arch.window_log10_mel_max(x, filters, log_max)
+        if not _silent(samples):
+            n_windows = k + 1
+        kept = [(samples, x)] if kept == [] else None
+    return kept, n, log_max, n_windows
+
+
+def _silent(samples: np.ndarray) -> bool:
+    """True for a window not worth decoding: empty, or its RMS below SILENCE_RMS."""
+    return not len(samples) or float(np.sqrt(np.mean(samples * samples))) < SILENCE_RMS
+
+
+def _mel_chunks(windows: Iterable[tuple[np.ndarray, np.ndarray]], n_frames: int,
+                n_windows: int, filters: np.ndarray, log_max: float
+                ) -> Iterator[tuple[int, np.ndarray]]:
+    """`(seek, mel chunk (n_mels, 3000))` of the first `n_windows` windows that start
+    within `n_frames` and are not silent."""
+    for k, (samples, x) in enumerate(windows):
+        seek = k * arch.N_FRAMES
+        if k >= n_windows or seek >= n_frames:  # (under 10 ms past the last chunk: skipped)
+            break
+        if _silent(samples):
+            continue
+        log10 = arch.window_log10_mel(x, filters)[:, : arch.N_FRAMES]
+        yield seek, arch.scale_log_mel(log10, log_max)
 
 
 __all__ = ["AudioError", "Segment", "Transcript", "WhisperModel", "clean_text"]

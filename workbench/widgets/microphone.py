@@ -6,9 +6,10 @@
     cell.transcribe_bytes(open("a.webm", "rb").read())   # what a recording does, from Python
 
 The browser records with MediaRecorder (WebM/Opus in Chromium, Ogg or MP4 elsewhere)
-and sends the encoded bytes as a binary buffer; they are decoded to 16 kHz mono
-(`workbench.engine.audio.decode_audio`, PyAV) and transcribed on a worker thread, so
-the kernel stays responsive. The model's `busy` signal drives the cell's state.
+and sends the encoded bytes as a binary buffer; `whisper.transcribe` decodes them
+(`workbench.engine.audio`: libsndfile or PyAV, 30 s at a time) and transcribes them
+on a worker thread, so the kernel stays responsive. The model's `busy` signal drives
+the cell's state.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any
 import anywidget
 import traitlets
 
-from workbench.engine.audio import decode_audio
 from workbench.signals import bind
 from workbench.widgets.worker import Worker
 
@@ -78,15 +78,16 @@ class MicrophoneCell(Worker, anywidget.AnyWidget):
     def _run(self, data: bytes, name: str) -> None:
         try:
             start = time.perf_counter()
-            pcm = decode_audio(data)
-            transcript = self.whisper.transcribe(pcm, **self.options)
+            transcript = self.whisper.transcribe(data, **self.options)
             seconds = time.perf_counter() - start
             self.transcript = transcript
             self.segments = [{"start": round(s.start, 2), "end": round(s.end, 2),
                               "text": s.text} for s in transcript.segments]
             self.text = str(transcript)
-            self.status = (f"{name}: {len(pcm) / 16000:.1f} s of audio transcribed in "
-                           f"{seconds:.2f} s ({transcript.language})")
+            duration = getattr(transcript, "duration", 0.0)  # a remote engine may not say
+            audio = f"{duration:.1f} s of audio" if duration else "audio"
+            self.status = (f"{name}: {audio} transcribed in {seconds:.2f} s "
+                           f"({transcript.language})")
         except Exception as exc:  # shown in the cell, never raised in the kernel
             self.error = f"{type(exc).__name__}: {exc}"
             self.status = ""
