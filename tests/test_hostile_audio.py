@@ -34,14 +34,14 @@ TEN_HOURS = 10 * 3600
 def windowed_mel(pcm: np.ndarray, filters: np.ndarray, block: int) -> np.ndarray:
     """The spectrogram as `transcribe` computes it: blocks -> 30 s windows, a first pass
     for the maximum, then each window's 3000 frames."""
-    from workbench.engine.models import whisper as arch
+    from workbench.engine import mel
 
     blocks = [pcm[i : i + block] for i in range(0, len(pcm), block)]
-    log_max = arch.LOG_MEL_FLOOR
-    for _, x in arch.mel_windows(blocks):
-        log_max = arch.window_log10_mel_max(x, filters, log_max)
-    chunks = [arch.scale_log_mel(arch.window_log10_mel(x, filters)[:, : arch.N_FRAMES],
-                                 log_max) for _, x in arch.mel_windows(blocks)]
+    log_max = mel.LOG_MEL_FLOOR
+    for _, x in mel.mel_windows(blocks):
+        log_max = mel.window_log10_mel_max(x, filters, log_max)
+    chunks = [mel.scale_log_mel(mel.window_log10_mel(x, filters)[:, : mel.N_FRAMES],
+                                 log_max) for _, x in mel.mel_windows(blocks)]
     return np.concatenate(chunks, axis=1) if chunks else np.zeros((len(filters), 0))
 
 
@@ -62,7 +62,7 @@ def synthetic_95s() -> np.ndarray:
 def test_windowed_log_mel_is_the_whole_log_mel(name):
     from workbench.engine.audio import load_audio
     from workbench.engine.convert import mel_filters
-    from workbench.engine.models.whisper import N_SAMPLES, log_mel_spectrogram
+    from workbench.engine.mel import N_SAMPLES, log_mel_spectrogram
 
     pcm = {"jfk": lambda: load_audio(shared_file("data", "whisper", "jfk.wav")),
            "synthetic-95s": synthetic_95s, "short": lambda: synthetic_95s()[:150],
@@ -77,24 +77,24 @@ def test_windowed_log_mel_is_the_whole_log_mel(name):
 
 
 def test_quiet_window_max_needs_no_transform(monkeypatch):
+    from workbench.engine import mel
     from workbench.engine.convert import mel_filters
-    from workbench.engine.models import whisper as arch
 
     filters = mel_filters(80)
     rng = np.random.default_rng(1)
-    loud = (0.1 * rng.standard_normal(arch.N_SAMPLES + 560)).astype(np.float32)
+    loud = (0.1 * rng.standard_normal(mel.N_SAMPLES + 560)).astype(np.float32)
     quiet = loud * 1e-5
-    true_max = float(arch.window_log10_mel(loud, filters).max())
-    assert arch.window_log10_mel_max(loud, filters, arch.LOG_MEL_FLOOR) == true_max
-    assert arch.window_log10_mel_max(loud, filters, true_max + 1) == true_max + 1
+    true_max = float(mel.window_log10_mel(loud, filters).max())
+    assert mel.window_log10_mel_max(loud, filters, mel.LOG_MEL_FLOOR) == true_max
+    assert mel.window_log10_mel_max(loud, filters, true_max + 1) == true_max + 1
 
     def fail(*_):
         raise AssertionError("transformed a window that cannot raise the maximum")
 
-    monkeypatch.setattr(arch, "window_log10_mel", fail)
-    assert arch.window_log10_mel_max(quiet, filters, true_max) == true_max
-    assert arch.window_log10_mel_max(np.zeros_like(loud), filters, arch.LOG_MEL_FLOOR) \
-        == arch.LOG_MEL_FLOOR
+    monkeypatch.setattr(mel, "window_log10_mel", fail)
+    assert mel.window_log10_mel_max(quiet, filters, true_max) == true_max
+    assert mel.window_log10_mel_max(np.zeros_like(loud), filters, mel.LOG_MEL_FLOOR) \
+        == mel.LOG_MEL_FLOOR
 
 
 # -- hostile files, in a subprocess with bounded address space ----------------------------------

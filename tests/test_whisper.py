@@ -237,7 +237,7 @@ def test_log_mel_matches_transformers_feature_extractor():
     from transformers import WhisperFeatureExtractor
 
     from workbench.engine.convert import mel_filters
-    from workbench.engine.models.whisper import N_SAMPLES, log_mel_spectrogram
+    from workbench.engine.mel import N_SAMPLES, log_mel_spectrogram
 
     pcm = jfk_pcm()
     ours = log_mel_spectrogram(pcm, mel_filters(80), padding=N_SAMPLES)[:, :3000]

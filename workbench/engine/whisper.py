@@ -8,10 +8,11 @@
     >>> w.detect_language("speech.wav")             # ("fr", 0.97) on multilingual models
 
 Audio is decoded and resampled to 16 kHz mono (`workbench.engine.audio`) and turned
-into a log-mel spectrogram in 30 s chunks, streamed: never the whole audio nor its
-whole spectrogram in memory. Whisper's log-mel is clamped to 8 below its maximum over
-the whole audio, so audio longer than one chunk is decoded twice: once for that
-maximum, once to transcribe (the chunks are exactly those of the whole spectrogram).
+into a log-mel spectrogram (`workbench.engine.mel`) in 30 s chunks, streamed: never
+the whole audio nor its whole spectrogram in memory. Whisper's log-mel is clamped to
+8 below its maximum over the whole audio, so audio longer than one chunk is decoded
+twice: once for that maximum, once to transcribe (the chunks are exactly those of
+the whole spectrogram).
 Chunks whose RMS is below 1e-4 (silence) are skipped. Each chunk is encoded once and
 decoded greedily (`beam_size=1`) or with beam search, under whisper.cpp's token rules: special
 and language tokens never sampled, no blank or end at the start, timestamps in
@@ -41,6 +42,19 @@ from workbench import registry
 from workbench.engine.audio import SAMPLE_RATE, AudioError, AudioSource, open_audio
 from workbench.engine.backend import Backend, select_backend
 from workbench.engine.cancel import CancelFlag, check_cancel
+from workbench.engine.mel import (
+    HOP_LENGTH,
+    LOG_MEL_FLOOR,
+    N_FRAMES,
+    N_SAMPLES,
+    WINDOW_AFTER,
+    WINDOW_BEFORE,
+    log_mel_spectrogram,
+    mel_windows,
+    scale_log_mel,
+    window_log10_mel,
+    window_log10_mel_max,
+)
 from workbench.engine.models import whisper as arch
 from workbench.engine.sampling import log_softmax
 from workbench.engine.tokenizers.whisper import WhisperTokenizer
@@ -190,10 +204,10 @@ class WhisperModel:
             filters = self._net().mel_filters
             first, n_samples, log_max, n_windows = _first_pass(source, filters, cancel)
             if first is None and n_windows:
-                windows = arch.mel_windows(source.blocks(cancel))
+                windows = mel_windows(source.blocks(cancel))
             else:  # one window, kept, or nothing but silence
                 windows = first or []
-            n_frames = n_samples // arch.HOP_LENGTH
+            n_frames = n_samples // HOP_LENGTH
             chunks = _mel_chunks(windows, n_frames, n_windows, filters, log_max)
             return self._transcribe(chunks,
                                     n_frames, n_samples / SAMPLE_RATE, language, task,
@@ -211,9 +225,9 @@ class WhisperModel:
             raise ValueError(f"mel must be ({self.config.n_mels}, frames), not {mel.shape}")
         n_frames = mel.shape[1] if n_frames is None else int(n_frames)
         self._check_options(language, task, beam_size, max_tokens)
-        chunks = ((seek, _chunk(mel, seek)) for seek in range(0, n_frames, arch.N_FRAMES))
+        chunks = ((seek, _chunk(mel, seek)) for seek in range(0, n_frames, N_FRAMES))
         with self._busy:
-            return self._transcribe(chunks, n_frames, n_frames * arch.HOP_LENGTH / SAMPLE_RATE,
+            return self._transcribe(chunks, n_frames, n_frames * HOP_LENGTH / SAMPLE_RATE,
                                     language, task, beam_size, max_tokens, timestamps, cancel)
 
     def detect_language(self, audio: str | os.PathLike | bytes | np.ndarray
@@ -233,24 +247,23 @@ class WhisperModel:
             filters = self._net().mel_filters
             blocks = open_audio(audio).blocks()
             try:
-                window = next(arch.mel_windows(blocks), None)
+                window = next(mel_windows(blocks), None)
             finally:
                 blocks.close()  # the rest is never decoded
             x = window[1] if window is not None else np.zeros(
-                arch.WINDOW_BEFORE + arch.N_SAMPLES + arch.WINDOW_AFTER, np.float32)
-            log10 = arch.window_log10_mel(x, filters)
-            mel = arch.scale_log_mel(log10[:, : arch.N_FRAMES],
-                                     max(arch.LOG_MEL_FLOOR, float(log10.max())))
+                WINDOW_BEFORE + N_SAMPLES + WINDOW_AFTER, np.float32)
+            log10 = window_log10_mel(x, filters)
+            mel = scale_log_mel(log10[:, : N_FRAMES], max(LOG_MEL_FLOOR, float(log10.max())))
         with self._busy, self._lock:
             features = self._net().encode(mel)
             probs = self._language_probs(features)
         best = int(np.argmax(probs))
         return self.tokenizer.languages[best], float(probs[best])
 
-    def log_mel(self, pcm: np.ndarray, padding: int = arch.N_SAMPLES) -> np.ndarray:
+    def log_mel(self, pcm: np.ndarray, padding: int = N_SAMPLES) -> np.ndarray:
         """The log-mel spectrogram of 16 kHz samples, with a chunk of silence appended
         (the whole spectrogram at once: `transcribe` computes it chunk by chunk)."""
-        return arch.log_mel_spectrogram(pcm, self._net().mel_filters, padding=padding)
+        return log_mel_spectrogram(pcm, self._net().mel_filters, padding=padding)
 
     # -- internals -------------------------------------------------------------------------
     def _net(self) -> arch.Whisper | arch.DeviceWhisper:
@@ -286,7 +299,7 @@ class WhisperModel:
         segments: list[Segment] = []
         all_tokens: list[int] = []
         language_probability = 1.0
-        frames_per_second = SAMPLE_RATE / arch.HOP_LENGTH
+        frames_per_second = SAMPLE_RATE / HOP_LENGTH
         with self._lock:
             net = self._net()
             for seek, mel in chunks:
@@ -302,7 +315,7 @@ class WhisperModel:
                                       cancel)
                 all_tokens.extend(prompt + tokens)
                 start = seek / frames_per_second
-                end = min(seek + arch.N_FRAMES, n_frames) / frames_per_second
+                end = min(seek + N_FRAMES, n_frames) / frames_per_second
                 segments.extend(self._segments(tokens, start, end, timestamps))
         text = " ".join(s.text for s in segments if s.text)
         return Transcript(text, language=language or "en",
@@ -449,9 +462,9 @@ class WhisperModel:
 
 def _chunk(mel: np.ndarray, seek: int) -> np.ndarray:
     """3000 frames of `mel` from `seek`, zero-padded (in log-mel units) when short."""
-    part = mel[:, seek : seek + arch.N_FRAMES]
-    if part.shape[1] < arch.N_FRAMES:
-        pad = np.full((mel.shape[0], arch.N_FRAMES - part.shape[1]), part.min(initial=-1.5),
+    part = mel[:, seek : seek + N_FRAMES]
+    if part.shape[1] < N_FRAMES:
+        pad = np.full((mel.shape[0], N_FRAMES - part.shape[1]), part.min(initial=-1.5),
                       np.float32)
         part = np.concatenate([part, pad], axis=1)
     return np.ascontiguousarray(part, dtype=np.float32)
@@ -462,13 +475,13 @@ def _first_pass(source: AudioSource, filters: np.ndarray, cancel: CancelFlag | N
     """Decode `source` once for its length in 16 kHz samples, the maximum of its log10
     mel spectrogram (Whisper clamps to 8 below it) and the number of windows up to the
     last one with sound (the rest need not be decoded again). Audio of at most one 30 s
-    window comes back as that window `[(samples, x)]` (`arch.mel_windows`), not to be
+    window comes back as that window `[(samples, x)]` (`mel_windows`), not to be
     decoded again; longer audio as None."""
-    log_max, n, n_windows = arch.LOG_MEL_FLOOR, 0, 0
+    log_max, n, n_windows = LOG_MEL_FLOOR, 0, 0
     kept: list[tuple[np.ndarray, np.ndarray]] | None = []
-    for k, (samples, x) in enumerate(arch.mel_windows(source.blocks(cancel))):
+    for k, (samples, x) in enumerate(mel_windows(source.blocks(cancel))):
         n += len(samples)
-        log_max = arch.window_log10_mel_max(x, filters, log_max)
+        log_max = window_log10_mel_max(x, filters, log_max)
         if not _silent(samples):
             n_windows = k + 1
         kept = [(samples, x)] if kept == [] else None
@@ -486,13 +499,13 @@ def _mel_chunks(windows: Iterable[tuple[np.ndarray, np.ndarray]], n_frames: int,
     """`(seek, mel chunk (n_mels, 3000))` of the first `n_windows` windows that start
     within `n_frames` and are not silent."""
     for k, (samples, x) in enumerate(windows):
-        seek = k * arch.N_FRAMES
+        seek = k * N_FRAMES
         if k >= n_windows or seek >= n_frames:  # (under 10 ms past the last chunk: skipped)
             break
         if _silent(samples):
             continue
-        log10 = arch.window_log10_mel(x, filters)[:, : arch.N_FRAMES]
-        yield seek, arch.scale_log_mel(log10, log_max)
+        log10 = window_log10_mel(x, filters)[:, : N_FRAMES]
+        yield seek, scale_log_mel(log10, log_max)
 
 
 __all__ = ["AudioError", "Segment", "Transcript", "WhisperModel", "clean_text"]
