@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.engine.audio import SAMPLE_RATE
 from workbench.engine.convert.bert import ConversionError
+from workbench.engine.mel import N_FFT
 
 GGML_MAGIC = 0x67676D6C
-N_FFT = 400
-SAMPLE_RATE = 16_000
 _DTYPES = {4: np.float16, 3: np.float32, 2: np.int16, 1: np.int8}
 # CTranslate2 sub-module -> openai-whisper name, within a layer
 _SUBLAYERS = {
