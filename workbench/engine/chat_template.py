@@ -9,10 +9,22 @@ sandbox with a few extra guards:
   `x|attr('__globals__')`, `'{0.__class__}'.format(x)` ...) raises at once
   instead of quietly rendering as an empty "undefined" value;
 - methods that change data (`list.append`, `dict.update` ...) are refused;
-- huge repetitions (`'a' * 10**10`), powers and ranges are refused.
+- huge powers and ranges are refused.
+
+A template also runs on a budget, since a few lines of Jinja can loop for hours or build
+gigabytes: a step limit (template lines run, Python calls made and text built, counted by
+a `sys.settrace` hook on this thread while it renders), a depth limit on nested macro
+calls, a size limit on every string, list or literal it builds (checked before the
+operations that can build a large one in one go: `*`, `+`, `~`, `%`, `center`, `indent`,
+`join`, `replace`, `format`, `tojson(indent=...)`, `str.ljust` ...), an output limit and
+a time limit as a backstop; they grow with the size of the conversation rendered.
+`template_limits` holds the budget, its limits and the measures (see its docstring); the
+sandbox here calls them. `check_template_limits` tries a template on a few ordinary
+conversations, as `LLM` does when it loads a model.
 
 Every such refusal, every template syntax error and every
-`raise_exception(...)` the template calls becomes a `ChatTemplateError`.
+`raise_exception(...)` the template calls becomes a `ChatTemplateError`; a limit hit
+is a `ChatTemplateLimitError` naming the limit.
 
 The variables a template sees follow what Hugging Face `transformers` and
 llama-cpp-python provide: `messages`, `add_generation_prompt`, `bos_token`,
@@ -30,18 +42,41 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NoReturn
 
 import jinja2
 from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, optimizeconst
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["CHATML", "GEMMA", "ChatTemplate", "ChatTemplateError", "fallback_template",
-           "render"]
+from workbench.engine.template_limits import (
+    MAX_EXPONENT,
+    SIZE_LIMIT,
+    SOURCE_LIMIT,
+    LimitExceeded,
+    built,
+    charge,
+    check_size,
+    finalize_value,
+    input_budget,
+    measure,
+    metered_filter,
+    printf_size,
+    remember,
+    render_metered,
+    size_limit,
+    size_of,
+    text_method_args,
+    text_size,
+)
+
+__all__ = ["CHATML", "GEMMA", "ChatTemplate", "ChatTemplateError", "ChatTemplateLimitError",
+           "check_template_limits", "fallback_template", "render"]
 
 #: The fallback template for models whose GGUF carries no `tokenizer.chat_template`:
 #: plain ChatML (`<|im_start|>role\ncontent<|im_end|>\n` per message, then
@@ -100,8 +135,6 @@ def fallback_template(tokens: Sequence[str]) -> str:
     return GEMMA if {"<start_of_turn>", "<end_of_turn>"} <= set(tokens) else CHATML
 
 
-_MAX_REPEAT = 1_000_000  # longest string or list a template may build with `*`
-_MAX_EXPONENT = 4096  # largest integer exponent `**` may use
 _COMPILED_CACHE_SIZE = 64
 
 
@@ -109,6 +142,16 @@ class ChatTemplateError(ValueError):
     """A chat template that cannot be rendered: a syntax error, a
     `raise_exception(...)` from the template itself, a refused (unsafe) operation,
     or an error while it ran."""
+
+
+class ChatTemplateLimitError(ChatTemplateError):
+    """A chat template that ran past one of its limits. `limit` names which: "steps",
+    "size", "output", "depth" or "time" (see `template_limits.STEP_LIMIT` and the constants
+    beside it)."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class _GenerationBlock(Extension):
@@ -122,11 +165,44 @@ class _GenerationBlock(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
-class _ChatSandbox(ImmutableSandboxedEnvironment):
-    """Jinja's immutable sandbox, made loud: unsafe access raises instead of
-    yielding an undefined value, and oversized `*` / `**` results are refused."""
+class _MeteredCodeGenerator(CodeGenerator):
+    """Jinja's code generator, with `~` joins and list, tuple and dict literals built
+    through the sandbox, which checks their size."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    @optimizeconst
+    def visit_Concat(self, node: nodes.Concat, frame: Any) -> None:
+        self.write("environment.checked_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+    def _checked_literal(self, visit: Callable, node: nodes.Node, frame: Any) -> None:
+        if getattr(node, "ctx", "load") != "load":  # a target (`for a, b in ...`)
+            visit(node, frame)
+            return
+        self.write("environment.checked_literal(")
+        visit(node, frame)
+        self.write(")")
+
+    def visit_Tuple(self, node: nodes.Tuple, frame: Any) -> None:
+        self._checked_literal(super().visit_Tuple, node, frame)
+
+    def visit_List(self, node: nodes.List, frame: Any) -> None:
+        self._checked_literal(super().visit_List, node, frame)
+
+    def visit_Dict(self, node: nodes.Dict, frame: Any) -> None:
+        self._checked_literal(super().visit_Dict, node, frame)
+
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, made loud and bounded: unsafe access raises instead of
+    yielding an undefined value, and operations that build large values check the size
+    limit first (with `template_limits.Budget`'s tracer counting steps while a template
+    renders)."""
+
+    code_generator_class = _MeteredCodeGenerator
+    intercepted_binops = frozenset({"+", "*", "%", "**"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
         raise SecurityError(
@@ -141,19 +217,87 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
             self.unsafe_undefined(obj, attribute)
         return super().getattr(obj, attribute)
 
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        result = super().getitem(obj, argument)
+        if isinstance(argument, slice):
+            charge(size_of(result))
+        return result
+
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
+        # lists are measured by their text: a list of a thousand references to one long
+        # string is as costly to sort, compare or print as that much text
+        size = 0
+        result_measure = None  # the result's (size, nodes, depth), for a list or tuple
+        if operator == "+":
+            if isinstance(left, str) and isinstance(right, str):
+                size = len(left) + len(right)
+            elif isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
+                limit = size_limit()
+                (a, a_nodes, a_depth), (b, b_nodes, b_depth) = (measure(left, limit),
+                                                                measure(right, limit))
+                size = a + b
+                result_measure = (size, a_nodes + b_nodes, max(a_depth, b_depth))
+        elif operator == "*":
             for seq, count in ((left, right), (right, left)):
-                if (isinstance(seq, (str, list, tuple)) and isinstance(count, int)
-                        and len(seq) * count > _MAX_REPEAT):
-                    raise SecurityError(
-                        f"repeating a {type(seq).__name__} to {len(seq) * count} items is "
-                        f"refused (limit {_MAX_REPEAT})")
+                if isinstance(seq, str) and isinstance(count, int):
+                    size = len(seq) * count
+                elif isinstance(seq, (list, tuple)) and isinstance(count, int) and count > 0:
+                    seq_size, seq_nodes, seq_depth = measure(seq, size_limit())
+                    size = seq_size * count
+                    result_measure = (size, seq_nodes * count, seq_depth)
+        elif operator == "%" and isinstance(left, str):
+            size = printf_size(left, right)
         elif (operator == "**" and isinstance(left, int) and isinstance(right, int)
-              and abs(left) > 1 and right > _MAX_EXPONENT):
+              and abs(left) > 1 and right > MAX_EXPONENT):
             raise SecurityError(f"an integer power with exponent {right} is refused "
-                                f"(limit {_MAX_EXPONENT})")
-        return super().call_binop(context, operator, left, right)
+                                f"(limit {MAX_EXPONENT})")
+        if size > SIZE_LIMIT:  # the smallest limit: only then look closer
+            kind = type(left if isinstance(left, (str, list, tuple)) else right).__name__
+            what = {"+": "adding", "*": "repeating", "%": "`%` formatting"}[operator]
+            check_size(size, f"{what} a {kind}")
+        result = built(self.binop_table[operator](left, right), f"the result of `{operator}`")
+        if result_measure is not None:
+            remember(result, *result_measure)
+        return result
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        # the sandbox wraps `str.format` in a function that keeps the method as __wrapped__
+        method = getattr(__obj, "__wrapped__", __obj) if isinstance(
+            __obj, types.FunctionType) else __obj
+        if isinstance(method, types.BuiltinMethodType):
+            owner = getattr(method, "__self__", None)
+            if isinstance(owner, (str, bytes)):
+                args = text_method_args(owner, method.__name__, args, kwargs)
+            elif method.__name__ == "fromkeys" and args:  # n keys, each with the value
+                keys = list(args[0])
+                value = args[1] if len(args) > 1 else None
+                check_size(len(keys) * max(text_size(value), 1), "the result of fromkeys()")
+                args = (keys, *args[1:])
+        return built(super().call(__context, __obj, *args, **kwargs), "a call's result")
+
+    def concat(self, parts: Iterable[str]) -> str:
+        """The join of a macro's, a `{% set %}` block's or a `caller()`'s output."""
+        parts = list(parts)
+        size = sum(map(len, parts))
+        check_size(size, "a block's output")
+        charge(size)
+        return "".join(parts)
+
+    def checked_concat(self, parts: tuple) -> str:
+        """`a ~ b ~ ...`"""
+        size = 0
+        for part in parts:
+            size += len(part) if isinstance(part, str) else text_size(part)
+        check_size(size, "the result of `~`")
+        charge(size)
+        return "".join(map(str, parts))
+
+    def checked_literal(self, value: Any) -> Any:
+        """A list, tuple or dict literal: its text must fit the size limit, so that values
+        nesting shared parts (`(t, t)` again and again) cannot grow past it unseen."""
+        if value:
+            check_size(text_size(value), f"a {type(value).__name__} literal")
+        return value
 
 
 def _raise_exception(message: Any) -> NoReturn:
@@ -171,6 +315,11 @@ def _strftime_now(fmt: str) -> str:
 def _tojson(value: Any, indent: int | str | None = None, separators: Any = None,
             sort_keys: bool = False, ensure_ascii: bool = False) -> str:
     """The template's `tojson` filter: JSON without ASCII escaping or HTML quoting."""
+    size, count, depth = measure(value, size_limit())
+    pad = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
+    if ensure_ascii:
+        size *= 12  # `\uXXXX`, twice for a character outside the BMP
+    check_size(size + count * (1 + depth * max(pad, 0)), "the result of the tojson filter")
     if separators is not None:
         separators = tuple(separators)
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
@@ -179,11 +328,14 @@ def _tojson(value: Any, indent: int | str | None = None, separators: Any = None,
 
 def _make_environment() -> _ChatSandbox:
     env = _ChatSandbox(
+        finalize=finalize_value,
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=["jinja2.ext.loopcontrols", _GenerationBlock],
     )
     env.filters["tojson"] = _tojson
+    env.filters = {name: metered_filter(name, func) for name, func in env.filters.items()}
+    env.globals.pop("lipsum", None)  # `lipsum(n)` writes n paragraphs: unbounded, and unused
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -205,6 +357,10 @@ def _describe_syntax_error(source: str, exc: TemplateSyntaxError) -> str:
 @functools.lru_cache(maxsize=_COMPILED_CACHE_SIZE)
 def _compile(source: str) -> jinja2.Template:
     """The compiled template for `source` (cached by source text)."""
+    if len(source) > SOURCE_LIMIT:
+        raise ChatTemplateLimitError(
+            f"chat template refused: its source is {len(source)} characters, past the size "
+            f"limit for a template ({SOURCE_LIMIT})", "size")
     try:
         return _ENV.from_string(source)
     except TemplateSyntaxError as exc:
@@ -213,6 +369,11 @@ def _compile(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template refused: {exc}") from exc
     except TemplateError as exc:
         raise ChatTemplateError(f"chat template cannot be compiled: {exc}") from exc
+    except LimitExceeded as exc:
+        raise ChatTemplateLimitError(exc.message, exc.limit) from None
+    except RecursionError as exc:  # brackets or blocks nested thousands deep
+        raise ChatTemplateLimitError("chat template refused: it nests too deeply to compile "
+                                     "(past Python's recursion limit)", "depth") from exc
 
 
 def _check_messages(messages: Any) -> list:
@@ -252,27 +413,68 @@ def render(template: str, messages: list[dict], *, add_generation_prompt: bool =
         raise TypeError(f"template must be a string, got {type(template).__name__}")
     messages = _check_messages(messages)
     compiled = _compile(template)
+    variables.update(messages=messages, add_generation_prompt=add_generation_prompt,
+                     bos_token=bos_token, eos_token=eos_token, tools=tools)
+    budget = input_budget(variables)
     try:
-        return compiled.render(
-            variables,
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            tools=tools,
-        )
+        return render_metered(compiled, variables, budget)
     except ChatTemplateError:
         raise
+    except LimitExceeded as exc:
+        raise ChatTemplateLimitError(exc.message, exc.limit) from None
+    except RecursionError as exc:
+        raise ChatTemplateLimitError("chat template refused: it recursed too deeply (past "
+                                     "Python's recursion limit)", "depth") from exc
+    except MemoryError as exc:  # a growth no size check foresaw
+        raise ChatTemplateLimitError("chat template refused: it ran out of memory before "
+                                     "reaching its size limit", "size") from exc
     except SecurityError as exc:
         raise ChatTemplateError(f"chat template refused: {exc}") from exc
     except OverflowError as exc:  # the sandbox's range() limit
         raise ChatTemplateError(f"chat template refused: {exc}") from exc
-    except RecursionError as exc:
-        raise ChatTemplateError("chat template recursed too deeply") from exc
     except (TemplateError, TypeError, ValueError, LookupError, AttributeError,
             ArithmeticError) as exc:
         raise ChatTemplateError(
             f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+
+#: The conversations `check_template_limits` renders: with and without a system message,
+#: a single user turn, and one with a tool, so that templates that refuse one shape (with
+#: their own `raise_exception`) still render another.
+LIMIT_CHECK_CONVERSATIONS: tuple[tuple[list[dict], list | None], ...] = (
+    ([{"role": "system", "content": "You are a helpful assistant."},
+      {"role": "user", "content": "Hello!"},
+      {"role": "assistant", "content": "Hi! How can I help?"},
+      {"role": "user", "content": "What is 2 + 2?"}], None),
+    ([{"role": "user", "content": "Hello!"},
+      {"role": "assistant", "content": "Hi! How can I help?"},
+      {"role": "user", "content": "What is 2 + 2?"}], None),
+    ([{"role": "user", "content": "Hello!"}], None),
+    ([{"role": "user", "content": "What is the weather in Paris?"}],
+     [{"type": "function", "function": {
+         "name": "get_weather", "description": "The weather in a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                        "required": ["city"]}}}]),
+)
+
+
+def check_template_limits(template: str, bos_token: str = "", eos_token: str = "") -> None:
+    """Refuse a chat template that runs past its limits on ordinary conversations.
+
+    Renders each of `LIMIT_CHECK_CONVERSATIONS` within the budget chat uses (so a hostile
+    template costs at most a few of its budgets) and raises `ChatTemplateLimitError` at
+    the first limit hit. The template's other errors, such as its own
+    `raise_exception(...)` for a conversation shape it does not accept or a syntax error,
+    are left for rendering time to report.
+    """
+    for messages, tools in LIMIT_CHECK_CONVERSATIONS:
+        try:
+            render(template, messages, add_generation_prompt=True, bos_token=bos_token,
+                   eos_token=eos_token, tools=tools)
+        except ChatTemplateLimitError:
+            raise
+        except ChatTemplateError:
+            continue
 
 
 SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello!"},
