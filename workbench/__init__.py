@@ -17,20 +17,26 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "Completion", "TokenEvent", "Encoder", "WhisperModel", "Transcript",
            "serve", "RemoteEngine", "Branch", "BranchStore", "PrefixCache", "Grammar",
            "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "Closing",
-           "ClosedEarlyWarning", "GrammarBudgetError", "validate_chat_template", "__version__"]
+           "ClosedEarlyWarning", "GrammarBudgetError", "validate_chat_template",
+           "ChatTemplateError", "PrefixCacheError", "GGUFError", "AudioError", "Cancelled",
+           "__version__"]
 _GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
+_ERRORS = {"GGUFError": "gguf", "AudioError": "audio", "Cancelled": "cancel"}  # name: module
 
 # `workbench.serve` is the function (the package `workbench/serve/` holds it): binding it
 # here, after the package is imported, keeps later submodule imports from rebinding it
 from workbench.serve.runner import serve  # noqa: E402  (light: no server packages yet)
 
 if TYPE_CHECKING:
+    from workbench.engine.audio import AudioError
     from workbench.engine.branch import Branch, BranchStore
-    from workbench.engine.chat_template import validate_chat_template
+    from workbench.engine.cancel import Cancelled
+    from workbench.engine.chat_template import ChatTemplateError, validate_chat_template
     from workbench.engine.closing import ClosedEarlyWarning, Closing, GrammarBudgetError
     from workbench.engine.encoder import Encoder
+    from workbench.engine.gguf import GGUFError
     from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
-    from workbench.engine.kv_cache import PrefixCache
+    from workbench.engine.kv_cache import PrefixCache, PrefixCacheError
     from workbench.engine.llm import LLM, Completion, TokenEvent
     from workbench.engine.whisper import Transcript, WhisperModel
     from workbench.serve.remote import RemoteEngine
@@ -55,14 +61,18 @@ def __getattr__(name: str):
         from workbench.engine import closing
 
         return getattr(closing, name)
-    if name == "PrefixCache":
-        from workbench.engine.kv_cache import PrefixCache
+    if name in ("PrefixCache", "PrefixCacheError"):
+        from workbench.engine import kv_cache
 
-        return PrefixCache
-    if name == "validate_chat_template":
-        from workbench.engine.chat_template import validate_chat_template
+        return getattr(kv_cache, name)
+    if name in ("validate_chat_template", "ChatTemplateError"):
+        from workbench.engine import chat_template
 
-        return validate_chat_template
+        return getattr(chat_template, name)
+    if name in _ERRORS:
+        import importlib
+
+        return getattr(importlib.import_module(f"workbench.engine.{_ERRORS[name]}"), name)
     if name == "RemoteEngine":
         from workbench.serve.remote import RemoteEngine
 

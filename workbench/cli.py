@@ -123,14 +123,31 @@ def _parser() -> argparse.ArgumentParser:
                      help=f"what to serve (default: {registry.DEFAULT_MODEL})")
     srv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine)")
     srv.add_argument("--port", type=int, default=11434, help="default: 11434")
-    srv.add_argument("--api-key", default=os.environ.get("WORKBENCH_API_KEY"),
-                     help="require 'Authorization: Bearer KEY' ($WORKBENCH_API_KEY)")
+    srv.add_argument("--api-key", default=os.environ.get("WORKBENCH_API_KEY") or None,
+                     help="require 'Authorization: Bearer KEY' ($WORKBENCH_API_KEY); it "
+                          "also guards /docs, /redoc, /openapi.json and /health's details")
+    srv.add_argument("--open-docs", action="store_true",
+                     help="with --api-key, leave /docs, /redoc, /openapi.json and /health's "
+                          "details open")
     srv.add_argument("--max-concurrent", type=int, default=1,
                      help="engine calls at once (default: 1)")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting for a slot before 429 (default: 64)")
     srv.add_argument("--ctx", type=int, default=4096,
                      help="context length of chat models in tokens (default 4096)")
+    srv.add_argument("--max-tokens-limit", type=int, default=4096, metavar="N",
+                     help="the most tokens one request may generate per choice (default "
+                          "4096; 0: no limit)")
+    srv.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                     help="cancel a request still running after this long, answering 504 "
+                          "(default 600; 0: none)")
+    srv.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="answer 408 to a client that takes longer to send its request "
+                          "body (default 30; 0: none)")
+    srv.add_argument("--max-body-mb", type=float, default=25.0, metavar="MB",
+                     help="the largest request body in MiB (default 25; more: 413)")
+    srv.add_argument("--max-audio-seconds", type=float, default=3600.0, metavar="SECONDS",
+                     help="the longest audio transcribed (default 3600; 0: no limit)")
     srv.set_defaults(func=_serve)
 
     sub.add_parser("bench", add_help=False,
@@ -297,7 +314,9 @@ def load_engine(source: str, *, ctx: int = 4096):
 
 def _serve(args) -> int:
     from workbench.serve import serve
+    from workbench.serve.app import check_api_key
 
+    check_api_key(args.api_key)  # before the models load
     engines = {}
     for spec in args.models:
         name, sep, source = spec.partition("=")
@@ -309,7 +328,12 @@ def _serve(args) -> int:
     print(f"workbench: serving {', '.join(engines)} at http://{args.host}:{args.port}/v1 "
           "(Ctrl-C stops)", file=sys.stderr)
     serve(engines, host=args.host, port=args.port, api_key=args.api_key,
-          max_concurrent=args.max_concurrent, max_queue=args.max_queue, background=False)
+          max_concurrent=args.max_concurrent, max_queue=args.max_queue,
+          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+          max_tokens_limit=args.max_tokens_limit or None,
+          request_timeout=args.request_timeout or None, body_timeout=args.body_timeout or None,
+          max_audio_seconds=args.max_audio_seconds or None,
+          protect_docs=False if args.open_docs else None, background=False)
     return 0
 
 

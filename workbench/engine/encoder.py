@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from workbench import registry
 from workbench.engine.backend import Backend, select_backend
+from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.models import bert, gemma3, llama
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
@@ -39,6 +40,11 @@ from workbench.signals import BusyCounter, Signal
 
 DEFAULT_ENCODER = "minilm-l6"
 POOLS = ("mean", "cls", "last")
+# A long text is tokenized a growing head at a time, each cut at whitespace (where every
+# tokenizer here ends a word), until the head alone has more tokens than are kept.
+HEAD_CHARS_PER_TOKEN = 8  # the first head: this many characters per kept token
+HEAD_MARGIN = 8  # tokens beyond the kept ones a head must have (the cut is far behind)
+_WORD_ENDS = " \t\n\r"
 
 
 class TruncationWarning(UserWarning):
@@ -160,10 +166,22 @@ class Encoder:
         return ids
 
     def _ids(self, text: str) -> tuple[list[int], int]:
-        """(ids, original length when truncated else 0)."""
+        """(ids, the tokens seen when truncated else 0: the whole text's count, or that of
+        a head long enough to be cut).
+
+        A text is not tokenized past what is kept: heads of it cut at whitespace are
+        tokenized, growing, until one has more tokens than `max_length` (the kept ids
+        are the same as the whole text's first ones, since no token spans the cut)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be str, not {type(text).__name__}")
-        ids = self.tokenizer.encode(text)
+        enough = self.max_length + HEAD_MARGIN
+        size = enough * HEAD_CHARS_PER_TOKEN
+        while True:
+            end = _word_end(text, size)
+            ids = self.tokenizer.encode(text[:end])
+            if end == len(text) or len(ids) > enough:
+                break
+            size = 2 * max(size, end)
         if len(ids) <= self.max_length:
             return ids, 0
         tok = self.tokenizer
@@ -188,18 +206,24 @@ class Encoder:
 
     def embed_batch(self, texts: Sequence[str], *, batch_size: int = 32,
                     pool: str | None = None, normalize: bool = True,
-                    progress: bool = False) -> np.ndarray:
+                    progress: bool = False, cancel: CancelFlag | None = None) -> np.ndarray:
         """Vectors for many texts: float32 of shape (len(texts), dim), in input order.
 
         Texts are sorted by length and run `batch_size` at a time, each batch
         padded to its longest text. `progress=True` shows a progress bar.
+        `cancel`: a flag (`threading.Event`) looked at while the texts are tokenized
+        and before each batch; once it is set the call raises `Cancelled`.
         """
         if isinstance(texts, str):
             raise TypeError("embed_batch takes a list of texts; use embed for one text")
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         pool = self._pool(pool)
-        encoded = [self._ids(t) for t in texts]
+        encoded = []
+        for i, text in enumerate(texts):
+            if i % batch_size == 0:
+                check_cancel(cancel)
+            encoded.append(self._ids(text))
         cut = [n for _, n in encoded if n]
         if cut:
             _warn_truncated(cut, self.max_length)
@@ -209,6 +233,7 @@ class Encoder:
         starts = range(0, len(order), batch_size)
         with self._busy:
             for s in tqdm(starts, desc="embed", unit="batch", disable=not progress):
+                check_cancel(cancel)
                 chunk = order[s : s + batch_size]
                 batch = [ids[i] for i in chunk]
                 out[chunk] = self._run(batch, pool)
@@ -276,9 +301,21 @@ def _is_single(x: Any) -> bool:
     return isinstance(x, str) or (isinstance(x, np.ndarray) and x.ndim == 1)
 
 
+def _word_end(text: str, size: int) -> int:
+    """Where to cut a head of about `size` characters from `text`: at its last
+    whitespace, else at the first one after it, else at the end."""
+    if size >= len(text):
+        return len(text)
+    back = max(text.rfind(c, 0, size) for c in _WORD_ENDS)
+    if back > 0:
+        return back
+    ahead = [i for i in (text.find(c, size) for c in _WORD_ENDS) if i >= 0]
+    return min(ahead, default=len(text))
+
+
 def _warn_truncated(lengths: list[int], limit: int) -> None:
     n = len(lengths)
-    what = f"a text of {lengths[0]} tokens was" if n == 1 else \
-        f"{n} texts (up to {max(lengths)} tokens) were"
+    what = f"a text of more than {limit} tokens was" if n == 1 else \
+        f"{n} texts of more than {limit} tokens were"
     warnings.warn(f"{what} cut to the model's maximum of {limit} tokens", TruncationWarning,
                   stacklevel=3)

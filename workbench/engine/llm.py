@@ -15,6 +15,7 @@ the entropy of the distribution it was drawn from (with `logprobs=k`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import threading
@@ -29,6 +30,7 @@ import numpy as np
 from workbench import registry
 from workbench.engine import chat_template
 from workbench.engine.backend import Backend, select_backend
+from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.chat_template import render as render_chat
 from workbench.engine.closing import ClosedEarlyWarning, Closer, Closing
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
@@ -266,6 +268,7 @@ class LLM:
         self.config = self.model.config
         self.chat_template: str = (gguf.get("tokenizer.chat_template")
                                    or chat_template.fallback_template(self.tokenizer.tokens))
+        chat_template.check_template_limits(self.chat_template)  # a hostile one fails here
         self.kv_cache_size = kv_cache_size
         self._gguf = gguf
         self._forward_lock = threading.Lock()  # one forward pass at a time per model
@@ -535,8 +538,8 @@ class LLM:
                        logit_bias: Mapping[int, float] | None = None,
                        grammar: Grammar | str | None = None, schema: Any = None,
                        closing: Closing | bool = True, prefix: PrefixCache | None = None,
-                       logits_processors: Sequence[LogitsProcessor] = ()
-                       ) -> list[Completion]:
+                       logits_processors: Sequence[LogitsProcessor] = (),
+                       cancel: CancelFlag | None = None) -> list[Completion]:
         """Continue several prompts at once; returns their finished `Completion`s, in order.
 
         Each prompt is prefilled into its own rows of one KV pool; then every
@@ -546,6 +549,9 @@ class LLM:
         conditions. Options are those of `generate`. With `seed=s`, sequence i
         samples with seed s + i (pass a list for explicit seeds); greedy results
         equal `generate`'s.
+
+        `cancel`: a flag (`threading.Event`) looked at before each prompt's prefill
+        and each decode step; once it is set the call raises `Cancelled`.
         """
         prompts = list(prompts)
         if not prompts:
@@ -556,7 +562,10 @@ class LLM:
             seeds = [int(x) for x in seed]
             if len(seeds) != len(prompts):
                 raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        requests = [self._prompt_ids(p, add_bos, include_prompt) for p in prompts]
+        requests = []
+        for p in prompts:
+            check_cancel(cancel)
+            requests.append(self._prompt_ids(p, add_bos, include_prompt))
         self._check_prefix(prefix)
         options = dict(max_tokens=max_tokens, stop=stop, stop_tokens=stop_tokens,
                        logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -571,33 +580,44 @@ class LLM:
         if max_tokens > 0:
             with self._busy:
                 self._run_batch([ids for ids, _ in requests], seqs, events, max_tokens,
-                                prefix)
+                                prefix, cancel)
         return [Completion(_replay(ev, seq.finish_reason or "length"), ids, text)
                 for ev, seq, (ids, text) in zip(events, seqs, requests)]
 
     def chat_batch(self, conversations: Sequence[Sequence[Mapping[str, Any]]], **options
                    ) -> list[Completion]:
-        """Answer several conversations at once (see `chat` and `generate_batch`)."""
+        """Answer several conversations at once (see `chat` and `generate_batch`;
+        `cancel=` is looked at between conversations too)."""
         tools = options.pop("tools", None)
         template = options.pop("chat_template", None)
         options.pop("include_prompt", None)
-        return self.generate_batch([self._chat_ids(m, tools, chat_template=template)
-                                    for m in conversations], **options)
+        cancel = options.get("cancel")
+        prompts = []
+        for messages in conversations:
+            check_cancel(cancel)
+            prompts.append(self._chat_ids(messages, tools, chat_template=template))
+        return self.generate_batch(prompts, **options)
 
     def _run_batch(self, prompt_ids: list[list[int]], seqs: list[_Decoding],
                    events: list[list[TokenEvent]], max_tokens: int,
-                   prefix: PrefixCache | None = None) -> None:
+                   prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
+                   ) -> None:
         """Prefill each prompt into its slot of a new KV pool, then decode all unfinished
-        sequences together, one forward pass per step, until each is finished."""
+        sequences together, one forward pass per step, until each is finished (or
+        `cancel` is set: `Cancelled`)."""
         model = self._require_model()
         longest = max(len(ids) for ids in prompt_ids)
         caches = model.new_pool(len(prompt_ids), min(self.kv_cache_size,
                                                      longest + max_tokens)).caches()
         # one logits row per active sequence; on a GPU backend they stay on the device,
         # where each sequence's sampler picks its token
-        rows = [self._fill(c, ids, prefix, on_device=True) for ids, c in zip(prompt_ids, caches)]
+        rows = []
+        for ids, c in zip(prompt_ids, caches):
+            check_cancel(cancel)
+            rows.append(self._fill(c, ids, prefix, on_device=True))
         active = list(range(len(seqs)))
         while active:
+            check_cancel(cancel)
             feed, still = [], []
             for i, row in zip(active, rows):
                 token, evs = seqs[i].step(row, room=caches[i].max_len - caches[i].offset,
@@ -631,6 +651,8 @@ class LLM:
         """
         if pool not in ("last", "mean"):
             raise ValueError(f"pool must be 'last' or 'mean' for a decoder, not {pool!r}")
+        if isinstance(text, str):
+            self._refuse_overlong(text, self.kv_cache_size + 1, "text to embed")
         ids = self.tokenize(text) if isinstance(text, str) else [int(i) for i in text]
         if not ids:
             raise ValueError("cannot embed an empty text")
@@ -648,11 +670,12 @@ class LLM:
         return h.astype(np.float32)
 
     def embed_batch(self, texts: Sequence[str], *, batch_size: int = 32, pool: str = "last",
-                    normalize: bool = True) -> np.ndarray:
+                    normalize: bool = True, cancel: CancelFlag | None = None) -> np.ndarray:
         """`embed` for each text: float32 of shape (len(texts), n_embd), in input order.
 
         (`batch_size` is accepted for the `Encoder` signature; a decoder embeds one text
-        per forward pass.)"""
+        per forward pass.) `cancel`: a flag looked at before each text; once it is set
+        the call raises `Cancelled`."""
         if isinstance(texts, str):
             raise TypeError("embed_batch takes a list of texts; use embed for one text")
         if batch_size < 1:
@@ -660,6 +683,7 @@ class LLM:
         out = np.empty((len(texts), self.config.n_embd), np.float32)
         with self._busy:
             for i, text in enumerate(texts):
+                check_cancel(cancel)
                 out[i] = self.embed(text, pool=pool, normalize=normalize)
         return out
 
@@ -668,6 +692,7 @@ class LLM:
                     include_prompt: bool) -> tuple[list[int], str]:
         """A prompt's checked token ids, and its text when `include_prompt` (else "")."""
         if isinstance(prompt, str):
+            self._refuse_overlong(prompt, self.kv_cache_size, "prompt")
             ids = self.tokenize(prompt, add_bos=add_bos)
             text = prompt
         else:
@@ -691,11 +716,27 @@ class LLM:
         variables = {"tools": tools} if tools else {}
         prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                           chat_template=chat_template, **variables)
+        self._refuse_overlong(prompt, self.kv_cache_size, "conversation")
         ids = self.tokenize(prompt, add_bos=False)
         tok = self.tokenizer
         if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
             ids.insert(0, tok.bos_id)
         return ids
+
+    @functools.cached_property
+    def _longest_token(self) -> int:
+        """The most characters one token of the vocabulary stands for."""
+        return max(map(len, self.tokenizer.tokens), default=1)
+
+    def _refuse_overlong(self, text: str, limit: int, what: str) -> None:
+        """Refuse `text` that cannot tokenize to fewer than `limit` tokens, before
+        tokenizing it: no token covers more characters than the vocabulary's longest
+        token, so a text longer than `limit` times that needs at least `limit` tokens
+        (this bounds the tokenizer's work to a few hundred kB per prompt)."""
+        if len(text) > limit * self._longest_token:
+            raise ValueError(f"the {what} has {len(text)} characters, far more than the "
+                             f"{self.kv_cache_size} tokens the context holds; shorten it or "
+                             "load with a larger kv_cache_size")
 
     def _require_model(self) -> llama.LlamaModel:
         if self.model is None:
@@ -772,7 +813,7 @@ class LLM:
                    else DeviceSampler(params, n_vocab, self.backend))
         return _Decoding(self.tokenizer, prompt_ids, sampler,
                          max_tokens=max_tokens,
-                         stop=[stop] if isinstance(stop, str) else [s for s in stop or [] if s],
+                         stop=[s for s in ([stop] if isinstance(stop, str) else stop or []) if s],
                          stop_tokens=stop_ids, logprobs=logprobs, matcher=matcher,
                          processors=list(logits_processors), closing=Closing.of(closing))
 

@@ -39,8 +39,9 @@ def best_of_n(model: LLM, prompt: str | Sequence[int] | Sequence[Mapping[str, An
     """Sample `n` continuations of `prompt` (text, token ids, or chat messages) in one
     batch and rank them by perplexity (lowest first: the answer the model is surest of).
 
-    Options are `generate_batch`'s; the default temperature is 0.8 and `seed=s` gives
-    candidate i the seed s + i.
+    Options are `generate_batch`'s (`cancel=` a flag included: once it is set the batch
+    raises `Cancelled`); the default temperature is 0.8 and `seed=s` gives candidate i
+    the seed s + i.
     """
     if n < 1:
         raise ValueError("n must be >= 1")

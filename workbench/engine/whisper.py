@@ -304,7 +304,7 @@ class WhisperModel:
             net = self._net()
             for seek, mel in chunks:
                 check_cancel(cancel)
-                features = net.encode(mel)
+                features = net.encode(mel, cancel)
                 if auto:
                     probs = self._language_probs(features)
                     best = int(np.argmax(probs))

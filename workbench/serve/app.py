@@ -7,9 +7,13 @@ Engines are duck-typed: whatever has `.chat` answers `/v1/chat/completions`,
 
 Every engine call runs on a thread of its own and holds one of
 `max_concurrent` slots from its start to its end; requests beyond those wait
-in FIFO order in a queue of `max_queue`, and beyond that get 429. A client
-that disconnects (or a stream that is dropped) stops its generation after the
-current token and frees the slot. Every error is OpenAI-shaped:
+in FIFO order in a queue of `max_queue`, and beyond that get 429. Each request
+watches its connection from the moment its body is read: a client that
+disconnects (waiting in the queue, while a non-streaming answer is computed or
+mid-stream) sets the engine call's cancel flag, which the engines look at
+between tokens, decode steps, batches of texts and audio windows, so the slot
+comes free at once. A request past `request_timeout` is cancelled the same way
+and answered 504. Every error is OpenAI-shaped:
 `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
+import inspect
 import itertools
 import json
 import threading
@@ -35,6 +40,8 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from workbench import __version__
+from workbench.engine import audio
+from workbench.engine.cancel import Cancelled, check_cancel
 from workbench.engine.llm import TokenEvent
 from workbench.serve.schemas import (
     MAX_CHOICES,
@@ -46,24 +53,68 @@ from workbench.serve.schemas import (
 from workbench.signals import Signal
 
 DEFAULT_MAX_BODY = 25 * 1024 * 1024  # bytes; OpenAI's limit for audio uploads
-DRAIN_FACTOR = 4  # a refused body up to this many times the limit is read before the 413
-_DONE = object()
+# The longest answer a model loaded with the default context (kv_cache_size=4096) can
+# give at all, so the cap never cuts what such a model would say; it stops a request
+# from asking a bigger-context or remote model for 100k tokens. Time is bounded apart.
+DEFAULT_MAX_TOKENS_LIMIT = 4096
+DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds from a request's body to its last byte
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client has to send its whole request body
+DEFAULT_MAX_AUDIO_SECONDS = float(audio.MAX_AUDIO_SECONDS)
+# texts per forward pass of an embedding request: the cancel flag is looked at between
+# passes, and 8 texts of 256 tokens take a fraction of a second on a CPU
+EMBED_BATCH = 8
+ENGINE_MAX_TOKENS = 512  # what `LLM.generate` writes when a request leaves max_tokens out
+DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+_DONE = object()  # the job's thread finished
+_GONE = object()  # the client disconnected
+_EXPIRED = object()  # the request ran past request_timeout
+
+
+def check_api_key(api_key: str | None) -> None:
+    """Raise ValueError for a key no client could send: HTTP headers carry ASCII."""
+    if api_key is None:
+        return
+    if not isinstance(api_key, str) or not api_key or not api_key.isascii() \
+            or not api_key.isprintable() or api_key != api_key.strip():
+        raise ValueError("api_key must be a non-empty string of printable ASCII characters "
+                         "without surrounding spaces (HTTP headers carry it as ASCII, so any "
+                         "other key could never authenticate)")
 
 
 class ServerState:
     """What the routes share: the engines, the gate, the limits and the live counters."""
 
     def __init__(self, engines: Mapping[str, Any], *, api_key: str | None, max_concurrent: int,
-                 max_queue: int, max_body_bytes: int, max_tokens_limit: int | None):
+                 max_queue: int, max_body_bytes: int, max_tokens_limit: int | None,
+                 request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+                 body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+                 max_audio_seconds: float | None = DEFAULT_MAX_AUDIO_SECONDS,
+                 protect_docs: bool | None = None):
         if not engines:
             raise ValueError("serve at least one engine")
         if max_concurrent < 1 or max_queue < 0:
             raise ValueError("max_concurrent must be >= 1 and max_queue >= 0")
+        check_api_key(api_key)
+        if max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
+        if max_tokens_limit is not None and max_tokens_limit < 1:
+            raise ValueError("max_tokens_limit must be >= 1 (or None for no limit)")
+        for name, value in (("request_timeout", request_timeout),
+                            ("body_timeout", body_timeout),
+                            ("max_audio_seconds", max_audio_seconds)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds (or None for no limit)")
+        if protect_docs and api_key is None:
+            raise ValueError("protect_docs puts the docs behind the api_key: set one")
         self.engines = dict(engines)
         self.api_key = api_key
+        self.protect_docs = api_key is not None if protect_docs is None else protect_docs
         self.max_concurrent, self.max_queue = max_concurrent, max_queue
         self.max_body_bytes = max_body_bytes
         self.max_tokens_limit = max_tokens_limit
+        self.request_timeout = request_timeout
+        self.body_timeout = body_timeout
+        self.max_audio_seconds = max_audio_seconds
         self.created = int(time.time())
         self.requests: Signal[int] = Signal(0, name="requests")  # HTTP requests answered
         self.running: Signal[int] = Signal(0, name="running")  # engine calls under way
@@ -72,10 +123,25 @@ class ServerState:
         self._jobs: set[Job] = set()
         self._jobs_lock = threading.Lock()
 
+    # -- the API key -------------------------------------------------------------------------
+    def needs_key(self, path: str) -> bool:
+        """Whether `path` is behind the API key: `/v1/*`, and the docs with `protect_docs`."""
+        return self.api_key is not None and (
+            path.startswith("/v1/") or (self.protect_docs and path in DOCS_PATHS))
+
+    def authorized(self, header: bytes) -> bool:
+        """Whether an `Authorization` header value carries the API key (or none is set)."""
+        if self.api_key is None:
+            return True
+        scheme, _, given = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(),
+                                                                  self.api_key.encode())
+
     # -- the FIFO gate (used on the event loop's thread only) --------------------------------
-    async def acquire(self, request: Request | None = None) -> None:
-        """Take a slot, waiting in line; raises a 429 `APIError` when the line is full, and
-        `_ClientGone` when `request`'s client leaves while it waits."""
+    async def acquire(self, job: Job) -> None:
+        """Take a slot, waiting in line; raises a 429 `APIError` when the line is full,
+        `_ClientGone` when `job`'s client leaves while it waits and a 504 `APIError` when
+        its deadline passes."""
         if self.running.peek() < self.max_concurrent and not self._waiters:
             self.running.set(self.running.peek() + 1)
             return
@@ -87,14 +153,16 @@ class ServerState:
         self._waiters.append(waiter)
         self.queued.set(len(self._waiters))
         try:
-            while not waiter.done():
-                await asyncio.wait({waiter}, timeout=0.5)
-                if not waiter.done() and request is not None \
-                        and await request.is_disconnected():
-                    waiter.cancel()
-                    raise _ClientGone()
+            interrupt = asyncio.ensure_future(job.interrupted.wait())
+            try:
+                await asyncio.wait({waiter, interrupt}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                interrupt.cancel()
+            if not waiter.done():
+                waiter.cancel()
+                raise job.interruption()
             waiter.result()
-        except (asyncio.CancelledError, _ClientGone):
+        except BaseException:
             if waiter.done() and not waiter.cancelled():  # the slot came as we left
                 self.release()
             elif waiter in self._waiters:
@@ -132,28 +200,42 @@ class ServerState:
         return engine
 
     def limit_tokens(self, max_tokens: int | None) -> int | None:
-        """`max_tokens` (None: the engine's default) under the server's `max_tokens_limit`."""
+        """`max_tokens` under the server's `max_tokens_limit`; None (the engine's default,
+        512 tokens for an `LLM`) stays None unless the limit is lower."""
         limit = self.max_tokens_limit
-        if limit is None or max_tokens is None:
-            return max_tokens if limit is None else limit
+        if limit is None:
+            return max_tokens
+        if max_tokens is None:
+            return limit if limit < ENGINE_MAX_TOKENS else None
         return min(max_tokens, limit)
 
 
 class Job:
-    """One engine call on a thread of its own, holding a gate slot until it returns.
+    """One request's engine call on a thread of its own, holding a gate slot from its
+    start to its end.
 
-    `produce(put, cancelled)` runs on the thread; it hands items to the route
-    with `put` and should stop soon after `cancelled` is set. An exception it
-    raises reaches the route as an `APIError` (400 for a `ValueError` or
-    `TypeError`: the request asked for something the engine refuses).
+    `produce(put, cancelled)` runs on the thread; it hands items to the route with
+    `put` and passes `cancelled` (a `threading.Event`) on as the engine's `cancel=`.
+    The flag is set when the client disconnects (a task waits for `http.disconnect` on
+    the request's receive channel from the job's creation on), when the request runs
+    past `request_timeout`, or when the server stops; the engine then raises
+    `Cancelled`, which ends the thread quietly. Another exception reaches the route as
+    an `APIError` (400 for a `ValueError` or `TypeError`: the request asked for
+    something the engine refuses).
     """
 
-    def __init__(self, state: ServerState, produce: Callable[[Callable, threading.Event], None]):
+    def __init__(self, state: ServerState, request: Request,
+                 produce: Callable[[Callable, threading.Event], None]):
         self.state = state
         self.produce = produce
         self.loop = asyncio.get_running_loop()
         self.items: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.interrupted = asyncio.Event()  # the client left or the deadline passed
+        self.expired = False
+        self._watcher = self.loop.create_task(self._watch(request.receive))
+        timeout = state.request_timeout
+        self._timer = self.loop.call_later(timeout, self._expire) if timeout else None
 
     def start(self) -> None:
         """Start on a slot the caller has acquired (released when the thread ends)."""
@@ -164,22 +246,46 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def close(self) -> None:
+        """Stop watching the client and the clock (the job has ended or never started)."""
+        self._watcher.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def interruption(self) -> BaseException:
+        """What the route raises once `interrupted` is set."""
+        if self.expired:
+            return APIError(504, f"the request ran past the server's request_timeout of "
+                            f"{self.state.request_timeout:g} s and was stopped; ask for less "
+                            "(max_tokens, fewer inputs, shorter audio)", type="server_error",
+                            code="timeout")
+        return _ClientGone()
+
     async def next(self) -> Any:
-        """The next item; `_DONE` at the end."""
+        """The next item; `_DONE` at the end. Raises `_ClientGone` once the client has
+        left, a 504 `APIError` past the deadline, the engine's error as an `APIError`."""
         item = await self.items.get()
+        if item is _GONE or item is _EXPIRED:
+            raise self.interruption()
         if isinstance(item, BaseException):
             raise _api_error(item)
         return item
 
-    async def next_or_disconnect(self, request: Request) -> Any:
-        """`next`, cancelling the job if the client goes away while it waits."""
-        while True:
-            try:
-                return await asyncio.wait_for(self.next(), 0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.cancel()
-                    raise _ClientGone() from None
+    async def _watch(self, receive: Callable) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._interrupt(_GONE)
+
+    def _expire(self) -> None:
+        self.expired = True
+        self._interrupt(_EXPIRED)
+
+    def _interrupt(self, why: object) -> None:
+        if self.interrupted.is_set():
+            return
+        self.cancelled.set()
+        self.interrupted.set()
+        self.items.put_nowait(why)  # wakes the route at once, even mid-call
 
     def _call_soon(self, fn: Callable, *args: Any) -> None:
         try:
@@ -192,12 +298,17 @@ class Job:
             self.produce(lambda item: self._call_soon(self.items.put_nowait, item),
                          self.cancelled)
             self._call_soon(self.items.put_nowait, _DONE)
+        except Cancelled:  # the route knows why unless the server is stopping
+            self._call_soon(self.items.put_nowait, APIError(
+                503, "the request was cancelled: the server is stopping",
+                type="server_error"))
         except Exception as exc:  # noqa: BLE001 - reported to the route
             self._call_soon(self.items.put_nowait, exc)
         finally:
             self._call_soon(self._finished)
 
     def _finished(self) -> None:
+        self.close()
         with self.state._jobs_lock:
             self.state._jobs.discard(self)
         self.state.release()
@@ -215,13 +326,30 @@ def _api_error(exc: BaseException) -> APIError:
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
 
 
+def _accepts(fn: Callable, name: str, *, by_name: bool = False) -> bool:
+    """Whether `fn` takes the keyword `name` (engines are duck-typed: a `RemoteEngine`
+    or a user's engine may not take `cancel=`); `by_name`: only where it names it, not
+    through `**kwargs`."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or (not by_name
+                              and any(p.kind is p.VAR_KEYWORD for p in params.values()))
+
+
 async def _start(state: ServerState, request: Request, produce) -> Job:
     """Wait for a slot (429 when the line is full) and start `produce` on it."""
-    await state.acquire(request)
-    job = Job(state, produce)
+    job = Job(state, request, produce)
+    try:
+        await state.acquire(job)
+    except BaseException:
+        job.close()
+        raise
     try:
         job.start()
     except BaseException:
+        job.close()
         state.release()
         raise
     return job
@@ -230,18 +358,36 @@ async def _start(state: ServerState, request: Request, produce) -> Job:
 def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
                max_concurrent: int = 1, max_queue: int = 64,
                max_body_bytes: int = DEFAULT_MAX_BODY,
-               max_tokens_limit: int | None = None) -> FastAPI:
+               max_tokens_limit: int | None = DEFAULT_MAX_TOKENS_LIMIT,
+               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+               body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+               max_audio_seconds: float | None = DEFAULT_MAX_AUDIO_SECONDS,
+               protect_docs: bool | None = None) -> FastAPI:
     """The FastAPI app serving `engines` ({model id: engine}) with OpenAI's API.
 
-    api_key: when set, `/v1/*` routes need `Authorization: Bearer <api_key>`.
+    api_key: when set, `/v1/*` routes need `Authorization: Bearer <api_key>`
+        (printable ASCII; anything else raises ValueError).
+    protect_docs: put `/docs`, `/redoc` and `/openapi.json` behind the key too, and
+        answer `/health` without the key with `{"status": "ok"}` only (the model ids
+        and the load need the key). Default: on when `api_key` is set.
     max_concurrent: engine calls running at once; max_queue: requests waiting
-    for one (more get 429). max_body_bytes: larger request bodies get 413.
-    max_tokens_limit: the most tokens one request may generate (per choice).
+        for one (more get 429).
+    max_body_bytes: larger request bodies get 413 (the rest of the body is read and
+        dropped by the HTTP layer, so the client reads the error).
+    body_timeout: seconds a client has to send its whole body (else 408).
+    max_tokens_limit: the most tokens one request may generate per choice (larger
+        `max_tokens` are lowered to it; default 4096, the default context); None: no cap.
+    request_timeout: seconds from a request's body to the end of its answer; past it
+        the engine call is cancelled and the client gets a 504 error (or an error
+        event in a stream). None: no deadline.
+    max_audio_seconds: longer uploads to `/v1/audio/*` get 400 (default one hour).
     The state (gate, counters) is `app.state.workbench`.
     """
     state = ServerState(engines, api_key=api_key, max_concurrent=max_concurrent,
                         max_queue=max_queue, max_body_bytes=max_body_bytes,
-                        max_tokens_limit=max_tokens_limit)
+                        max_tokens_limit=max_tokens_limit, request_timeout=request_timeout,
+                        body_timeout=body_timeout, max_audio_seconds=max_audio_seconds,
+                        protect_docs=protect_docs)
     app = FastAPI(title="workbench", version=__version__,
                   description="An OpenAI-compatible API over local workbench engines.")
     app.state.workbench = state
@@ -249,7 +395,10 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
     app.add_middleware(_Gatekeeper, state=state)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health(request: Request) -> dict:
+        if state.protect_docs and not state.authorized(
+                request.headers.get("authorization", "").encode("latin-1")):
+            return {"status": "ok"}
         return {"status": "ok", "models": list(state.engines),
                 "running": state.running.peek(), "queued": state.queued.peek()}
 
@@ -334,7 +483,9 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind).body(),
+        code = {408: "request_timeout", 413: "request_too_large"}.get(exc.status_code)
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind,
+                                     code=code).body(),
                             status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(_ClientGone)
@@ -347,9 +498,14 @@ def _install_errors(app: FastAPI) -> None:
 
 
 class _Gatekeeper:
-    """ASGI middleware, before any body is read: the API key for `/v1/*` (401), the body
-    size (413, by Content-Length up front or while a body without one streams in); and
-    the count of answered requests."""
+    """ASGI middleware, before any body is read: the API key (401) for `/v1/*` (and the
+    docs with `protect_docs`); the body size (413, by Content-Length up front or while a
+    body without one streams in) and the time to send it (408); the count of answered
+    requests.
+
+    A refused body is not read: the error goes out at once and the HTTP layer (uvicorn)
+    drops the rest of the body as it arrives, so a client still sending reads the error
+    when it is done instead of a reset connection."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -357,64 +513,56 @@ class _Gatekeeper:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        state = self.state
         try:
             headers = dict(scope["headers"])
-            if not self._authorized(scope["path"], headers.get(b"authorization", b"")):
+            if state.needs_key(scope["path"]) \
+                    and not state.authorized(headers.get(b"authorization", b"")):
                 return await _send_error(send, APIError(
                     401, "incorrect or missing API key: send 'Authorization: Bearer <key>'",
                     code="invalid_api_key"))
-            limit = self.state.max_body_bytes
-            too_large = APIError(413, f"the request body exceeds {limit} bytes",
-                                 code="request_too_large")
+            limit = state.max_body_bytes
+            too_large = APIError(413, f"the request body exceeds the server's limit of "
+                                 f"{limit} bytes (max_body_bytes)", code="request_too_large")
             length = headers.get(b"content-length")
             if length is not None:
                 if not length.isdigit():
                     return await _send_error(send, APIError(400, "bad Content-Length header"))
                 if int(length) > limit:
-                    if int(length) <= DRAIN_FACTOR * limit:
-                        await _drain(receive, DRAIN_FACTOR * limit)
                     return await _send_error(send, too_large)
-            received = 0
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + state.body_timeout if state.body_timeout else None
+            received, complete = 0, False
 
             async def limited():
-                nonlocal received
-                message = await receive()
+                nonlocal received, complete
+                if complete:  # the body is in: what remains is the disconnect
+                    return await receive()
+                try:
+                    if deadline is None:
+                        message = await receive()
+                    else:
+                        message = await asyncio.wait_for(receive(), deadline - loop.time())
+                except asyncio.TimeoutError:  # raised inside the route: FastAPI passes it on
+                    raise HTTPException(408, f"the request body did not arrive within the "
+                                        f"server's body_timeout of {state.body_timeout:g} s",
+                                        headers={"Connection": "close"}) from None
+                complete = message["type"] != "http.request" or not message.get("more_body")
                 received += len(message.get("body", b""))
-                if received > limit:  # raised inside the route: FastAPI passes it through
-                    if message.get("more_body"):
-                        await _drain(receive, DRAIN_FACTOR * limit - received)
+                if received > limit:
                     raise HTTPException(413, too_large.message)
                 return message
 
             await self.app(scope, limited, send)
         finally:
-            self.state.requests.set(self.state.requests.peek() + 1)
-
-    def _authorized(self, path: str, header: bytes) -> bool:
-        key = self.state.api_key
-        if key is None or not path.startswith("/v1/"):
-            return True
-        scheme, _, given = header.decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
-                                                                  key.encode())
-
-
-async def _drain(receive, most: int) -> None:
-    """Read and drop the rest of a refused request body (up to `most` bytes), so that a
-    client still sending it reads the error instead of a broken connection."""
-    while most > 0:
-        message = await receive()
-        most -= len(message.get("body", b""))
-        if message["type"] != "http.request" or not message.get("more_body"):
-            return
+            state.requests.set(state.requests.peek() + 1)
 
 
 async def _send_error(send, error: APIError) -> None:
     body = json.dumps(error.body()).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -442,45 +590,52 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 # -- generation -------------------------------------------------------------------------------
-def _run_choices(completions_for: Callable[[], list[Any]]):
+def _run_choices(completions_for: Callable[[threading.Event], list[Any]]):
     """A `produce` for chat or text completions: start the engine's completions, then hand
     over ("ready", completions), one (index, event) per token, and ("end", index, finish
     reason, usage) per choice. A choice streams as it is generated; `n` choices of an
-    engine with a batch path arrive already finished."""
+    engine with a batch path arrive already finished. Raises `Cancelled` once `cancelled`
+    is set (checked after every token)."""
 
     def produce(put, cancelled: threading.Event) -> None:
-        completions = completions_for()
+        completions = completions_for(cancelled)
         put(("ready", len(completions)))
         for i, completion in enumerate(completions):
             echo = getattr(completion, "prompt_text", "")
             if echo:  # the prompt, in front of the output (completions' `echo`)
                 put((i, TokenEvent(None, echo, "")))
-            for event in completion.iter_events():
-                if cancelled.is_set():
-                    break
-                put((i, event))
-            completion.close()
+            try:
+                for event in completion.iter_events():
+                    check_cancel(cancelled)
+                    put((i, event))
+            finally:
+                completion.close()
             put(("end", i, completion.finish_reason, completion.usage))
-            if cancelled.is_set():
-                return
 
     return produce
 
 
 def _choices(engine: Any, method: str, batch_method: str, inputs: list[Any], n: int,
-             options: dict) -> Callable[[], list[Any]]:
+             options: dict) -> Callable[[threading.Event], list[Any]]:
     """Start `n` completions of each input: the engine's batch method when it has one
-    (seed s gives choice i the seed s + i, as the batch does), else one call each."""
+    (seed s gives choice i the seed s + i, as the batch does; `cancel=` stops it between
+    decode steps), else one call each."""
 
-    def start() -> list[Any]:
+    def start(cancelled: threading.Event) -> list[Any]:
         if len(inputs) * n == 1:
             return [getattr(engine, method)(inputs[0], **options)]
         repeated = [x for x in inputs for _ in range(n)]
         if hasattr(engine, batch_method):
-            return getattr(engine, batch_method)(repeated, **options)
+            batch = getattr(engine, batch_method)
+            extra = {"cancel": cancelled} if _accepts(batch, "cancel") else {}
+            return batch(repeated, **options, **extra)
         seed = options.pop("seed", None)
-        return [getattr(engine, method)(x, seed=None if seed is None else seed + i, **options)
-                for i, x in enumerate(repeated)]
+        completions = []
+        for i, x in enumerate(repeated):
+            check_cancel(cancelled)
+            completions.append(getattr(engine, method)(
+                x, seed=None if seed is None else seed + i, **options))
+        return completions
 
     return start
 
@@ -540,20 +695,20 @@ async def _chat(state: ServerState, engine: Any, body: ChatCompletionRequest,
     start = _choices(engine, "chat", "chat_batch", [messages], body.n, options)
     job = await _start(state, request, _run_choices(start))
     meta = {"id": _id("chatcmpl"), "created": int(time.time()), "model": body.model}
-    first = await job.next_or_disconnect(request)  # the engine accepted the request (or not)
+    first = await job.next()  # the engine accepted the request (or not)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
         return EventSourceResponse(_chat_stream(engine, job, meta, body.n, include_usage),
                                    ping=15)
-    return await _chat_response(engine, job, request, meta, first[1], body.logprobs)
+    return await _chat_response(engine, job, meta, first[1], body.logprobs)
 
 
-async def _chat_response(engine: Any, job: Job, request: Request, meta: dict, n: int,
-                         logprobs: bool) -> Response:
+async def _chat_response(engine: Any, job: Job, meta: dict, n: int, logprobs: bool
+                         ) -> Response:
     texts = [[] for _ in range(n)]
     tokens = [[] for _ in range(n)]
     reasons, usages = ["stop"] * n, [None] * n
-    while (item := await job.next_or_disconnect(request)) is not _DONE:
+    while (item := await job.next()) is not _DONE:
         if item[0] == "end":
             _, i, reasons[i], usages[i] = item
         else:
@@ -601,6 +756,8 @@ async def _chat_stream(engine: Any, job: Job, meta: dict, n: int, include_usage:
         yield "[DONE]"
     except APIError as exc:  # the headers are out: report it in the stream, as OpenAI does
         yield json.dumps(exc.body())
+    except _ClientGone:
+        return
     finally:
         job.cancel()  # the client went away (or we are done): stop generating
 
@@ -635,12 +792,12 @@ async def _complete(state: ServerState, engine: Any, body: CompletionRequest,
     start = _choices(engine, "generate", "generate_batch", prompts, body.n, options)
     job = await _start(state, request, _run_choices(start))
     meta = {"id": _id("cmpl"), "created": int(time.time()), "model": body.model}
-    ready = await job.next_or_disconnect(request)
+    ready = await job.next()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(_text_stream(job, meta, include_usage),
                                    ping=15)
-    return await _text_response(job, request, meta, ready[1], body.logprobs is not None)
+    return await _text_response(job, meta, ready[1], body.logprobs is not None)
 
 
 def _legacy_logprobs(events: list[Any], offset: int) -> dict:
@@ -656,12 +813,11 @@ def _legacy_logprobs(events: list[Any], offset: int) -> dict:
             "text_offset": offsets}
 
 
-async def _text_response(job: Job, request: Request, meta: dict, n: int,
-                         logprobs: bool) -> Response:
+async def _text_response(job: Job, meta: dict, n: int, logprobs: bool) -> Response:
     texts = [[] for _ in range(n)]
     events = [[] for _ in range(n)]
     reasons, usages = ["stop"] * n, [None] * n
-    while (item := await job.next_or_disconnect(request)) is not _DONE:
+    while (item := await job.next()) is not _DONE:
         if item[0] == "end":
             _, i, reasons[i], usages[i] = item
         else:
@@ -708,6 +864,8 @@ async def _text_stream(job: Job, meta: dict, include_usage: bool) -> AsyncIterat
         yield "[DONE]"
     except APIError as exc:
         yield json.dumps(exc.body())
+    except _ClientGone:
+        return
     finally:
         job.cancel()
 
@@ -724,10 +882,18 @@ async def _embed(state: ServerState, engine: Any, body: EmbeddingRequest,
         raise APIError(400, "input texts must not be empty", param="input")
 
     def produce(put, cancelled) -> None:
-        if hasattr(engine, "embed_batch"):
-            vectors = np.asarray(engine.embed_batch(texts), dtype=np.float32)
-        else:
-            vectors = np.stack([np.asarray(engine.embed(t), np.float32) for t in texts])
+        batch = getattr(engine, "embed_batch", None)
+        if batch is not None and _accepts(batch, "cancel", by_name=True):
+            vectors = np.asarray(batch(texts, batch_size=EMBED_BATCH, cancel=cancelled),
+                                 dtype=np.float32)
+        elif batch is not None:  # (a RemoteEngine: its server batches)
+            vectors = np.asarray(batch(texts), dtype=np.float32)
+        else:  # one text at a time, to look at the flag in between
+            rows = []
+            for text in texts:
+                check_cancel(cancelled)
+                rows.append(np.asarray(engine.embed(text), np.float32))
+            vectors = np.stack(rows)
         n_tokens = 0
         if hasattr(engine, "tokenize"):
             import warnings
@@ -738,7 +904,7 @@ async def _embed(state: ServerState, engine: Any, body: EmbeddingRequest,
         put((vectors, n_tokens))
 
     job = await _start(state, request, produce)
-    vectors, n_tokens = await job.next_or_disconnect(request)
+    vectors, n_tokens = await job.next()
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:
         raise APIError(400, f"this model's embeddings have {vectors.shape[1]} dimensions; "
                        "it cannot shorten them", param="dimensions")
@@ -777,16 +943,20 @@ async def _transcribe(state: ServerState, engine: Any, request: Request, file: U
         options["language"] = language
 
     def produce(put, cancelled) -> None:
-        from workbench.engine.audio import SAMPLE_RATE, load_audio
-
-        pcm = load_audio(data)  # raises AudioError (a ValueError: 400) for non-audio
-        transcript = engine.transcribe(pcm, **options)
-        put((transcript, len(pcm) / SAMPLE_RATE))
+        # the engine decodes the upload itself, refusing non-audio and audio longer than
+        # max_seconds (AudioError, a ValueError: 400) before decoding it all
+        transcribe = engine.transcribe
+        if _accepts(transcribe, "max_seconds") and state.max_audio_seconds is not None:
+            options["max_seconds"] = state.max_audio_seconds
+        if _accepts(transcribe, "cancel"):
+            options["cancel"] = cancelled
+        put(transcribe(data, **options))
 
     job = await _start(state, request, produce)
-    transcript, duration = await job.next_or_disconnect(request)
+    transcript = await job.next()
     text = str(transcript)
     segments = list(getattr(transcript, "segments", []))
+    duration = getattr(transcript, "duration", 0.0) or (segments[-1].end if segments else 0.0)
     if response_format == "json":
         return JSONResponse({"text": text})
     if response_format == "text":

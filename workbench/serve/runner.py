@@ -106,10 +106,15 @@ class Server:
         return f"<workbench Server {state} at {self.url}: {', '.join(self.models)}>"
 
 
+_DEFAULT = object()  # "the app's default" for options whose None means "no limit"
+
+
 def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
           host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str | None = None,
           max_concurrent: int = 1, max_queue: int = 64, max_body_bytes: int | None = None,
-          max_tokens_limit: int | None = None, background: bool = True,
+          max_tokens_limit: int | None = _DEFAULT, request_timeout: float | None = _DEFAULT,
+          body_timeout: float | None = _DEFAULT, max_audio_seconds: float | None = _DEFAULT,
+          protect_docs: bool | None = None, background: bool = True,
           log_level: str | None = None) -> Server:
     """Serve `engine` with OpenAI's HTTP API (chat, completions, embeddings, transcription).
 
@@ -123,11 +128,23 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     model_id: the id clients name in `model` (one engine); default: the registry
         alias of its file, or the file name without extension.
     host, port: where to listen (port 0 picks a free one; see `.url`).
-    api_key: when set, requests need `Authorization: Bearer <api_key>`.
+    api_key: when set, `/v1/*` requests need `Authorization: Bearer <api_key>`
+        (printable ASCII, else ValueError).
+    protect_docs: also put `/docs`, `/redoc` and `/openapi.json` behind the key, and
+        show `/health`'s model ids and load only with it (default: on with a key).
     max_concurrent: engine calls at once; up to `max_queue` more requests wait in
         order, beyond that they get 429.
-    max_body_bytes: the largest request body (default 25 MiB); max_tokens_limit: the
-        most tokens one request may generate.
+    max_body_bytes: the largest request body (default 25 MiB; more gets 413).
+    body_timeout: seconds a client has to send its body (default 30; slower: 408).
+    max_tokens_limit: the most tokens one request may generate per choice (default
+        4096, the default context; larger `max_tokens` are lowered to it).
+    request_timeout: seconds a request may take from its body to its answer's end
+        (default 600); past it the engine call is cancelled and the client gets a
+        504 error (an error event in a stream).
+    max_audio_seconds: the longest audio upload transcribed (default one hour,
+        `workbench.engine.audio.MAX_AUDIO_SECONDS`; longer gets 400).
+    None for any of the last four means no limit. A client that disconnects stops
+    its engine call within a token, a batch of texts or an audio window.
     background: serve on a daemon thread and return the running `Server` (stop it
         with `.stop()` or a `with` block); False serves until Ctrl-C.
     A server this process started on the same host and port is stopped first, so
@@ -137,9 +154,13 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
 
     engines = dict(engine) if isinstance(engine, Mapping) else {
         model_id or default_model_id(engine): engine}
+    limits = {name: value for name, value in (
+        ("max_tokens_limit", max_tokens_limit), ("request_timeout", request_timeout),
+        ("body_timeout", body_timeout), ("max_audio_seconds", max_audio_seconds))
+        if value is not _DEFAULT}
     app = create_app(engines, api_key=api_key, max_concurrent=max_concurrent,
                      max_queue=max_queue, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY,
-                     max_tokens_limit=max_tokens_limit)
+                     protect_docs=protect_docs, **limits)
     old = _running.get((host, port))
     if old is not None:
         old.stop()

@@ -108,8 +108,10 @@ class _Sampling(_Request):
     def sampling(self) -> dict[str, Any]:
         """Engine options for the fields this request set."""
         options = self.options("temperature", "top_p", "seed", "presence_penalty",
-                               "frequency_penalty", "top_k", "min_p", "repeat_penalty",
-                               "stop")
+                               "frequency_penalty", "top_k", "min_p", "repeat_penalty")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(stops):  # "" would stop before the first character: dropped, as llama.cpp does
+            options["stop"] = [s for s in stops if s]
         if self.logit_bias:
             try:
                 options["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.mel import N_FFT
 from workbench.engine.models.weights import linear, vector
 from workbench.engine.warmup import KernelTask
@@ -261,9 +262,9 @@ class Whisper:
         return _widened(w), vector(f, name + ".bias")  # the bias is stored as (out, 1)
 
     # -- encoder ---------------------------------------------------------------------------
-    def encode(self, mel: np.ndarray) -> np.ndarray:
+    def encode(self, mel: np.ndarray, cancel: CancelFlag | None = None) -> np.ndarray:
         """Encoder output (n_audio_ctx, n_audio_state) of one chunk of mel frames
-        (n_mels, 2 * n_audio_ctx)."""
+        (n_mels, 2 * n_audio_ctx); `cancel` is looked at between layers."""
         mel = _check_mel(self.config, mel)
         x = _conv1d(mel, self.conv1, self.conv1_b, stride=1)  # (3000, D)
         layers.bias_gelu(x, np.zeros(x.shape[1], np.float32))
@@ -271,6 +272,7 @@ class Whisper:
         layers.bias_gelu(x, np.zeros(x.shape[1], np.float32))
         x += self.audio_pos
         for block in self.encoder_blocks:
+            check_cancel(cancel)
             h = block.attn_ln(x)
             n = block.n_head
             kh, vh = _heads(block.k(h)[None], n), _heads(block.v(h)[None], n)
@@ -434,15 +436,17 @@ class DeviceWhisper:
         self.decoder_blocks = [_DeviceBlock(b, backend) for b in net.decoder_blocks]
         self.ln = _DeviceNorm(net.ln, backend)
 
-    def encode(self, mel: np.ndarray):
+    def encode(self, mel: np.ndarray, cancel: CancelFlag | None = None):
         """Encoder output (n_audio_ctx, n_audio_state), a device array, of one chunk of
-        mel frames (n_mels, 2 * n_audio_ctx) on the host."""
+        mel frames (n_mels, 2 * n_audio_ctx) on the host; `cancel` is looked at between
+        layers."""
         be = self.backend
         x = be.asarray(_check_mel(self.config, mel)).T  # (3000, n_mels): time first
         x = _device_gelu(be, _device_conv1d(be.xp, x, self.conv1, self.conv1_b, stride=1))
         x = _device_gelu(be, _device_conv1d(be.xp, x, self.conv2, self.conv2_b, stride=2))
         x = x + self.audio_pos  # (1500, D)
         for block in self.encoder_blocks:
+            check_cancel(cancel)
             h = block.attn_ln(x)
             n = block.n_head
             kh, vh = _device_heads(block.k(h)[None], n), _device_heads(block.v(h)[None], n)
