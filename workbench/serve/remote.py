@@ -186,7 +186,8 @@ class RemoteEngine:
                     for s in (r.segments or [])]
         if not timestamps and segments:
             segments = [Segment(segments[0].start, segments[-1].end, r.text)]
-        return Transcript(r.text, language=r.language or language or "", segments=segments)
+        return Transcript(r.text, language=r.language or language or "", segments=segments,
+                          duration=float(getattr(r, "duration", None) or 0.0))
 
 
 def _request_options(options: dict, *, chat: bool = True) -> dict:
