@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from workbench import registry
+from workbench.serve import limits
 
 DEFAULT_SYSTEM = "You are helpful and concise."
 LAB_NOTEBOOK = "00_tour.ipynb"
@@ -135,19 +136,21 @@ def _parser() -> argparse.ArgumentParser:
                      help="requests waiting for a slot before 429 (default: 64)")
     srv.add_argument("--ctx", type=int, default=4096,
                      help="context length of chat models in tokens (default 4096)")
-    srv.add_argument("--max-tokens-limit", type=int, default=4096, metavar="N",
-                     help="the most tokens one request may generate per choice (default "
-                          "4096; 0: no limit)")
-    srv.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                     help="cancel a request still running after this long, answering 504 "
-                          "(default 600; 0: none)")
-    srv.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
-                     help="answer 408 to a client that takes longer to send its request "
-                          "body (default 30; 0: none)")
-    srv.add_argument("--max-body-mb", type=float, default=25.0, metavar="MB",
-                     help="the largest request body in MiB (default 25; more: 413)")
-    srv.add_argument("--max-audio-seconds", type=float, default=3600.0, metavar="SECONDS",
-                     help="the longest audio transcribed (default 3600; 0: no limit)")
+    srv.add_argument("--max-tokens-limit", type=int, default=limits.MAX_TOKENS_LIMIT,
+                     metavar="N", help="the most tokens one request may generate per choice "
+                     "(default %(default)s; 0: no limit)")
+    srv.add_argument("--request-timeout", type=float, default=limits.REQUEST_TIMEOUT,
+                     metavar="SECONDS", help="cancel a request still running after this "
+                     "long, answering 504 (default %(default)g; 0: none)")
+    srv.add_argument("--body-timeout", type=float, default=limits.BODY_TIMEOUT,
+                     metavar="SECONDS", help="answer 408 to a client that takes longer to "
+                     "send its request body (default %(default)g; 0: none)")
+    srv.add_argument("--max-body-mb", type=float, default=limits.MAX_BODY_BYTES / 2**20,
+                     metavar="MB", help="the largest request body in MiB (default "
+                     "%(default)g; more: 413)")
+    srv.add_argument("--max-audio-seconds", type=float, default=limits.MAX_AUDIO_SECONDS,
+                     metavar="SECONDS", help="the longest audio transcribed (default "
+                     "%(default)g; 0: no limit)")
     srv.set_defaults(func=_serve)
 
     sub.add_parser("bench", add_help=False,

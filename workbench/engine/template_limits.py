@@ -57,7 +57,10 @@ __all__ = ["CHARS_PER_STEP", "DEPTH_LIMIT", "MAX_EXPONENT", "SIZE_LIMIT", "SIZE_
 STEP_LIMIT = 200_000  # template lines run + Python calls made + text built / CHARS_PER_STEP
 STEPS_PER_INPUT_CHAR = 1
 STEPS_PER_INPUT_VALUE = 100  # a message is 5 values: itself, its role and content and keys
-CHARS_PER_STEP = 64  # characters (or list items) a template may build for the cost of one step
+# characters (or list items) a template may build for the cost of one step: copying a
+# kilobyte costs about what running a template line does, and templates that build the
+# prompt by concatenation (`ns.out = ns.out ~ ...`, quadratic) still fit long chats
+CHARS_PER_STEP = 1024
 SIZE_LIMIT = 1_000_000  # characters of output, and of any one string, list or literal built
 SIZE_PER_INPUT_CHAR = 4
 DEPTH_LIMIT = 100  # nested template calls: macros calling macros, recursive loops

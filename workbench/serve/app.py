@@ -40,9 +40,9 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from workbench import __version__
-from workbench.engine import audio
 from workbench.engine.cancel import Cancelled, check_cancel
 from workbench.engine.llm import TokenEvent
+from workbench.serve import limits
 from workbench.serve.schemas import (
     MAX_CHOICES,
     APIError,
@@ -52,14 +52,6 @@ from workbench.serve.schemas import (
 )
 from workbench.signals import Signal
 
-DEFAULT_MAX_BODY = 25 * 1024 * 1024  # bytes; OpenAI's limit for audio uploads
-# The longest answer a model loaded with the default context (kv_cache_size=4096) can
-# give at all, so the cap never cuts what such a model would say; it stops a request
-# from asking a bigger-context or remote model for 100k tokens. Time is bounded apart.
-DEFAULT_MAX_TOKENS_LIMIT = 4096
-DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds from a request's body to its last byte
-DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client has to send its whole request body
-DEFAULT_MAX_AUDIO_SECONDS = float(audio.MAX_AUDIO_SECONDS)
 # texts per forward pass of an embedding request: the cancel flag is looked at between
 # passes, and 8 texts of 256 tokens take a fraction of a second on a CPU
 EMBED_BATCH = 8
@@ -86,9 +78,9 @@ class ServerState:
 
     def __init__(self, engines: Mapping[str, Any], *, api_key: str | None, max_concurrent: int,
                  max_queue: int, max_body_bytes: int, max_tokens_limit: int | None,
-                 request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
-                 body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
-                 max_audio_seconds: float | None = DEFAULT_MAX_AUDIO_SECONDS,
+                 request_timeout: float | None = limits.REQUEST_TIMEOUT,
+                 body_timeout: float | None = limits.BODY_TIMEOUT,
+                 max_audio_seconds: float | None = limits.MAX_AUDIO_SECONDS,
                  protect_docs: bool | None = None):
         if not engines:
             raise ValueError("serve at least one engine")
@@ -357,11 +349,11 @@ async def _start(state: ServerState, request: Request, produce) -> Job:
 
 def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
                max_concurrent: int = 1, max_queue: int = 64,
-               max_body_bytes: int = DEFAULT_MAX_BODY,
-               max_tokens_limit: int | None = DEFAULT_MAX_TOKENS_LIMIT,
-               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
-               body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
-               max_audio_seconds: float | None = DEFAULT_MAX_AUDIO_SECONDS,
+               max_body_bytes: int = limits.MAX_BODY_BYTES,
+               max_tokens_limit: int | None = limits.MAX_TOKENS_LIMIT,
+               request_timeout: float | None = limits.REQUEST_TIMEOUT,
+               body_timeout: float | None = limits.BODY_TIMEOUT,
+               max_audio_seconds: float | None = limits.MAX_AUDIO_SECONDS,
                protect_docs: bool | None = None) -> FastAPI:
     """The FastAPI app serving `engines` ({model id: engine}) with OpenAI's API.
 

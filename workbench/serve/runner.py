@@ -135,14 +135,14 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     max_concurrent: engine calls at once; up to `max_queue` more requests wait in
         order, beyond that they get 429.
     max_body_bytes: the largest request body (default 25 MiB; more gets 413).
-    body_timeout: seconds a client has to send its body (default 30; slower: 408).
+    body_timeout: seconds a client has to send its body (default 120; slower: 408).
     max_tokens_limit: the most tokens one request may generate per choice (default
         4096, the default context; larger `max_tokens` are lowered to it).
     request_timeout: seconds a request may take from its body to its answer's end
         (default 600); past it the engine call is cancelled and the client gets a
         504 error (an error event in a stream).
-    max_audio_seconds: the longest audio upload transcribed (default one hour,
-        `workbench.engine.audio.MAX_AUDIO_SECONDS`; longer gets 400).
+    max_audio_seconds: the longest audio upload transcribed (default one hour;
+        longer gets 400). The defaults are in `workbench.serve.limits`.
     None for any of the last four means no limit. A client that disconnects stops
     its engine call within a token, a batch of texts or an audio window.
     background: serve on a daemon thread and return the running `Server` (stop it
@@ -150,17 +150,18 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     A server this process started on the same host and port is stopped first, so
     re-running a notebook cell just restarts it.
     """
-    from workbench.serve.app import DEFAULT_MAX_BODY, create_app
+    from workbench.serve import limits
+    from workbench.serve.app import create_app
 
     engines = dict(engine) if isinstance(engine, Mapping) else {
         model_id or default_model_id(engine): engine}
-    limits = {name: value for name, value in (
+    chosen = {name: value for name, value in (
         ("max_tokens_limit", max_tokens_limit), ("request_timeout", request_timeout),
         ("body_timeout", body_timeout), ("max_audio_seconds", max_audio_seconds))
         if value is not _DEFAULT}
     app = create_app(engines, api_key=api_key, max_concurrent=max_concurrent,
-                     max_queue=max_queue, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY,
-                     protect_docs=protect_docs, **limits)
+                     max_queue=max_queue, max_body_bytes=max_body_bytes or limits.MAX_BODY_BYTES,
+                     protect_docs=protect_docs, **chosen)
     old = _running.get((host, port))
     if old is not None:
         old.stop()

@@ -1,0 +1,16 @@
+"""The server's per-request limits: each default written once, for `create_app`,
+`serve` and `workbench serve` (this module imports nothing, so the CLI stays light).
+
+None for a limit (0 on the command line) lifts it.
+"""
+
+MAX_BODY_BYTES = 25 * 1024 * 1024  # OpenAI's limit for audio uploads; more gets 413
+# The longest answer a model loaded with the default context (kv_cache_size=4096) can
+# give at all, so the cap never cuts what such a model would say; it stops a request
+# from asking a bigger-context or remote model for 100k tokens. Time is bounded apart.
+MAX_TOKENS_LIMIT = 4096
+REQUEST_TIMEOUT = 600.0  # seconds from a request's body to its answer's last byte; then 504
+# seconds a client has for its whole request body (408 after): a 25 MiB upload needs
+# 0.2 MB/s; a stalled client holds a connection this long, never an engine slot
+BODY_TIMEOUT = 120.0
+MAX_AUDIO_SECONDS = 3600.0  # the longest audio one transcription request may carry; then 400
