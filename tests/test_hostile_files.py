@@ -76,9 +76,10 @@ def tiny_llm(tiny_gguf):
 
 
 def rewrite_gguf(src: Path, dst: Path, changes: dict | None = None, drop: tuple = (),
-                 tensors: dict | None = None) -> Path:
+                 tensors: dict | None = None, drop_tensors: tuple = ()) -> Path:
     """A copy of the GGUF `src` at `dst` with metadata `changes` ({key: (value, type[,
-    item type])}), keys `drop`ped and tensors replaced ({name: fn(array) -> array})."""
+    item type])}), keys `drop`ped, tensors replaced ({name: fn(array) -> array}) and
+    tensors `drop_tensors` left out."""
     r = GGUFReader(src)
     changes, tensors = changes or {}, tensors or {}
     w = GGUFWriter(os.fspath(dst), r.fields["general.architecture"].contents())
@@ -91,6 +92,8 @@ def rewrite_gguf(src: Path, dst: Path, changes: dict | None = None, drop: tuple 
     for name, (value, vtype, *item) in changes.items():
         w.add_key_value(name, value, vtype, sub_type=item[0] if item else None)
     for t in r.tensors:
+        if t.name in drop_tensors:
+            continue
         data = np.array(t.data)
         w.add_tensor(t.name, tensors[t.name](data) if t.name in tensors else data)
     w.write_header_to_file()
@@ -154,9 +157,9 @@ def run_limited(code: str, timeout: float = 60.0) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
-def assert_limited_refusal(code: str, error: str, match: str) -> None:
+def assert_limited_refusal(code: str, error: str, match: str, within: float = FAST) -> None:
     """`code` (which sets `load` to a zero-argument callable) must raise `error` matching
-    `match` inside the limited subprocess, within `FAST` seconds."""
+    `match` inside the limited subprocess, within `within` seconds."""
     script = f"""
 import re, time
 {code}
@@ -176,7 +179,7 @@ else:
         (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
     _, name, took = lines[0].split()
     assert name == error, done.stdout
-    assert float(took) < FAST
+    assert float(took) < within, done.stdout
     import re
 
     assert re.search(match, "\n".join(lines[1:])), done.stdout
@@ -188,6 +191,14 @@ BAD_METADATA = {
     "alignment-0": ({"general.alignment": (0, VT.UINT32)}, "alignment is 0.*power of two"),
     "alignment-3": ({"general.alignment": (3, VT.UINT32)}, "alignment is 3.*power of two"),
     "block-count-0": ({"llama.block_count": (0, VT.UINT32)}, "'llama.block_count' is 0"),
+    "block-count-3": ({"llama.block_count": (3, VT.UINT32)},
+                      "'llama.block_count' is 3, but the file holds tensors for 2 layers "
+                      "\\(blk.0 to blk.1\\)"),
+    "block-count-1": ({"llama.block_count": (1, VT.UINT32)},
+                      "'llama.block_count' is 1, but the file holds tensors for 2 layers"),
+    "expert-count-huge": ({"llama.expert_count": (2**31 - 1, VT.UINT32),
+                           "llama.expert_used_count": (2, VT.UINT32)},
+                          "no tensor 'blk.0.ffn_gate_inp.weight'"),
     "head-count-0": ({"llama.attention.head_count": (0, VT.UINT32)}, "head_count' is 0"),
     "head-count-kv-0": ({"llama.attention.head_count_kv": (0, VT.UINT32)},
                         "head_count_kv' is 0"),
@@ -257,6 +268,64 @@ def test_tensor_shapes_must_fit_the_metadata(tiny_gguf, tmp_path):
     refused(GGUFError, "'blk.0.attn_norm.weight' has shape \\(10,\\)", load_llm, path)
 
 
+@pytest.mark.parametrize("n_layer", [2_000_000, 2**31 - 1])
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_huge_block_count_in_limited_memory(tiny_gguf, tiny_bert_gguf, tmp_path, arch, n_layer):
+    """A block count far past the file's layers is refused by comparing it with the blk.N
+    tensors, before any per-layer loop (these used to build ~18 dict entries per claimed
+    layer: a MemoryError after 10 s or more)."""
+    src, load = (tiny_gguf, "load_llm") if arch == "llama" else (tiny_bert_gguf, "load_encoder")
+    path = rewrite_gguf(src, tmp_path / "layers.gguf",
+                        {f"{arch}.block_count": (n_layer, VT.UINT32)})
+    assert_limited_refusal(f"""
+from pathlib import Path
+from tests.test_hostile_files import {load}
+load = lambda: {load}(Path({str(path)!r}))
+""", "GGUFError", f"'{arch}.block_count' is {n_layer}, but the file holds tensors for 2 "
+        "layers", within=2.0)
+
+
+def test_huge_heads_without_a_query_projection_in_limited_memory(tiny_gguf, tmp_path):
+    """Head sizes are checked against the query projection, which must be there before the
+    RoPE tables are sized by them (without it, 2^30 rotated dimensions: 4 GiB at once)."""
+    huge = (2**30, VT.UINT32)
+    path = rewrite_gguf(tiny_gguf, tmp_path / "heads.gguf",
+                        {"llama.attention.key_length": huge,
+                         "llama.attention.value_length": huge,
+                         "llama.rope.dimension_count": huge},
+                        drop_tensors=("blk.0.attn_q.weight",))
+    assert_limited_refusal(f"""
+from pathlib import Path
+from tests.test_hostile_files import load_llm
+load = lambda: load_llm(Path({str(path)!r}))
+""", "GGUFError", "no tensor 'blk.0.attn_q.weight'", within=2.0)
+
+
+def test_empty_token_texts_are_told_apart(tiny_gguf, tmp_path):
+    """Empty token texts are renamed `[EMPTY_i]` (as the tokenizer and llama.cpp do) before
+    the duplicate check: several of them load; a real duplicate is still refused."""
+    tokens = list(GGUFReader(tiny_gguf).fields["tokenizer.ggml.tokens"].contents())
+
+    def with_tokens(name: str, **at: str) -> Path:
+        new = list(tokens)
+        for i, text in at.items():
+            new[int(i[1:])] = text
+        return rewrite_gguf(tiny_gguf, tmp_path / name,
+                            {"tokenizer.ggml.tokens": (new, VT.ARRAY, VT.STRING)})
+
+    m = load_llm(with_tokens("empty.gguf", t250="", t251="", t252=""))
+    assert m.tokenizer.tokens[250:253] == ["[EMPTY_250]", "[EMPTY_251]", "[EMPTY_252]"]
+    ids = m.tokenizer.encode("the cat sat on the mat", add_bos=False)
+    assert ids and all(i < 250 or i > 252 for i in ids)
+    assert m.tokenizer.decode(ids) == "the cat sat on the mat"
+    assert np.isfinite(m.forward(ids[:3], m.new_cache())).all()
+    m.close()
+    refused(GGUFError, "tokenizer.ggml.tokens holds the same token text twice", load_llm,
+            with_tokens("dup.gguf", t251=tokens[250]))
+    refused(GGUFError, "tokenizer.ggml.tokens holds the same token text twice", load_llm,
+            with_tokens("dup-empty.gguf", t250="", t251="[EMPTY_250]"))
+
+
 @pytest.fixture(scope="module")
 def tiny_bert_gguf(tmp_path_factory) -> Path:
     """A tiny random-weight BERT (width 64, 4 heads, 2 layers), converted as users do."""
@@ -280,6 +349,8 @@ BAD_BERT = {
     "eps-nan": ({"bert.attention.layer_norm_epsilon": (math.nan, VT.FLOAT32)},
                 "epsilon' is nan"),
     "block-count-0": ({"bert.block_count": (0, VT.UINT32)}, "'bert.block_count' is 0"),
+    "block-count-3": ({"bert.block_count": (3, VT.UINT32)},
+                      "'bert.block_count' is 3, but the file holds tensors for 2 layers"),
     "context-length-string": ({"bert.context_length": ("512", VT.STRING)},
                               "context_length' holds a str"),
     "feed-forward-mismatch": ({"bert.feed_forward_length": (96, VT.UINT32)},
@@ -564,6 +635,12 @@ HOSTILE_VALUES = [(v, VT.UINT64 if v >= 2**63 else VT.INT64 if v < 0 else VT.UIN
     (math.nan, VT.FLOAT32), (math.inf, VT.FLOAT64), (-1e-6, VT.FLOAT32), (1e38, VT.FLOAT32),
     (0.0, VT.FLOAT32), ("x", VT.STRING), ("", VT.STRING), (True, VT.BOOL),
     ([1, 2], VT.ARRAY, VT.INT32), (["a"], VT.ARRAY, VT.STRING), ([0.5], VT.ARRAY, VT.FLOAT32)]
+# Counts that pass the int32 bound but that no loop or allocation may trust before checking
+# them against the tensors (a huge block_count used to build millions of dict entries).
+LARGE_COUNTS = [2_000_000, 2**24 + 2, 2**31 - 1]
+EXTRA_COUNT_KEYS = ("llama.expert_count", "llama.expert_used_count",
+                    "llama.attention.key_length", "llama.attention.value_length",
+                    "llama.vocab_size")
 
 
 def _mutated_bytes(rng: random.Random, data: bytes, span: int) -> bytes:
@@ -576,7 +653,8 @@ def _mutated_bytes(rng: random.Random, data: bytes, span: int) -> bytes:
             out[at] = rng.randrange(256)
         else:
             width = rng.choice((4, 8))
-            value = rng.choice((0, 1, 2**(8 * width) - 1, 2**(8 * width - 1), 2**31, 1000))
+            value = rng.choice((0, 1, 2**(8 * width) - 1, 2**(8 * width - 1), 2**31, 1000,
+                                2_000_000, 2**31 - 1))
             out[at : at + width] = value.to_bytes(width, "little")[: len(out) - at]
     return bytes(out)
 
@@ -591,6 +669,8 @@ def fuzz_main(gguf_path: str, prefix_path: str, bin_path: str, workdir: str, see
     model = LLM(open_gguf(gguf_path), prepare_kernels=False, kv_cache_size=KV_CACHE_SIZE)
     reader = GGUFReader(gguf_path)
     keys = [k for k in reader.fields if not k.startswith("GGUF.") and k != "general.architecture"]
+    count_keys = [k for k in keys if type(reader.fields[k].contents()) is int]
+    count_keys += [k for k in EXTRA_COUNT_KEYS if k not in count_keys]
     gguf_data, prefix_data, bin_data = (Path(p).read_bytes() for p in
                                         (gguf_path, prefix_path, bin_path))
     header_end = reader.data_offset
@@ -614,7 +694,14 @@ def fuzz_main(gguf_path: str, prefix_path: str, bin_path: str, workdir: str, see
 
     for i in range(FUZZ_CASES):
         path = work / f"g{i}.gguf"
-        if i % 2:
+        if i % 4 == 1:  # large counts: every other such case the block count itself
+            changes = {"llama.block_count" if i % 8 == 1 else rng.choice(count_keys):
+                       (rng.choice(LARGE_COUNTS), VT.UINT32)}
+            if rng.random() < 0.5:
+                changes[rng.choice(count_keys)] = (rng.choice(LARGE_COUNTS), VT.UINT32)
+            rewrite_gguf(Path(gguf_path), path, changes)
+            what = f"gguf {changes}"
+        elif i % 2:
             changes = {}
             for _ in range(rng.randint(1, 2)):
                 changes[rng.choice(keys)] = rng.choice(HOSTILE_VALUES)
@@ -646,7 +733,7 @@ def fuzz_main(gguf_path: str, prefix_path: str, bin_path: str, workdir: str, see
             field = rng.choice(list(HPARAM))
             data = bytearray(bin_data)
             value = rng.choice([v for v in HOSTILE_INTS if -2**31 <= v < 2**31]
-                               + [1500, 448, 51865, 2**20])
+                               + [1500, 448, 51865, 2**20, 1024, 2_000_000])
             struct.pack_into("<i", data, HPARAM[field], value)
             path.write_bytes(bytes(data))
             what = f"whisper {field}={value}"

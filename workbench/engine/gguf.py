@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +30,12 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from workbench.engine.tokenizers import token_texts
+
 GGUF_MAGIC = b"GGUF"
 MAX_INT = 2**31 - 1
 """Default upper bound of `GGUFFile.get_int`: sizes and counts past int32 are no real model's."""
+_LAYER_NAME = re.compile(r"blk\.([0-9]+)\.")  # per-layer tensor names: blk.N.<name>
 
 
 class GGUFError(ValueError):
@@ -178,6 +182,25 @@ class GGUFFile:
                             f"[{lo}, {hi}]; the file is damaged or was written wrongly")
         return int(value)
 
+    def layer_count(self, key: str) -> int:
+        """The layer count at `key` (`{arch}.block_count`), checked against the `blk.N.`
+        tensors the file holds, before anything is sized or looped by it: a `GGUFError`
+        naming the key and the layers the file has unless those are exactly 0 .. n-1."""
+        n = self.get_int(key)
+        layers = {int(m.group(1)) for name in self.tensors if (m := _LAYER_NAME.match(name))}
+        if len(layers) == n and max(layers) == n - 1:  # n distinct ids >= 0: all of 0 .. n-1
+            return n
+        if not layers:
+            has = "no per-layer (blk.N.) tensors"
+        elif max(layers) == len(layers) - 1:
+            has = f"tensors for {len(layers)} layers (blk.0 to blk.{max(layers)})"
+        else:
+            has = (f"tensors for {len(layers)} layers numbered {min(layers)} to "
+                   f"{max(layers)}, with gaps")
+        raise GGUFError(f"{self.path.name}: metadata key {key!r} is {n}, but the file holds "
+                        f"{has}; the file is damaged or its metadata does not belong to its "
+                        "weights")
+
     def get_float(self, key: str, default: float | None = None, *,
                   hi: float = math.inf) -> float:
         """The number at `key` (or `default` when absent; None: required), checked to be
@@ -214,7 +237,8 @@ def _check_tokenizer_metadata(path: Path, md: dict[str, Any]) -> None:
                                       and all(isinstance(v, str) for v in value)):
             raise bad(key, "an array of strings")
     n_tokens = len(tokens) if tokens is not None else None
-    if tokens is not None and len(set(tokens)) != n_tokens:
+    # compared as the tokenizer keys them: empty texts are renamed apart first
+    if tokens is not None and len(set(token_texts(tokens))) != n_tokens:
         raise GGUFError(f"{path.name}: tokenizer.ggml.tokens holds the same token text twice; "
                         "the file is damaged or was written wrongly")
     for key, kind in (("tokenizer.ggml.scores", "fiu"), ("tokenizer.ggml.token_type", "iu")):

@@ -73,7 +73,7 @@ class BertConfig:
         max_seq = g.get_int("sentence_transformers.max_seq_length", n_ctx)
         return cls(
             arch=arch,
-            n_layer=g.get_int(f"{arch}.block_count"),
+            n_layer=g.layer_count(f"{arch}.block_count"),  # checked against the blk.N tensors
             n_embd=n_embd,
             n_ff=g.get_int(f"{arch}.feed_forward_length"),
             n_head=n_head,

@@ -147,7 +147,7 @@ class LlamaConfig:
             raise GGUFError(f"RoPE scaling {scaling!r} is not supported (none, linear and "
                             "Llama 3 frequency factors are)")
         n_vocab = _vocab_size(g, arch)
-        n_layer = get_int("block_count")
+        n_layer = g.layer_count(f"{arch}.block_count")  # checked against the blk.N tensors
         n_expert = get_int("expert_count", 0, lo=0)
         pattern = g.get(f"{arch}.attention.sliding_window_pattern", 0)
         if np.isscalar(pattern):
@@ -214,6 +214,10 @@ def check_tensor_shapes(g: GGUFFile, cfg: LlamaConfig) -> None:
     index the weights by the config's sizes, so a mismatch must stop the load)."""
     D, hd, F = cfg.n_embd, cfg.head_dim, cfg.n_ff
     q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
+    # the query projection (or phi3's fused one) must be there to check the head sizes
+    # against, before the RoPE tables are sized by them
+    if "blk.0.attn_qkv.weight" not in g.tensors:
+        g.tensor("blk.0.attn_q.weight")
     expected: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (cfg.n_vocab, D), "output.weight": (cfg.n_vocab, D),
         "output_norm.weight": (D,)}

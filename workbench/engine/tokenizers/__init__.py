@@ -34,6 +34,13 @@ from typing import Any
 import numpy as np
 
 
+def token_texts(tokens: Iterable[str]) -> list[str]:
+    """The token texts as the vocabulary keys them: an empty text becomes `[EMPTY_i]`
+    (its id i), as llama.cpp renames it on load, so several empty tokens stay distinct.
+    The GGUF reader's duplicate-token check applies the same rule."""
+    return [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+
+
 class UnsupportedTokenizerError(ValueError):
     """The GGUF names a tokenizer model or pre-tokenizer this package does not implement."""
 
@@ -147,7 +154,7 @@ class Tokenizer:
         tokens = md.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, Sequence) or isinstance(tokens, str) or not tokens:
             raise ValueError("the GGUF has no tokenizer.ggml.tokens array")
-        self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self.tokens: list[str] = token_texts(tokens)
         self.vocab_size: int = len(self.tokens)
         self._token_to_id: dict[str, int] = dict(zip(self.tokens, range(self.vocab_size)))
         if len(self._token_to_id) != self.vocab_size:
