@@ -11,8 +11,9 @@
   pytorch_model.bin, alone and in a padded batch.
 - Every fidelity test runs on each of `DEVICES`: the NumPy engine, the MLX backend
   and the CuPy backend's code on NumPy (`tests/conftest.py`).
-- Bad input: empty text, over-long text (truncated, warned), a decoder GGUF
-  given to Encoder.load, unsupported or malicious checkpoints.
+- Bad input: empty text, over-long text (truncated, warned; the kept ids those of the
+  whole text, which is not tokenized whole: 10 MB without whitespace in < 1 s), a
+  decoder GGUF given to Encoder.load, unsupported or malicious checkpoints.
 """
 
 from __future__ import annotations
@@ -367,6 +368,77 @@ def test_tiny_bert_reduced_precision(tmp_path, dtype, min_cos, device):
     with torch.no_grad():
         ref = model(torch.tensor([ids])).last_hidden_state[0].numpy()
     assert _cosines(enc.token_embeddings(TINY_TEXTS[0]), ref).min() >= min_cos
+
+
+def _kept_ids(enc, text: str) -> list[int]:
+    """What `enc.tokenize` must give: the whole text's ids, cut to max_length."""
+    tok = enc.tokenizer
+    whole = tok.encode(text)
+    return whole if len(whole) <= enc.max_length else whole[: enc.max_length - 1] + [tok.eos_id]
+
+
+def _random_long_texts(seed: int, n: int, pieces: list[str], max_pieces: int) -> list[str]:
+    """Texts of random pieces: half joined at spaces and newlines, half with no
+    whitespace at all (only hyphens and dots, or nothing), some then going on in words."""
+    import random
+
+    rng = random.Random(seed)
+    texts = []
+    for i in range(n):
+        seps = [" ", "", " ", "\n", "\t"] if i % 2 else ["", "", "-", "."]
+        text = "".join(rng.choice(pieces) + rng.choice(seps)
+                       for _ in range(rng.randint(1, max_pieces)))
+        if rng.random() < 0.3:
+            text += " then some words" * rng.randint(0, 300)
+        texts.append(text)
+    return texts
+
+
+LONG_TEXT_PIECES = ["the", "quick", "brown", "fox", "jumped", "unjumped", "hello", "world",
+                    "東京", "漢字", "中文测试你好世界", "ひらがな", "a" * 150, "x" * 60, "b" * 99,
+                    "c" * 101, "??", ",", "https://example.org/a?b=c", "1234567890",
+                    "nospacesatallbutlong", "base64+/=QUJD", "Ünïcödé", "😀"]
+
+
+def test_long_texts_are_cut_exactly_and_fast(tmp_path):
+    """A long text is tokenized a growing head at a time, cut at whitespace or, in a long
+    run without any, hard (HARD_CUT_MARGIN more tokens): the kept ids are the whole
+    text's first ones for 300 random texts (words, CJK, unspaced runs of thousands of
+    characters, words over 100 characters). 10 MB with no whitespace (ASCII, CJK,
+    punctuation) or only whitespace costs one bounded head (< 1 s), not the whole."""
+    import time
+
+    from workbench.engine.convert import hf_bert_to_gguf
+    from workbench.engine.encoder import HEAD_CHARS_LIMIT, HEAD_MARGIN, _word_end
+
+    assert _word_end("abc def", 100) == 7
+    assert _word_end("aaaa bbbb cccc", 8) == 4  # the last whitespace in the head's second half
+    assert _word_end("a" * 20 + " b", 16) == 20  # else the first within half a head after
+    assert _word_end("a" * 40 + " b", 16) == 16  # else hard, at the size
+    assert _word_end("a b" + "c" * 40, 16) == 16  # a whitespace far behind is not near
+
+    folder = tmp_path / "tiny"
+    _tiny_bert(folder)
+    path = hf_bert_to_gguf(folder, tmp_path / "tiny.gguf")
+    for max_length in (16, 64):
+        with open_encoder(path, "cpu", max_length=max_length, prepare_kernels=False) as enc:
+            texts = _random_long_texts(max_length, 150, LONG_TEXT_PIECES, 600)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for text in texts:
+                    assert enc.tokenize(text) == _kept_ids(enc, text), text[:200]
+                # the same kept ids as the whole text's (its first 100,000 characters' here)
+                for text in ("a" * 10_000_000, "漢字" * 5_000_000, "x," * 5_000_000,
+                             " " * 10_000_000):
+                    start = time.perf_counter()
+                    ids = enc.tokenize(text)
+                    assert time.perf_counter() - start < 1, text[:20]
+                    assert ids == _kept_ids(enc, text[:100_000]), text[:20]
+                # a word longer than HEAD_CHARS_LIMIT characters per kept token: cut in it
+                limit = (max_length + HEAD_MARGIN) * HEAD_CHARS_LIMIT
+                text = "a" * 5000 + " b" * 3000
+                expected = _kept_ids(enc, text if limit > 5000 else "a" * 5000)
+                assert enc.tokenize(text) == expected
 
 
 def test_converter_refuses_what_it_cannot_convert(tmp_path):

@@ -7,6 +7,8 @@
   under RLIMIT_AS, its peak memory bounded.
 - A WAV whose header says 1 Hz, 65 channels, a FLAC that hides its length past
   `max_seconds`, truncated and garbage files: a clear `AudioError`, fast.
+- A streamed WAV (data size 0 or 0xFFFFFFFF) and a FLAC without total_samples (as
+  pipes write them) decode to the whole file's samples (PyAV, a dev dependency).
 - `cancel=` stops a transcription soon after the flag is set.
 """
 
@@ -253,6 +255,95 @@ def test_implausible_headers_and_broken_files(tmp_path):
         assert "error" in got, (name, got)
         assert re.search(pattern, got["error"]), (name, got["error"])
         assert got["seconds"] < 2, (name, got)
+
+
+def jfk_int16() -> tuple[np.ndarray, int]:
+    import soundfile
+
+    pcm, rate = soundfile.read(shared_file("data", "whisper", "jfk.wav"), dtype="int16")
+    return pcm, rate
+
+
+def streamed_wav(data: bytes, size: int) -> bytes:
+    """`data` (a 44-byte-header WAV) as a streaming writer leaves it: RIFF and data
+    sizes unknown (0, or 0xFFFFFFFF)."""
+    wav = bytearray(data)
+    assert wav[:4] == b"RIFF" and wav[36:40] == b"data"
+    wav[4:8] = wav[40:44] = size.to_bytes(4, "little")
+    return bytes(wav)
+
+
+def flac_without_length(data: bytes) -> bytes:
+    """`data` (a FLAC) with STREAMINFO's 36-bit total_samples zeroed, as
+    `ffmpeg -f flac pipe:` writes it."""
+    flac = bytearray(data)
+    assert flac[:4] == b"fLaC"
+    fields = int.from_bytes(flac[18:26], "big")  # rate:20 channels:3 bits:5 samples:36
+    flac[18:26] = (fields & ~((1 << 36) - 1)).to_bytes(8, "big")
+    return bytes(flac)
+
+
+@pytest.mark.parametrize("size", [0, 0xFFFFFFFF])
+def test_streamed_wav_decodes_whole(size, tmp_path):
+    """A WAV whose header does not tell its data size (browsers, FFmpeg pipes) is the
+    same samples as the whole WAV, not 0 of them (libsndfile says 0 frames: PyAV reads
+    it); max_seconds still holds."""
+    import av  # noqa: F401  (a dev dependency: its absence is a failure, not a skip)
+
+    from workbench.engine.audio import AudioError, load_audio
+
+    pcm, rate = jfk_int16()
+    whole = load_audio(wav_bytes(pcm, rate))
+    assert len(whole) == len(pcm) == 176000
+    data = streamed_wav(wav_bytes(pcm, rate), size)
+    np.testing.assert_array_equal(load_audio(data), whole)
+    (tmp_path / "streamed.wav").write_bytes(data)
+    np.testing.assert_array_equal(load_audio(tmp_path / "streamed.wav"), whole)
+    with pytest.raises(AudioError, match=r"0:00:10"):
+        load_audio(data, max_seconds=10)
+    long = streamed_wav(wav_bytes(np.zeros(16000 * 100, np.int16), 16000), size)
+    with pytest.raises(AudioError, match=r"0:01:00"):
+        load_audio(long, max_seconds=60)
+
+
+def test_flac_without_length_decodes_whole(tmp_path):
+    """A FLAC whose STREAMINFO says total_samples=0 (libsndfile: 2**63 - 1 frames, then
+    a failed seek at its end) is the same samples as the whole FLAC, bytes or path."""
+    import av  # noqa: F401  (a dev dependency: its absence is a failure, not a skip)
+    import soundfile
+
+    from workbench.engine.audio import AudioError, load_audio, open_audio
+
+    pcm, rate = jfk_int16()
+    buf = io.BytesIO()
+    soundfile.write(buf, pcm, rate, format="FLAC", subtype="PCM_16")
+    whole = load_audio(buf.getvalue())
+    assert len(whole) == 176000
+    np.testing.assert_allclose(whole, load_audio(wav_bytes(pcm, rate)), atol=1e-6)
+    data = flac_without_length(buf.getvalue())
+    assert open_audio(data).duration is None
+    np.testing.assert_array_equal(load_audio(data), whole)
+    (tmp_path / "no-length.flac").write_bytes(data)
+    np.testing.assert_array_equal(load_audio(tmp_path / "no-length.flac"), whole)
+    with pytest.raises(AudioError, match=r"longer than 0:00:10"):
+        load_audio(data, max_seconds=10)
+
+
+def test_first_read_failure_tries_pyav():
+    """A FLAC cut just past its header opens in libsndfile but does not read: PyAV is
+    tried, and finding no audio either, it is libsndfile's error, not 0 samples."""
+    import soundfile
+
+    from workbench.engine.audio import AudioError, load_audio
+
+    pcm, rate = jfk_int16()
+    buf = io.BytesIO()
+    soundfile.write(buf, pcm, rate, format="FLAC", subtype="PCM_16")
+    with soundfile.SoundFile(io.BytesIO(buf.getvalue()[:92])) as f:
+        with pytest.raises(soundfile.LibsndfileError):
+            f.read(4096)
+    with pytest.raises(AudioError, match="could not decode the audio"):
+        load_audio(buf.getvalue()[:92])
 
 
 def test_max_seconds_on_arrays_and_bytes():

@@ -210,6 +210,11 @@ def test_a_10_mb_embedding_input_is_cut_fast(server, baseline):
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 256  # cut at the model's maximum
     assert time.monotonic() - start < 10  # was 42 s, tokenizing all 10 MB first
+    start = time.monotonic()  # no whitespace: one word, [UNK], from a bounded head
+    r = _post(server, "/v1/embeddings", json={"model": "minilm-l6", "input": "a" * 10_000_000})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 3
+    assert time.monotonic() - start < 10  # was ~20 s, tokenizing all 10 MB first
     _healthy(server, baseline)
 
 
@@ -382,7 +387,9 @@ def test_encoder_cuts_long_texts_without_tokenizing_them_whole(minilm):
     tok = minilm.tokenizer
     texts = ["a sentence, with some words; and punctuation! " * 400,
              "ünïcödé 東京 words\tand\nlines " * 600, "x" * 300 + " y" * 3000,
-             "nospacesatallbutlong" * 50 + " then words" * 500]
+             "nospacesatallbutlong" * 50 + " then words" * 500,
+             "漢字" * 2000, "東京タワー、" * 1000, "x-" * 5000, "a" * 5000 + " b" * 3000,
+             "https://example.org/a?q=" + "base64+/=QUJD" * 2000]
     for text in texts:
         whole = tok.encode(text)
         expected = whole[:255] + [tok.eos_id]
@@ -396,3 +403,25 @@ def test_encoder_cuts_long_texts_without_tokenizing_them_whole(minilm):
         assert len(minilm.tokenize(huge)) == 256
     assert time.monotonic() - start < 2
     assert np.isfinite(v).all()
+
+
+def test_unspaced_10_mb_embedding_inputs_are_cut_fast(minilm):
+    """10 MB without whitespace costs one bounded head, not the whole text: unspaced
+    ASCII (one [UNK] word), CJK (every ideograph a word: 27 s when tokenized whole),
+    punctuation; the ids kept are the whole text's first ones (here: its first
+    100,000 characters'). 100 random texts of words, CJK and unspaced runs: the same."""
+    import warnings
+
+    from tests.test_encoder import LONG_TEXT_PIECES, _kept_ids, _random_long_texts
+    from workbench.engine.encoder import TruncationWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TruncationWarning)
+        for text in ("a" * 10_000_000, "漢字" * 5_000_000, "中文，" * 3_000_000,
+                     "x," * 5_000_000):
+            start = time.monotonic()
+            ids = minilm.tokenize(text)
+            assert time.monotonic() - start < 1, text[:20]
+            assert ids == _kept_ids(minilm, text[:100_000]), text[:20]
+        for text in _random_long_texts(0, 100, LONG_TEXT_PIECES, 3000):
+            assert minilm.tokenize(text) == _kept_ids(minilm, text), text[:200]

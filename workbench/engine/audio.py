@@ -4,9 +4,10 @@
   scaled), stereo is averaged to mono, NaN or infinite samples are an error;
 - files and bytes go through `soundfile` (WAV, FLAC, OGG/Vorbis and Opus, MP3 ...)
   and are resampled with `soxr` (high quality) when their rate is not 16 kHz;
-- what libsndfile cannot read (WebM/Opus and MP4/AAC, what browsers record) is
+- what libsndfile cannot read (WebM/Opus and MP4/AAC, what browsers record), or
+  whose length its header does not tell (a streamed WAV, a FLAC from a pipe), is
   decoded with PyAV (FFmpeg) when it is installed (`pip install av`, part of the
-  `notebook` extra).
+  `serve` and `notebook` extras).
 
 `open_audio` reads a source in pieces: its header is checked first (sample rate,
 channels, and the duration against `max_seconds`) and `AudioSource.blocks()` then
@@ -26,7 +27,6 @@ import numpy as np
 from workbench.engine.cancel import CancelFlag, check_cancel
 
 SAMPLE_RATE = 16_000
-MAX_AUDIO_SECONDS = 3600  # the longest audio the server accepts per request (its max_seconds)
 MIN_SOURCE_RATE = 1_000  # sample rates outside these bounds are a broken or hostile header
 MAX_SOURCE_RATE = 384_000
 MAX_CHANNELS = 64
@@ -137,24 +137,54 @@ def _check_header(where: str, rate: int, channels: int, duration: float | None,
                          f"at most {format_duration(max_seconds)} (max_seconds)")
 
 
+class _Unreadable(AudioError):
+    """PyAV is not installed, or FFmpeg cannot open the data (not: a checked header)."""
+
+
+PROBE_SAMPLES = 4096  # samples read when a file is opened: some open, then fail to read
+
+
 def _open_encoded(opener: Callable[[], str | io.BytesIO], where: str,
                   max_seconds: float | None) -> AudioSource:
-    """libsndfile when it reads the format, else PyAV."""
+    """libsndfile when it reads the format and knows its length, else PyAV."""
     import soundfile
 
     try:
         with soundfile.SoundFile(opener()) as f:
             rate, channels, frames = f.samplerate, f.channels, f.frames
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
+        return _pyav_instead(opener, where, max_seconds, exc)
+    if 0 < frames < 1 << 62 and rate > 0:
+        duration = frames / rate
+    else:
+        # The header does not tell the length. libsndfile says 0 frames for a streamed
+        # WAV (data size 0, as browsers and FFmpeg pipes write it) and reads nothing, and
+        # 2**63 - 1 for a FLAC whose STREAMINFO says total_samples=0 (`ffmpeg -f flac
+        # pipe:`), whose reading then fails at its end on a seek; FFmpeg reads both to
+        # their end, max_seconds checked while decoding. Without PyAV (or where FFmpeg
+        # cannot open it) libsndfile it is, as before.
         try:
             return _open_pyav(opener, where, max_seconds)
-        except AudioError as inner:
-            reason = getattr(exc, "error_string", None) or exc  # without the file object
-            raise AudioError(f"{where}: not audio that soundfile or FFmpeg can read "
-                             f"({reason}; {inner})") from None
-    # libsndfile says 0 or a huge count when the header does not know: checked while reading
-    duration = frames / rate if 0 < frames < 1 << 62 and rate > 0 else None
+        except _Unreadable:
+            duration = None
     _check_header(where, rate, channels, duration, max_seconds)
+    try:  # a first read, small whatever the channel count
+        with soundfile.SoundFile(opener()) as f:
+            f.read(max(1, PROBE_SAMPLES // channels), dtype="float32", always_2d=True)
+    except (soundfile.LibsndfileError, RuntimeError) as exc:
+        source = _pyav_instead(opener, where, max_seconds, exc)
+        decoded, failure = source._blocks, f"{where}: could not decode the audio ({exc})"
+
+        def pyav_blocks() -> Iterator[np.ndarray]:  # no audio at all: libsndfile's error
+            n = 0
+            for block in decoded():
+                n += len(block)
+                yield block
+            if not n:
+                raise AudioError(failure)
+
+        source._blocks = pyav_blocks
+        return source
 
     def blocks() -> Iterator[np.ndarray]:
         per_block = max(1, BLOCK_SAMPLES // channels)
@@ -179,17 +209,28 @@ def _open_encoded(opener: Callable[[], str | io.BytesIO], where: str,
                        max_seconds=max_seconds)
 
 
+def _pyav_instead(opener: Callable[[], str | io.BytesIO], where: str,
+                  max_seconds: float | None, exc: Exception) -> AudioSource:
+    """PyAV for what libsndfile cannot open or read (`exc`); header checks raise as they are."""
+    try:
+        return _open_pyav(opener, where, max_seconds)
+    except _Unreadable as inner:
+        reason = getattr(exc, "error_string", None) or exc  # without the file object
+        raise AudioError(f"{where}: not audio that soundfile or FFmpeg can read "
+                         f"({reason}; {inner})") from None
+
+
 def _open_pyav(opener: Callable[[], str | io.BytesIO], where: str,
                max_seconds: float | None) -> AudioSource:
     """Compressed audio (WebM, MP4 ...) decoded packet by packet with PyAV."""
     try:
         import av
     except ImportError:
-        raise AudioError("decoding compressed audio needs PyAV: pip install av") from None
+        raise _Unreadable("decoding compressed audio needs PyAV: pip install av") from None
     try:
         with av.open(opener(), mode="r") as container:
             if not container.streams.audio:
-                raise AudioError("the data holds no audio stream")
+                raise _Unreadable("the data holds no audio stream")
             stream = container.streams.audio[0]
             rate = int(stream.codec_context.sample_rate or 0)
             channels = int(stream.codec_context.channels or 0)
@@ -202,7 +243,8 @@ def _open_pyav(opener: Callable[[], str | io.BytesIO], where: str,
     except AudioError:
         raise
     except Exception as exc:  # av.error.InvalidDataError and friends
-        raise AudioError(f"could not decode the audio ({type(exc).__name__}: {exc})") from None
+        raise _Unreadable(f"could not decode the audio ({type(exc).__name__}: {exc})"
+                          ) from None
     _check_header(where, rate, channels, duration, max_seconds)
 
     def blocks() -> Iterator[np.ndarray]:
@@ -298,5 +340,5 @@ def _checked(pcm: np.ndarray, offset: int = 0) -> np.ndarray:
     return pcm
 
 
-__all__ = ["MAX_AUDIO_SECONDS", "SAMPLE_RATE", "AudioError", "AudioSource", "decode_audio",
+__all__ = ["SAMPLE_RATE", "AudioError", "AudioSource", "decode_audio",
            "format_duration", "load_audio", "open_audio"]

@@ -44,6 +44,19 @@ POOLS = ("mean", "cls", "last")
 # tokenizer here ends a word), until the head alone has more tokens than are kept.
 HEAD_CHARS_PER_TOKEN = 8  # the first head: this many characters per kept token
 HEAD_MARGIN = 8  # tokens beyond the kept ones a head must have (the cut is far behind)
+# Where no whitespace lies within half a head of its cut (a run of over a thousand
+# characters without any: CJK, minified code, base64, "a" * 400000), the head is cut
+# there hard, inside a word. Only that last word tokenizes differently from the whole
+# text's: such a head must have HARD_CUT_MARGIN more tokens, more than one word can give
+# (WordPiece: a word over 100 characters is one [UNK]; BPE and SentencePiece: pieces
+# near the cut).
+HARD_CUT_MARGIN = 128
+# A head never grows past this many characters per kept token: there the text is cut
+# whatever the head's tokens (so a 10 MB input costs what ~34,000 characters do). Real
+# text has a few characters per token; only a text whose first max_length tokens span
+# over 128 characters each (whitespace runs, or words of hundreds of characters that
+# are one [UNK] each) is cut short of its first max_length tokens, without a warning.
+HEAD_CHARS_LIMIT = 128
 _WORD_ENDS = " \t\n\r"
 
 
@@ -171,17 +184,22 @@ class Encoder:
 
         A text is not tokenized past what is kept: heads of it cut at whitespace are
         tokenized, growing, until one has more tokens than `max_length` (the kept ids
-        are the same as the whole text's first ones, since no token spans the cut)."""
+        are the same as the whole text's first ones, since no token spans the cut). A
+        head cut inside a long unspaced run must have HARD_CUT_MARGIN tokens more, and
+        none grows past HEAD_CHARS_LIMIT characters per kept token (see there)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be str, not {type(text).__name__}")
         enough = self.max_length + HEAD_MARGIN
         size = enough * HEAD_CHARS_PER_TOKEN
+        limit = enough * HEAD_CHARS_LIMIT
         while True:
             end = _word_end(text, size)
             ids = self.tokenizer.encode(text[:end])
-            if end == len(text) or len(ids) > enough:
+            hard = end < len(text) and text[end] not in _WORD_ENDS
+            if (end == len(text) or len(ids) > enough + (HARD_CUT_MARGIN if hard else 0)
+                    or size >= limit):
                 break
-            size = 2 * max(size, end)
+            size = min(2 * max(size, end), limit)
         if len(ids) <= self.max_length:
             return ids, 0
         tok = self.tokenizer
@@ -303,14 +321,15 @@ def _is_single(x: Any) -> bool:
 
 def _word_end(text: str, size: int) -> int:
     """Where to cut a head of about `size` characters from `text`: at its last
-    whitespace, else at the first one after it, else at the end."""
+    whitespace in the second half of the head, else at the first one within half a
+    head after it, else (a long run without whitespace) at `size` itself."""
     if size >= len(text):
         return len(text)
-    back = max(text.rfind(c, 0, size) for c in _WORD_ENDS)
+    back = max(text.rfind(c, size // 2, size) for c in _WORD_ENDS)
     if back > 0:
         return back
-    ahead = [i for i in (text.find(c, size) for c in _WORD_ENDS) if i >= 0]
-    return min(ahead, default=len(text))
+    ahead = [i for i in (text.find(c, size, size + size // 2) for c in _WORD_ENDS) if i >= 0]
+    return min(ahead, default=size)
 
 
 def _warn_truncated(lengths: list[int], limit: int) -> None:
