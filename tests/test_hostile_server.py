@@ -364,6 +364,30 @@ def test_generate_batch_stops_soon_after_cancel(smollm2, no_eos):
     assert out[0].text == smollm2.generate("Hello", max_tokens=4, temperature=0).text
 
 
+def test_a_single_generation_stops_between_prefill_chunks(smollm2):
+    from workbench.engine.cancel import Cancelled
+    from workbench.engine.llm import PREFILL_CHUNK
+
+    class SetOnSecondLook:
+        looks = 0
+
+        def is_set(self) -> bool:
+            self.looks += 1
+            return self.looks >= 2
+
+    prompt = " ".join(["word"] * (3 * PREFILL_CHUNK))  # about 3 chunks of tokens
+    flag = SetOnSecondLook()
+    completion = smollm2.generate(prompt, max_tokens=8, cancel=flag)
+    with pytest.raises(Cancelled):
+        next(iter(completion.iter_events()))
+    assert flag.looks == 2  # before the first chunk, then before the second: no token out
+    assert not smollm2.busy.peek()
+    unset = threading.Event()  # a flag never set changes nothing
+    chat = [{"role": "user", "content": "Hello"}]
+    assert smollm2.chat(chat, max_tokens=4, temperature=0, cancel=unset).text \
+        == smollm2.chat(chat, max_tokens=4, temperature=0).text
+
+
 def test_embed_batch_stops_soon_after_cancel(minilm, smollm2):
     from workbench.engine.cancel import Cancelled
 

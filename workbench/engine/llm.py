@@ -424,7 +424,8 @@ class LLM:
                  logit_bias: Mapping[int, float] | None = None,
                  grammar: Grammar | str | None = None, schema: Any = None,
                  closing: Closing | bool = True, prefix: PrefixCache | None = None,
-                 logits_processors: Sequence[LogitsProcessor] = ()) -> Completion:
+                 logits_processors: Sequence[LogitsProcessor] = (),
+                 cancel: CancelFlag | None = None) -> Completion:
         """Continue `prompt` (text, or token ids) without a chat template.
 
         Stops at the model's end-of-generation tokens, any of `stop_tokens`, any
@@ -452,6 +453,9 @@ class LLM:
         so far; logits: a float32 (n_vocab,) copy they may change), before the
         bias, penalties, grammar mask and sampling; the events' logprobs stay
         the model's own.
+
+        `cancel`: a flag (`threading.Event`) looked at between prefill chunks
+        and before each token; once it is set, iterating raises `Cancelled`.
         """
         ids, prompt_text = self._prompt_ids(prompt, add_bos, include_prompt)
         self._check_prefix(prefix)
@@ -462,20 +466,22 @@ class LLM:
                        frequency_penalty=frequency_penalty, logit_bias=logit_bias,
                        logits_processors=logits_processors, closing=closing)
         seq = self._decoding(ids, resolve_grammar(grammar, schema), seed, **options)
-        return Completion(self._generate_events(ids, seq, prefix), ids, prompt_text)
+        return Completion(self._generate_events(ids, seq, prefix, cancel), ids, prompt_text)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
-             chat_template: str | None = None, **options) -> Completion:
+             chat_template: str | None = None, cancel: CancelFlag | None = None,
+             **options) -> Completion:
         """Answer a conversation rendered with the model's chat template (or
         `chat_template`, Jinja text, rendered in the same sandbox; check one with
         `validate_chat_template`).
 
         `messages` are dicts with `role` and `content`. Options are those of
-        `generate` (`max_tokens`, `temperature`, `stop`, `logprobs`, `seed` ...).
+        `generate` (`max_tokens`, `temperature`, `stop`, `logprobs`, `seed`,
+        `cancel` ...).
         """
         options.pop("include_prompt", None)
         ids = self._chat_ids(messages, tools, chat_template=chat_template)
-        return self.generate(ids, **options)
+        return self.generate(ids, cancel=cancel, **options)
 
     def chat_json(self, messages: Sequence[Mapping[str, Any]], schema: Any = None, *,
                   grammar: Grammar | str | None = None, schema_in_prompt: bool = True,
@@ -614,7 +620,7 @@ class LLM:
         rows = []
         for ids, c in zip(prompt_ids, caches):
             check_cancel(cancel)
-            rows.append(self._fill(c, ids, prefix, on_device=True))
+            rows.append(self._fill(c, ids, prefix, on_device=True, cancel=cancel))
         active = list(range(len(seqs)))
         while active:
             check_cancel(cancel)
@@ -744,7 +750,7 @@ class LLM:
         return self.model
 
     def _fill(self, cache: KVCache, ids: list[int], prefix: PrefixCache | None,
-              on_device: bool = False) -> np.ndarray:
+              on_device: bool = False, cancel: CancelFlag | None = None) -> np.ndarray:
         """Bring `cache` to hold `ids`, reusing what it already holds and what `prefix`
         holds (copied, whichever covers more), prefilling the rest; return the logits
         after the last token (at least one token always runs, for them; with `on_device`,
@@ -763,7 +769,7 @@ class LLM:
         tail = ids[reuse:]
         if restored and len(tail) <= STEPWISE_TAIL:  # the question after a cached prompt
             return self._prefill_stepwise(tail, cache, on_device)
-        return self._prefill(tail, cache, on_device)
+        return self._prefill(tail, cache, on_device, cancel)
 
     def _prefill_stepwise(self, ids: list[int], cache: KVCache, on_device: bool = False
                           ) -> np.ndarray:
@@ -776,11 +782,14 @@ class LLM:
         with self._forward_lock:
             return self._logits(hidden[-1:], on_device)[0]
 
-    def _prefill(self, ids: list[int], cache: KVCache, on_device: bool = False) -> np.ndarray:
-        """Feed `ids` in chunks of PREFILL_CHUNK (bounding the attention scores' memory);
-        return the logits (n_vocab,) after the last one."""
+    def _prefill(self, ids: list[int], cache: KVCache, on_device: bool = False,
+                 cancel: CancelFlag | None = None) -> np.ndarray:
+        """Feed `ids` in chunks of PREFILL_CHUNK (bounding the attention scores' memory;
+        `cancel` is looked at between them); return the logits (n_vocab,) after the
+        last one."""
         model = self._require_model()
         for start in range(0, len(ids), PREFILL_CHUNK):
+            check_cancel(cancel)
             with self._forward_lock:
                 hidden = model.hidden(np.asarray(ids[start : start + PREFILL_CHUNK]), cache)
         with self._forward_lock:
@@ -818,7 +827,7 @@ class LLM:
                          processors=list(logits_processors), closing=Closing.of(closing))
 
     def _generate_events(self, prompt_ids: list[int], seq: _Decoding,
-                         prefix: PrefixCache | None = None
+                         prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
                          ) -> Generator[TokenEvent, None, str]:
         """Yield the events of one generation; return its finish reason."""
         model = self._require_model()
@@ -830,8 +839,9 @@ class LLM:
         try:
             if seq.max_tokens == 0:
                 return "length"
-            logits = self._fill(cache, prompt_ids, prefix, on_device=True)
+            logits = self._fill(cache, prompt_ids, prefix, on_device=True, cancel=cancel)
             while True:
+                check_cancel(cancel)
                 token, events = seq.step(logits, room=cache.max_len - cache.offset,
                                          on_device=self.backend is not None)
                 yield from events

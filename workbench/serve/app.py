@@ -611,11 +611,14 @@ def _choices(engine: Any, method: str, batch_method: str, inputs: list[Any], n: 
              options: dict) -> Callable[[threading.Event], list[Any]]:
     """Start `n` completions of each input: the engine's batch method when it has one
     (seed s gives choice i the seed s + i, as the batch does; `cancel=` stops it between
-    decode steps), else one call each."""
+    decode steps), else one call each (a single one gets `cancel=` where it names it,
+    which also stops its prefill between chunks)."""
 
     def start(cancelled: threading.Event) -> list[Any]:
         if len(inputs) * n == 1:
-            return [getattr(engine, method)(inputs[0], **options)]
+            call = getattr(engine, method)
+            extra = {"cancel": cancelled} if _accepts(call, "cancel", by_name=True) else {}
+            return [call(inputs[0], **options, **extra)]
         repeated = [x for x in inputs for _ in range(n)]
         if hasattr(engine, batch_method):
             batch = getattr(engine, batch_method)
