@@ -317,7 +317,7 @@ def load_engine(source: str, *, ctx: int = 4096):
 
 def _serve(args) -> int:
     from workbench.serve import serve
-    from workbench.serve.app import check_api_key
+    from workbench.serve.jobs import check_api_key
 
     check_api_key(args.api_key)  # before the models load
     engines = {}

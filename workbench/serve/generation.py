@@ -1,0 +1,333 @@
+"""Chat and text completions: the engine calls behind `/v1/chat/completions` and
+`/v1/completions`, and the JSON answers and server-sent event streams built from them.
+
+`n` choices (times the prompts of a text completion) run as one job: the engine's batch
+method where it has one, else one call per choice. A stream that fails after its headers
+are out reports the error as its last event, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+
+from workbench.engine.cancel import check_cancel
+from workbench.engine.llm import TokenEvent
+from workbench.serve.jobs import JOB_DONE, ClientGone, Job, ServerState, engine_accepts, start_job
+from workbench.serve.schemas import (
+    MAX_CHOICES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+
+def _chunk(meta: dict, kind: str, choices: list, include_usage: bool,
+           usage: dict | None) -> str:
+    """One streamed chunk's JSON; with `include_usage` every chunk carries `usage` (null
+    until the last)."""
+    data = {**meta, "object": kind, "choices": choices, "system_fingerprint": None}
+    if include_usage:
+        data["usage"] = usage
+    return json.dumps(data, ensure_ascii=False)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _run_choices(completions_for: Callable[[threading.Event], list[Any]]):
+    """A `produce` for chat or text completions: start the engine's completions, then hand
+    over ("ready", completions), one (index, event) per token, and ("end", index, finish
+    reason, usage) per choice. A choice streams as it is generated; `n` choices of an
+    engine with a batch path arrive already finished. Raises `Cancelled` once `cancelled`
+    is set (checked after every token)."""
+
+    def produce(put, cancelled: threading.Event) -> None:
+        completions = completions_for(cancelled)
+        put(("ready", len(completions)))
+        for i, completion in enumerate(completions):
+            echo = getattr(completion, "prompt_text", "")
+            if echo:  # the prompt, in front of the output (completions' `echo`)
+                put((i, TokenEvent(None, echo, "")))
+            try:
+                for event in completion.iter_events():
+                    check_cancel(cancelled)
+                    put((i, event))
+            finally:
+                completion.close()
+            put(("end", i, completion.finish_reason, completion.usage))
+
+    return produce
+
+
+def _choices(engine: Any, method: str, batch_method: str, inputs: list[Any], n: int,
+             options: dict) -> Callable[[threading.Event], list[Any]]:
+    """Start `n` completions of each input: the engine's batch method when it has one
+    (seed s gives choice i the seed s + i, as the batch does; `cancel=` stops it between
+    decode steps), else one call each (a single one gets `cancel=` where it names it,
+    which also stops its prefill between chunks)."""
+
+    def start(cancelled: threading.Event) -> list[Any]:
+        if len(inputs) * n == 1:
+            call = getattr(engine, method)
+            extra = {"cancel": cancelled} if engine_accepts(call, "cancel", by_name=True) else {}
+            return [call(inputs[0], **options, **extra)]
+        repeated = [x for x in inputs for _ in range(n)]
+        if hasattr(engine, batch_method):
+            batch = getattr(engine, batch_method)
+            extra = {"cancel": cancelled} if engine_accepts(batch, "cancel") else {}
+            return batch(repeated, **options, **extra)
+        seed = options.pop("seed", None)
+        completions = []
+        for i, x in enumerate(repeated):
+            check_cancel(cancelled)
+            completions.append(getattr(engine, method)(
+                x, seed=None if seed is None else seed + i, **options))
+        return completions
+
+    return start
+
+
+def _token_bytes(engine: Any, event: Any) -> list[int]:
+    tok = getattr(engine, "tokenizer", None)
+    if event.id is not None and event.id >= 0 and hasattr(tok, "token_bytes"):
+        return list(tok.token_bytes(event.id))
+    return list(event.piece.encode())
+
+
+def _alt_bytes(engine: Any, alt: Any) -> list[int]:
+    tok = getattr(engine, "tokenizer", None)
+    if alt.id is not None and alt.id >= 0 and hasattr(tok, "token_bytes"):
+        return list(tok.token_bytes(alt.id))
+    return list(alt.text.encode())
+
+
+def _chat_logprob(engine: Any, event: Any) -> dict:
+    """One token of a chat completion's `logprobs.content`."""
+    return {"token": event.piece, "logprob": event.logprob, "bytes": _token_bytes(engine, event),
+            "top_logprobs": [{"token": a.text, "logprob": a.logprob,
+                              "bytes": _alt_bytes(engine, a)} for a in event.top or ()]}
+
+
+async def answer_chat(state: ServerState, engine: Any, body: ChatCompletionRequest,
+                request: Request) -> Response:
+    if body.tools:
+        raise APIError(400, "tools (function calling) are not supported by this server",
+                       param="tools", code="unsupported_parameter")
+    messages = [m.as_dict() for m in body.messages]
+    options = body.sampling()
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    max_tokens = state.limit_tokens(max_tokens)
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
+    if body.logprobs:
+        options["logprobs"] = body.top_logprobs or 0
+    elif body.top_logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        if "grammar" in options:
+            raise APIError(400, "pass either grammar or response_format, not both",
+                           param="response_format")
+        if fmt.type == "json_object":
+            options["schema"] = {"type": "object"}
+        else:
+            if fmt.json_schema is None:
+                raise APIError(400, "response_format json_schema needs a json_schema",
+                               param="response_format.json_schema")
+            options["schema"] = fmt.json_schema.schema_
+            from workbench.engine.llm import with_schema_instruction
+
+            messages = with_schema_instruction(messages, fmt.json_schema.schema_)
+    start = _choices(engine, "chat", "chat_batch", [messages], body.n, options)
+    job = await start_job(state, request, _run_choices(start))
+    meta = {"id": _id("chatcmpl"), "created": int(time.time()), "model": body.model}
+    first = await job.next()  # the engine accepted the request (or not)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.stream:
+        return EventSourceResponse(_chat_stream(engine, job, meta, body.n, include_usage),
+                                   ping=15)
+    return await _chat_response(engine, job, meta, first[1], body.logprobs)
+
+
+async def _gather(job: Job, n: int) -> tuple[list[str], list[list[Any]], list[str], list[Any]]:
+    """A non-streamed answer's `n` choices: each one's text, its token events that carry a
+    logprob, its finish reason and its usage (None where it never ended)."""
+    texts: list[list[str]] = [[] for _ in range(n)]
+    scored: list[list[Any]] = [[] for _ in range(n)]
+    reasons, usages = ["stop"] * n, [None] * n
+    while (item := await job.next()) is not JOB_DONE:
+        if item[0] == "end":
+            _, i, reasons[i], usages[i] = item
+        else:
+            i, event = item
+            texts[i].append(event.text)
+            if event.logprob is not None:
+                scored[i].append(event)
+    return ["".join(t) for t in texts], scored, reasons, usages
+
+
+async def _chat_response(engine: Any, job: Job, meta: dict, n: int, logprobs: bool
+                         ) -> Response:
+    texts, scored, reasons, usages = await _gather(job, n)
+    tokens = [[_chat_logprob(engine, e) for e in events] if logprobs else []
+              for events in scored]
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i],
+                                        "refusal": None},
+                "logprobs": {"content": tokens[i], "refusal": None} if logprobs else None,
+                "finish_reason": reasons[i]} for i in range(n)]
+    prompt = usages[0].prompt_tokens if usages[0] else 0
+    generated = sum(u.completion_tokens for u in usages if u)
+    return JSONResponse({**meta, "object": "chat.completion", "choices": choices,
+                         "usage": _usage(prompt, generated), "system_fingerprint": None})
+
+
+async def _chat_stream(engine: Any, job: Job, meta: dict, n: int, include_usage: bool
+                       ) -> AsyncIterator[str]:
+    def chunk(choices: list, usage: dict | None = None) -> str:
+        return _chunk(meta, "chat.completion.chunk", choices, include_usage, usage)
+
+    prompt = generated = 0
+    try:
+        for i in range(n):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        while (item := await job.next()) is not JOB_DONE:
+            if item[0] == "end":
+                _, i, reason, usage = item
+                prompt = usage.prompt_tokens
+                generated += usage.completion_tokens
+                yield chunk([{"index": i, "delta": {}, "logprobs": None,
+                              "finish_reason": reason}])
+                continue
+            i, event = item
+            lp = None
+            if event.logprob is not None:
+                lp = {"content": [_chat_logprob(engine, event)], "refusal": None}
+            if event.text or lp:
+                yield chunk([{"index": i, "delta": {"content": event.text}, "logprobs": lp,
+                              "finish_reason": None}])
+        if include_usage:
+            yield chunk([], _usage(prompt, generated))
+        yield "[DONE]"
+    except APIError as exc:  # the headers are out: report it in the stream, as OpenAI does
+        yield json.dumps(exc.body())
+    except ClientGone:
+        return
+    finally:
+        job.cancel()  # the client went away (or we are done): stop generating
+
+
+async def answer_completion(state: ServerState, engine: Any, body: CompletionRequest,
+                    request: Request) -> Response:
+    if body.suffix:
+        raise APIError(400, "suffix (insertion) is not supported", param="suffix",
+                       code="unsupported_parameter")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of",
+                       code="unsupported_parameter")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "logprobs of echoed prompt tokens are not supported; drop echo "
+                       "or logprobs", param="echo", code="unsupported_parameter")
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts times n)",
+                       param="n")
+    options = body.sampling()
+    max_tokens = state.limit_tokens(body.max_tokens)
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
+    if body.logprobs is not None:
+        options["logprobs"] = body.logprobs
+    if body.echo:
+        options["include_prompt"] = True
+    start = _choices(engine, "generate", "generate_batch", prompts, body.n, options)
+    job = await start_job(state, request, _run_choices(start))
+    meta = {"id": _id("cmpl"), "created": int(time.time()), "model": body.model}
+    ready = await job.next()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(_text_stream(job, meta, include_usage),
+                                   ping=15)
+    return await _text_response(job, meta, ready[1], body.logprobs is not None)
+
+
+def _legacy_logprobs(events: list[Any], offset: int) -> dict:
+    """Completions' old logprobs form: parallel lists, text offsets from `offset`."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for event in events:
+        tokens.append(event.piece)
+        lps.append(event.logprob)
+        tops.append({a.text: a.logprob for a in event.top or ()})
+        offsets.append(offset)
+        offset += len(event.piece)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+async def _text_response(job: Job, meta: dict, n: int, logprobs: bool) -> Response:
+    texts, scored, reasons, usages = await _gather(job, n)
+    choices = []
+    for i in range(n):
+        events = [e for e in scored[i] if e.id is not None]
+        choices.append({"index": i, "text": texts[i],
+                        "logprobs": _legacy_logprobs(events, 0) if logprobs else None,
+                        "finish_reason": reasons[i]})
+    prompt = sum(u.prompt_tokens for u in usages if u)
+    generated = sum(u.completion_tokens for u in usages if u)
+    return JSONResponse({**meta, "object": "text_completion", "choices": choices,
+                         "usage": _usage(prompt, generated), "system_fingerprint": None})
+
+
+async def _text_stream(job: Job, meta: dict, include_usage: bool) -> AsyncIterator[str]:
+    def chunk(choices: list, usage: dict | None = None) -> str:
+        return _chunk(meta, "text_completion", choices, include_usage, usage)
+
+    prompt = generated = 0
+    offsets: dict[int, int] = {}
+    try:
+        while (item := await job.next()) is not JOB_DONE:
+            if item[0] == "end":
+                _, i, reason, usage = item
+                prompt += usage.prompt_tokens
+                generated += usage.completion_tokens
+                yield chunk([{"index": i, "text": "", "logprobs": None,
+                              "finish_reason": reason}])
+                continue
+            i, event = item
+            lp = None
+            if event.id is not None and event.logprob is not None:
+                lp = _legacy_logprobs([event], offsets.get(i, 0))
+            offsets[i] = offsets.get(i, 0) + len(event.text)
+            if event.text or lp:
+                yield chunk([{"index": i, "text": event.text, "logprobs": lp,
+                              "finish_reason": None}])
+        if include_usage:
+            yield chunk([], _usage(prompt, generated))
+        yield "[DONE]"
+    except APIError as exc:
+        yield json.dumps(exc.body())
+    except ClientGone:
+        return
+    finally:
+        job.cancel()
+
