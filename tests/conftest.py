@@ -41,6 +41,15 @@ def minilm():
         yield enc
 
 
+@pytest.fixture(scope="module")
+def engines(smollm2, minilm):
+    """What the server tests serve, by model id: a chat model, an embedder, Whisper."""
+    from workbench import WhisperModel
+
+    with WhisperModel.load("whisper-tiny.en") as whisper:
+        yield {"smollm2-135m": smollm2, "minilm-l6": minilm, "whisper-tiny.en": whisper}
+
+
 @pytest.fixture(scope="session")
 def qwen():
     from workbench import LLM

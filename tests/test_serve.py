@@ -27,14 +27,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2, minilm):
-    from workbench import WhisperModel
-
-    with WhisperModel.load("whisper-tiny.en") as whisper:
-        yield {"smollm2-135m": smollm2, "minilm-l6": minilm, "whisper-tiny.en": whisper}
-
-
-@pytest.fixture(scope="module")
 def server(engines):
     import workbench
 
