@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tests.test_quants import F16_FIELDS, assert_bits_equal, random_blocks
 from workbench import registry
-from workbench.kernels import cpu
+from workbench.kernels import cpu, loops
 from workbench.kernels.linear import QuantizedWeight
 from workbench.kernels.quants import SUPPORTED_TYPES, UnsupportedQuantError, dequantize
 
@@ -122,7 +122,7 @@ def test_rows_kernel_passes_and_groups(qtype):
     n, k = 13, 4864
     raw = random_weight(qtype, n, k, rng)
     full = dequantize(raw, qtype)
-    assert k > 6 * cpu._ROWS_PASS
+    assert k > 6 * loops.ROWS_PASS
     for T in (3, 4, 5, 8, 12):
         x = rng.standard_normal((T, k)).astype(np.float32)
         out = np.full((T, n), np.nan, np.float32)

@@ -88,7 +88,10 @@ _V16F = ir.VectorType(_F32, 16)
 _V16I8 = ir.VectorType(ir.IntType(8), 16)
 _V16I32 = ir.VectorType(_I32, 16)
 _V8F = ir.VectorType(_F32, 8)
-_FAST = ("reassoc", "contract")  # as the kernels' fastmath: reorder, fuse multiply-adds
+FASTMATH = {"reassoc", "contract"}
+"""The fastmath flags of the kernels' dot products (`njit(fastmath=FASTMATH)`): LLVM may
+reorder sums (to vectorize them) and fuse multiply-adds; NaN and inf keep their meaning."""
+_FAST = ("reassoc", "contract")  # FASTMATH as flags of the IR built here
 
 
 def _zeroed_stack(floats):
@@ -325,21 +328,6 @@ def _halves(context, builder, hty, h, off):
 
 
 @intrinsic
-def half16(typingctx, acc, h, off, x, xo):
-    sig = types.void(acc, h, off, x, xo)
-
-    def codegen(context, builder, signature, args):
-        acc_, h_, off_, x_, xo_ = args
-        w = _halves(context, builder, signature.args[1], h_, off_)
-        xv = _floats(context, builder, signature.args[3], x_, xo_)
-        _add_into(context, builder, signature.args[0], acc_, _ZERO,
-                  builder.fmul(w, xv, flags=_FAST))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def half16_store(typingctx, out, oo, h, off):
     sig = types.void(out, oo, h, off)
 
@@ -353,19 +341,29 @@ def half16_store(typingctx, out, oo, h, off):
     return sig, codegen
 
 
-@intrinsic
-def dot16(typingctx, acc, a, ao, b, bo):
-    sig = types.void(acc, a, ao, b, bo)
+def _product_step(load_a):
+    """An intrinsic (acc, a, ao, b, bo): acc[j] += A[j] * b[bo + j] for j in 0..15, with A
+    the <16 x float> that `load_a(context, builder, aty, a, ao)` loads, b float32."""
 
-    def codegen(context, builder, signature, args):
-        acc_, a_, ao_, b_, bo_ = args
-        av = _floats(context, builder, signature.args[1], a_, ao_)
-        bv = _floats(context, builder, signature.args[3], b_, bo_)
-        _add_into(context, builder, signature.args[0], acc_, _ZERO,
-                  builder.fmul(av, bv, flags=_FAST))
-        return context.get_dummy_value()
+    @intrinsic
+    def step(typingctx, acc, a, ao, b, bo):
+        sig = types.void(acc, a, ao, b, bo)
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            acc_, a_, ao_, b_, bo_ = args
+            av = load_a(context, builder, signature.args[1], a_, ao_)
+            bv = _floats(context, builder, signature.args[3], b_, bo_)
+            _add_into(context, builder, signature.args[0], acc_, _ZERO,
+                      builder.fmul(av, bv, flags=_FAST))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return step
+
+
+half16 = _product_step(_halves)
+dot16 = _product_step(_floats)
 
 
 @intrinsic
