@@ -57,6 +57,33 @@ def test_required_kernels_exist():
     assert set(cpu.DEQUANT_KERNELS) == set(cpu.GEMV_KERNELS)
 
 
+def test_the_format_table_decides_every_dispatch():
+    """`formats.FORMATS` alone says which kernels exist: the CPU tables, the generated
+    kernels' names and source, the decode stack's branches (named constants, no raw type
+    codes), the CUDA formats and the NumPy reference."""
+    import inspect
+    import re
+
+    from workbench.kernels import cuda, decode, formats, quants
+
+    table = formats.FORMATS
+    cpu_types = [f.qtype for f in table if f.cpu]
+    assert list(cpu.GEMV_KERNELS) == list(cpu.GEMV2_KERNELS) == list(cpu.DEQUANT_KERNELS)
+    assert list(cpu.GEMV_KERNELS) == cpu_types
+    assert list(cpu.ROWS_KERNELS) == [f.qtype for f in table if f.rows]
+    assert list(cuda.FORMATS) == [f.qtype for f in table if f.cuda]
+    assert quants.SUPPORTED_TYPES == tuple(f.qtype for f in table)
+    for f in table:
+        if f.cpu:
+            kernel = cpu.GEMV_KERNELS[f.qtype]
+            assert kernel.__name__ == f"_gemv_{f.name}"
+            assert f"blocks.dot_{f.name}(" in inspect.getsource(kernel.py_func)
+            assert (cpu._table(f.qtype) is cpu.BF16_TO_F32) == f.bf16
+    source = decode._matmul_source(tuple(sorted(int(t) for t in cpu_types)))
+    assert not re.search(r"code == \d", source), source
+    assert "code == Q4_1:" in source and "Q4_1 = 3  # GGMLQuantizationType.Q4_1" in source
+
+
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("T", [1, 3, 8, 17, 65])
 def test_matmul_matches_dequantized(qtype, T, monkeypatch):

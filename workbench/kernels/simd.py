@@ -341,20 +341,21 @@ def half16_store(typingctx, out, oo, h, off):
     return sig, codegen
 
 
-def _product_step(load_a):
-    """An intrinsic (acc, a, ao, b, bo): acc[j] += A[j] * b[bo + j] for j in 0..15, with A
-    the <16 x float> that `load_a(context, builder, aty, a, ao)` loads, b float32."""
+def _product_step(vector_at):
+    """An intrinsic (acc, p, q, b, bo): acc[o + j] += v[j] * b[bo + j] for j in 0..15, b
+    float32, where `vector_at(context, builder, signature, p, q)` gives v (<16 x float>)
+    and the offset o."""
 
     @intrinsic
-    def step(typingctx, acc, a, ao, b, bo):
-        sig = types.void(acc, a, ao, b, bo)
+    def step(typingctx, acc, p, q, b, bo):
+        sig = types.void(acc, p, q, b, bo)
 
         def codegen(context, builder, signature, args):
-            acc_, a_, ao_, b_, bo_ = args
-            av = load_a(context, builder, signature.args[1], a_, ao_)
+            acc_, p_, q_, b_, bo_ = args
+            v, o = vector_at(context, builder, signature, p_, q_)
             bv = _floats(context, builder, signature.args[3], b_, bo_)
-            _add_into(context, builder, signature.args[0], acc_, _ZERO,
-                      builder.fmul(av, bv, flags=_FAST))
+            _add_into(context, builder, signature.args[0], acc_, o,
+                      builder.fmul(v, bv, flags=_FAST))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -362,22 +363,21 @@ def _product_step(load_a):
     return step
 
 
-half16 = _product_step(_halves)
-dot16 = _product_step(_floats)
+def _halves_at(context, builder, signature, h, off):
+    return _halves(context, builder, signature.args[1], h, off), _ZERO
 
 
-@intrinsic
-def axpy16(typingctx, y, yo, w, x, xo):
-    sig = types.void(y, yo, w, x, xo)
+def _floats_at(context, builder, signature, a, ao):
+    return _floats(context, builder, signature.args[1], a, ao), _ZERO
 
-    def codegen(context, builder, signature, args):
-        y_, yo_, w_, x_, xo_ = args
-        xv = _floats(context, builder, signature.args[3], x_, xo_)
-        _add_into(context, builder, signature.args[0], y_, yo_,
-                  builder.fmul(_splat(builder, w_), xv, flags=_FAST))
-        return context.get_dummy_value()
 
-    return sig, codegen
+def _scalar_at(context, builder, signature, yo, w):
+    return _splat(builder, w), yo
+
+
+half16 = _product_step(_halves_at)  # (acc, h, off, x, xo)
+dot16 = _product_step(_floats_at)  # (acc, a, ao, b, bo)
+axpy16 = _product_step(_scalar_at)  # (y, yo, w, x, xo): y[yo + j] += w * x[xo + j]
 
 
 @intrinsic
