@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tests.test_quants import F16_FIELDS, assert_bits_equal, random_blocks
 from workbench import registry
-from workbench.kernels import cpu
+from workbench.kernels import cpu, loops
 from workbench.kernels.linear import QuantizedWeight
 from workbench.kernels.quants import SUPPORTED_TYPES, UnsupportedQuantError, dequantize
 
@@ -55,6 +55,33 @@ def assert_close(y: np.ndarray, ref: np.ndarray) -> None:
 def test_required_kernels_exist():
     assert {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.F16, Q.BF16} <= set(KERNEL_TYPES)
     assert set(cpu.DEQUANT_KERNELS) == set(cpu.GEMV_KERNELS)
+
+
+def test_the_format_table_decides_every_dispatch():
+    """`formats.FORMATS` alone says which kernels exist: the CPU tables, the generated
+    kernels' names and source, the decode stack's branches (named constants, no raw type
+    codes), the CUDA formats and the NumPy reference."""
+    import inspect
+    import re
+
+    from workbench.kernels import cuda, decode, formats, quants
+
+    table = formats.FORMATS
+    cpu_types = [f.qtype for f in table if f.cpu]
+    assert list(cpu.GEMV_KERNELS) == list(cpu.GEMV2_KERNELS) == list(cpu.DEQUANT_KERNELS)
+    assert list(cpu.GEMV_KERNELS) == cpu_types
+    assert list(cpu.ROWS_KERNELS) == [f.qtype for f in table if f.rows]
+    assert list(cuda.FORMATS) == [f.qtype for f in table if f.cuda]
+    assert quants.SUPPORTED_TYPES == tuple(f.qtype for f in table)
+    for f in table:
+        if f.cpu:
+            kernel = cpu.GEMV_KERNELS[f.qtype]
+            assert kernel.__name__ == f"_gemv_{f.name}"
+            assert f"blocks.dot_{f.name}(" in inspect.getsource(kernel.py_func)
+            assert (cpu._table(f.qtype) is cpu.BF16_TO_F32) == f.bf16
+    source = decode._matmul_source(tuple(sorted(int(t) for t in cpu_types)))
+    assert not re.search(r"code == \d", source), source
+    assert "code == Q4_1:" in source and "Q4_1 = 3  # GGMLQuantizationType.Q4_1" in source
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -122,7 +149,7 @@ def test_rows_kernel_passes_and_groups(qtype):
     n, k = 13, 4864
     raw = random_weight(qtype, n, k, rng)
     full = dequantize(raw, qtype)
-    assert k > 6 * cpu._ROWS_PASS
+    assert k > 6 * loops.ROWS_PASS
     for T in (3, 4, 5, 8, 12):
         x = rng.standard_normal((T, k)).astype(np.float32)
         out = np.full((T, n), np.nan, np.float32)

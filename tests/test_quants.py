@@ -9,6 +9,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from workbench import registry
+from workbench.kernels.formats import FORMATS
 from workbench.kernels.quants import (
     SUPPORTED_TYPES,
     UnsupportedQuantError,
@@ -18,11 +19,8 @@ from workbench.kernels.quants import (
 )
 
 QUANTIZED = [t for t in SUPPORTED_TYPES if t not in (Q.F32, Q.F16, Q.BF16)]
-# byte offsets of the fp16 fields (scales, mins) inside one block
-F16_FIELDS = {
-    Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
-    Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
-}
+# byte offsets of the fp16 fields (scales, mins) inside one block, from the table of formats
+F16_FIELDS = {f.qtype: list(f.fp16_fields) for f in FORMATS if f.fp16_fields}
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -1,8 +1,11 @@
 """Hot ops on GGUF weights: NumPy reference dequantizers and Numba CPU kernels.
 
+- `workbench.kernels.formats`: the table of supported GGML formats, from which every
+  per-format dispatch below is derived.
 - `workbench.kernels.quants`: `dequantize(raw, qtype)` for every supported GGML
   format, bit-identical to `gguf.quants.dequantize` (pure NumPy, no Numba).
-- `workbench.kernels.cpu`: Numba kernels computing `x @ W.T` on packed blocks.
+- `workbench.kernels.cpu`: Numba kernels computing `x @ W.T` on packed blocks (built
+  from `blocks`, the per-format block math, and `loops`, the shared loops).
 - `workbench.kernels.linear`: `QuantizedWeight`, the object the model calls.
 
 `QuantizedWeight` is imported lazily so that `quants` can be used without

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from workbench.kernels import quants
+from workbench.kernels import formats, quants
 
 Q = GGMLQuantizationType
 
@@ -51,12 +51,9 @@ uses cuBLAS. Must equal `GEMV_MAX_T` in gguf.cu."""
 TILE_WEIGHTS = 1 << 24
 """Weights dequantized at once on the prefill path (64 MiB of float32)."""
 
-FORMATS: dict[GGMLQuantizationType, str] = {
-    Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16",
-    Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q5_0: "q5_0", Q.Q5_1: "q5_1",
-    Q.Q2_K: "q2_k", Q.Q3_K: "q3_k", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k",
-}
-"""The formats with kernels, and the suffix of their kernels' names in gguf.cu."""
+FORMATS: dict[GGMLQuantizationType, str] = {f.qtype: f.name for f in formats.FORMATS if f.cuda}
+"""The formats with kernels (those of `formats.FORMATS` with `cuda` set), and the suffix
+of their kernels' names in gguf.cu."""
 
 GROUP = 32  # weights one thread decodes at once; every K must be a multiple
 _GEMV_THREADS = 128  # 4 warps per block, one row of W each

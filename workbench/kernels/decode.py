@@ -50,6 +50,7 @@ from numba import types
 from numba.typed import List
 
 from workbench.kernels import cache, cpu, layers
+from workbench.kernels.formats import BY_TYPE
 from workbench.kernels.linear import QuantizedWeight
 
 Q = GGMLQuantizationType
@@ -226,22 +227,24 @@ _TEMPLATES = ["@njit(cache=True)\n" + inspect.getsource(f) for f in (_project, _
 
 
 def _matmul_source(formats: tuple[int, ...]) -> str:
-    """`_matmul` for these GGML type codes only."""
-    lines = ["@njit(cache=True)",
-             "def _matmul(code, x, w, f16, bf16, scratch, y, n):",
-             "    T = x.shape[0]"]
-    for i, code in enumerate(formats):
-        qtype = Q(code)
-        table = "bf16" if qtype == Q.BF16 else "f16"
-        lines.append(f"    {'if' if i == 0 else 'elif'} code == {code}:  # {qtype.name}")
+    """`_matmul` for these GGML type codes only, one branch per format of the table
+    `formats.FORMATS`, each code a named constant (`Q4_1 = 3`) of the generated module."""
+    fmts = [BY_TYPE[Q(code)] for code in formats]
+    lines = [f"{f.qtype.name} = {int(f.qtype)}  # GGMLQuantizationType.{f.qtype.name}"
+             for f in fmts]
+    lines += ["", "", "@njit(cache=True)",
+              "def _matmul(code, x, w, f16, bf16, scratch, y, n):",
+              "    T = x.shape[0]"]
+    for i, f in enumerate(fmts):
+        table = "bf16" if f.bf16 else "f16"
+        lines.append(f"    {'if' if i == 0 else 'elif'} code == {f.qtype.name}:")
         lines.append("        if T <= 2:")
-        lines.append(f"            cpu.{cpu.GEMV_KERNELS[qtype].__name__}(x, w, {table}, y, n)")
-        if qtype in cpu.ROWS_KERNELS:
+        lines.append(f"            cpu._gemv_{f.name}(x, w, {table}, y, n)")
+        if f.rows:
             lines.append("        elif T <= cpu.ROWS_MAX_T:")
-            lines.append(f"            cpu.{cpu.ROWS_KERNELS[qtype].__name__}(x, w, {table}, y, n)")
+            lines.append(f"            cpu._rows_{f.name}(x, w, {table}, y, n)")
         lines.append("        else:")
-        lines.append(f"            cpu.{cpu.GEMV2_KERNELS[qtype].__name__}"
-                     f"(x, w, {table}, scratch, y, n)")
+        lines.append(f"            cpu._gemv2_{f.name}(x, w, {table}, scratch, y, n)")
     return "\n".join(lines) + "\n"
 
 

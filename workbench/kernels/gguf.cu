@@ -103,72 +103,38 @@ struct Q8_0 {
   }
 };
 
-// Q4_0 (18 B): d fp16 | 16 B nibbles.                                 w = d * (q - 8)
-struct Q4_0 {
-  static constexpr int BLOCK_WEIGHTS = 32, BLOCK_BYTES = 18;
+// Q4_0, Q4_1, Q5_0, Q5_1: d fp16 | m fp16 (the formats with a min) | qh u32 (the 5-bit
+// ones: bit j is the 5th bit of weight j) | 16 B nibbles.
+//   Q4_0 (18 B): w = d * (q - 8)        Q4_1 (20 B): w = d * q + m
+//   Q5_0 (22 B): w = d * (q - 16)       Q5_1 (24 B): w = d * q + m
+template <int BITS, bool MIN>
+struct Block32 {
+  static constexpr int QH = MIN ? 4 : 2;                 // offset of qh
+  static constexpr int QS = QH + (BITS == 5 ? 4 : 0);    // offset of the nibbles
+  static constexpr int BLOCK_WEIGHTS = 32, BLOCK_BYTES = QS + 16;
+  __device__ static float value(float d, float m, int q) {
+    return MIN ? __fadd_rn(__fmul_rn(d, (float)q), m)
+               : __fmul_rn(d, (float)(q - (1 << (BITS - 1))));
+  }
   __device__ static void decode(const u8* row, int g, float* w) {
     const u8* b = row + g * BLOCK_BYTES;
     const float d = fp16_at(b);
-    const u8* qs = b + 2;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      w[j] = __fmul_rn(d, (float)((int)(qs[j] & 0xF) - 8));
-      w[j + 16] = __fmul_rn(d, (float)((int)(qs[j] >> 4) - 8));
-    }
-  }
-};
-
-// Q4_1 (20 B): d fp16 | m fp16 | 16 B nibbles.                        w = d * q + m
-struct Q4_1 {
-  static constexpr int BLOCK_WEIGHTS = 32, BLOCK_BYTES = 20;
-  __device__ static void decode(const u8* row, int g, float* w) {
-    const u8* b = row + g * BLOCK_BYTES;
-    const float d = fp16_at(b), m = fp16_at(b + 2);
-    const u8* qs = b + 4;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      w[j] = __fadd_rn(__fmul_rn(d, (float)(qs[j] & 0xF)), m);
-      w[j + 16] = __fadd_rn(__fmul_rn(d, (float)(qs[j] >> 4)), m);
-    }
-  }
-};
-
-// Q5_0 (22 B): d fp16 | qh u32 (bit j = 5th bit of weight j) | 16 B nibbles.
-//                                                                     w = d * (q - 16)
-struct Q5_0 {
-  static constexpr int BLOCK_WEIGHTS = 32, BLOCK_BYTES = 22;
-  __device__ static void decode(const u8* row, int g, float* w) {
-    const u8* b = row + g * BLOCK_BYTES;
-    const float d = fp16_at(b);
-    const u32 qh = u32_at(b + 2);
-    const u8* qs = b + 6;
+    const float m = MIN ? fp16_at(b + 2) : 0.0f;
+    const u32 qh = BITS == 5 ? u32_at(b + QH) : 0u;  // 4-bit: no 5th bits
+    const u8* qs = b + QS;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int lo = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
       const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-      w[j] = __fmul_rn(d, (float)(lo - 16));
-      w[j + 16] = __fmul_rn(d, (float)(hi - 16));
+      w[j] = value(d, m, lo);
+      w[j + 16] = value(d, m, hi);
     }
   }
 };
-
-// Q5_1 (24 B): d fp16 | m fp16 | qh u32 | 16 B nibbles.               w = d * q + m
-struct Q5_1 {
-  static constexpr int BLOCK_WEIGHTS = 32, BLOCK_BYTES = 24;
-  __device__ static void decode(const u8* row, int g, float* w) {
-    const u8* b = row + g * BLOCK_BYTES;
-    const float d = fp16_at(b), m = fp16_at(b + 2);
-    const u32 qh = u32_at(b + 4);
-    const u8* qs = b + 8;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int lo = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
-      const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-      w[j] = __fadd_rn(__fmul_rn(d, (float)lo), m);
-      w[j + 16] = __fadd_rn(__fmul_rn(d, (float)hi), m);
-    }
-  }
-};
+using Q4_0 = Block32<4, false>;
+using Q4_1 = Block32<4, true>;
+using Q5_0 = Block32<5, false>;
+using Q5_1 = Block32<5, true>;
 
 // -- 256-weight K-quant super-blocks: group g is sub-block g % 8 of super-block g / 8 ----
 // "2-bit fields" (64 B at qs): weight 128*h + 32*s + l (l < 32) is bits 2s..2s+1 of
@@ -252,41 +218,29 @@ __device__ __forceinline__ void k_group_scales(const u8* b, int j, float& dl, fl
 
 // Q4_K (144 B): d fp16 | dmin fp16 | 12 B scales and mins | 128 B nibbles: weight
 // 64*c + 32*h + l is nibble h (0 low, 1 high) of qs[32*c + l].
-//                                                   w = (d * sc) * q - dmin * mn
-struct Q4_K {
-  static constexpr int BLOCK_WEIGHTS = 256, BLOCK_BYTES = 144;
+// Q5_K (176 B): the same with 32 B qh before the nibbles; weight 32*k + l takes bit k of
+// qh[l] as its 5th bit.                             w = (d * sc) * q - dmin * mn
+template <bool FIFTH>
+struct KQuant45 {
+  static constexpr int QS = FIFTH ? 48 : 16;  // offset of the nibbles
+  static constexpr int BLOCK_WEIGHTS = 256, BLOCK_BYTES = QS + 128;
   __device__ static void decode(const u8* row, int g, float* w) {
     const u8* b = row + (g >> 3) * BLOCK_BYTES;
     const int sub = g & 7;
     float dl, ml;
     k_group_scales(b, sub, dl, ml);
-    const u8* qs = b + 16 + 32 * (sub >> 1);
-    const int shift = 4 * (sub & 1);
-#pragma unroll
-    for (int l = 0; l < 32; ++l) w[l] = __fsub_rn(__fmul_rn(dl, (float)((qs[l] >> shift) & 0xF)), ml);
-  }
-};
-
-// Q5_K (176 B): d fp16 | dmin fp16 | 12 B scales and mins | 32 B qh | 128 B nibbles as
-// Q4_K; weight 32*k + l takes bit k of qh[l] as its 5th bit.
-//                                                   w = (d * sc) * q - dmin * mn
-struct Q5_K {
-  static constexpr int BLOCK_WEIGHTS = 256, BLOCK_BYTES = 176;
-  __device__ static void decode(const u8* row, int g, float* w) {
-    const u8* b = row + (g >> 3) * BLOCK_BYTES;
-    const int sub = g & 7;
-    float dl, ml;
-    k_group_scales(b, sub, dl, ml);
-    const u8* qh = b + 16;
-    const u8* qs = b + 48 + 32 * (sub >> 1);
+    const u8* qh = b + 16;  // Q5_K only
+    const u8* qs = b + QS + 32 * (sub >> 1);
     const int shift = 4 * (sub & 1);
 #pragma unroll
     for (int l = 0; l < 32; ++l) {
-      const int q = ((qs[l] >> shift) & 0xF) | (((qh[l] >> sub) & 1) << 4);
+      const int q = ((qs[l] >> shift) & 0xF) | (FIFTH ? ((qh[l] >> sub) & 1) << 4 : 0);
       w[l] = __fsub_rn(__fmul_rn(dl, (float)q), ml);
     }
   }
 };
+using Q4_K = KQuant45<false>;
+using Q5_K = KQuant45<true>;
 
 // Q6_K (210 B): 128 B low nibbles ql | 64 B 2-bit fields qh | 16 x int8 scales (one per
 // 16 weights) | d fp16. Weight 128*h + 64*n + m (m < 64) has low 4 bits = nibble n of

@@ -40,6 +40,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from workbench.kernels.formats import FORMATS
+
 Q = GGMLQuantizationType
 QK_K = 256
 
@@ -199,21 +201,13 @@ def _deq_q6_k(b: np.ndarray) -> np.ndarray:
     return (dl * q.astype(np.float32).reshape(n, 16, 16)).reshape(n, QK_K)
 
 
-_BLOCK_DEQUANTIZERS = {
-    Q.Q8_0: _deq_q8_0,
-    Q.Q4_0: _deq_q4_0,
-    Q.Q4_1: _deq_q4_1,
-    Q.Q5_0: _deq_q5_0,
-    Q.Q5_1: _deq_q5_1,
-    Q.Q2_K: _deq_q2_k,
-    Q.Q3_K: _deq_q3_k,
-    Q.Q4_K: _deq_q4_k,
-    Q.Q5_K: _deq_q5_k,
-    Q.Q6_K: _deq_q6_k,
-}
+# The NumPy dequantizer of each block format, `_deq_<name>` above (see `formats`).
+_BLOCK_DEQUANTIZERS = {f.qtype: globals()[f"_deq_{f.name}"]
+                       for f in FORMATS if f.block_weights > 1}
 
-FLOAT_TYPES: tuple[GGMLQuantizationType, ...] = (Q.F32, Q.F16, Q.BF16)
-SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_BLOCK_DEQUANTIZERS)
+FLOAT_TYPES: tuple[GGMLQuantizationType, ...] = tuple(
+    f.qtype for f in FORMATS if f.block_weights == 1)
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(f.qtype for f in FORMATS)
 
 # Blocks dequantized per NumPy pass: bounds the temporaries to a few MiB.
 _CHUNK_WEIGHTS = 1 << 20
@@ -358,9 +352,8 @@ def _aff_q5_k(b: np.ndarray):
     return codes, dl[:, :, 0], -ml[:, :, 0]
 
 
-_AFFINE = {Q.Q8_0: _aff_q8_0, Q.Q4_0: _aff_q4_0, Q.Q4_1: _aff_q4_1, Q.Q5_0: _aff_q5_0,
-           Q.Q5_1: _aff_q5_1, Q.Q4_K: _aff_q4_k, Q.Q5_K: _aff_q5_k}
-AFFINE_BITS = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q4_K: 4, Q.Q5_K: 5}
+_AFFINE = {f.qtype: globals()[f"_aff_{f.name}"] for f in FORMATS if f.affine_bits}
+AFFINE_BITS = {f.qtype: f.affine_bits for f in FORMATS if f.affine_bits}
 
 
 def affine_groups(raw: np.ndarray, qtype: GGMLQuantizationType

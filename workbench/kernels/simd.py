@@ -88,7 +88,10 @@ _V16F = ir.VectorType(_F32, 16)
 _V16I8 = ir.VectorType(ir.IntType(8), 16)
 _V16I32 = ir.VectorType(_I32, 16)
 _V8F = ir.VectorType(_F32, 8)
-_FAST = ("reassoc", "contract")  # as the kernels' fastmath: reorder, fuse multiply-adds
+FASTMATH = {"reassoc", "contract"}
+"""The fastmath flags of the kernels' dot products (`njit(fastmath=FASTMATH)`): LLVM may
+reorder sums (to vectorize them) and fuse multiply-adds; NaN and inf keep their meaning."""
+_FAST = ("reassoc", "contract")  # FASTMATH as flags of the IR built here
 
 
 def _zeroed_stack(floats):
@@ -325,21 +328,6 @@ def _halves(context, builder, hty, h, off):
 
 
 @intrinsic
-def half16(typingctx, acc, h, off, x, xo):
-    sig = types.void(acc, h, off, x, xo)
-
-    def codegen(context, builder, signature, args):
-        acc_, h_, off_, x_, xo_ = args
-        w = _halves(context, builder, signature.args[1], h_, off_)
-        xv = _floats(context, builder, signature.args[3], x_, xo_)
-        _add_into(context, builder, signature.args[0], acc_, _ZERO,
-                  builder.fmul(w, xv, flags=_FAST))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def half16_store(typingctx, out, oo, h, off):
     sig = types.void(out, oo, h, off)
 
@@ -353,33 +341,43 @@ def half16_store(typingctx, out, oo, h, off):
     return sig, codegen
 
 
-@intrinsic
-def dot16(typingctx, acc, a, ao, b, bo):
-    sig = types.void(acc, a, ao, b, bo)
+def _product_step(vector_at):
+    """An intrinsic (acc, p, q, b, bo): acc[o + j] += v[j] * b[bo + j] for j in 0..15, b
+    float32, where `vector_at(context, builder, signature, p, q)` gives v (<16 x float>)
+    and the offset o."""
 
-    def codegen(context, builder, signature, args):
-        acc_, a_, ao_, b_, bo_ = args
-        av = _floats(context, builder, signature.args[1], a_, ao_)
-        bv = _floats(context, builder, signature.args[3], b_, bo_)
-        _add_into(context, builder, signature.args[0], acc_, _ZERO,
-                  builder.fmul(av, bv, flags=_FAST))
-        return context.get_dummy_value()
+    @intrinsic
+    def step(typingctx, acc, p, q, b, bo):
+        sig = types.void(acc, p, q, b, bo)
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            acc_, p_, q_, b_, bo_ = args
+            v, o = vector_at(context, builder, signature, p_, q_)
+            bv = _floats(context, builder, signature.args[3], b_, bo_)
+            _add_into(context, builder, signature.args[0], acc_, o,
+                      builder.fmul(v, bv, flags=_FAST))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return step
 
 
-@intrinsic
-def axpy16(typingctx, y, yo, w, x, xo):
-    sig = types.void(y, yo, w, x, xo)
+def _halves_at(context, builder, signature, h, off):
+    return _halves(context, builder, signature.args[1], h, off), _ZERO
 
-    def codegen(context, builder, signature, args):
-        y_, yo_, w_, x_, xo_ = args
-        xv = _floats(context, builder, signature.args[3], x_, xo_)
-        _add_into(context, builder, signature.args[0], y_, yo_,
-                  builder.fmul(_splat(builder, w_), xv, flags=_FAST))
-        return context.get_dummy_value()
 
-    return sig, codegen
+def _floats_at(context, builder, signature, a, ao):
+    return _floats(context, builder, signature.args[1], a, ao), _ZERO
+
+
+def _scalar_at(context, builder, signature, yo, w):
+    return _splat(builder, w), yo
+
+
+half16 = _product_step(_halves_at)  # (acc, h, off, x, xo)
+dot16 = _product_step(_floats_at)  # (acc, a, ao, b, bo)
+axpy16 = _product_step(_scalar_at)  # (y, yo, w, x, xo): y[yo + j] += w * x[xo + j]
 
 
 @intrinsic

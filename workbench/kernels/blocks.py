@@ -1,0 +1,521 @@
+"""Per-format block math of the Numba CPU kernels: the pieces `cpu` builds its kernels from.
+
+For every format of `formats.FORMATS` with `cpu` set (named by `Format.name`):
+
+- `dot_<name>(w, wi, r, x, xs, f16, n)`: row r of W (packed) times x (K,), float32.
+  w: (N, bytes_per_row) uint8, wi: the same bytes as int8; xs: x summed over runs of
+  `Format.sums` (unused where that is 0); f16: the format's 65536-entry table; n: the
+  run-time 16 (`cpu` explains both).
+- `row_<name>(w, wi, r, f16, out, n)`: row r of W as float32 into out (K,). Compiled
+  without fastmath (`cpu._dequant_*`) it is bit-identical to `quants.dequantize` (same
+  float32 ops in the same order); in the fastmath two-stage gemv it may fuse
+  multiply-adds. `fast_row_<name>` takes its place there where `Format.fast_row` is set.
+- `rows_block_<name>(acc, w, wi, r, b, x, xo, K, rows)`: block b of row r, unpacked to
+  floats once and multiplied with 8 (or 4) rows of the flat x (row t at x[xo + t * K:])
+  into the 8-lane accumulators acc (`loops.rows_loop`), for formats with `rows`.
+
+All are `inline="always"`: each is compiled into the kernels that call it.
+
+Most blocks go through the 16-lane `simd` steps. Q5_K (and the dequantizers) unpack
+nibbles in float32: a byte v (0..255) converts exactly, hi = floor(v / 16),
+lo = v - 16 * hi. Numba types integer arithmetic as int64, which LLVM vectorizes 8 lanes
+wide with 64-bit int->float conversions; the float route keeps every op 32-bit (measured
+1.2-1.3x faster). Q5_K's single high bits are tested with a select (`_bit`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from workbench.kernels.cache import njit
+from workbench.kernels.simd import (
+    FASTMATH,
+    deq16,
+    half16,
+    half16_store,
+    half_at,
+    nib16,
+    nib16_1,
+    nib16_hb,
+    nib_hb_rows,
+    nib_rows,
+    q6k16,
+    q6k_rows,
+    q8_rows,
+    q8x32,
+    stack_f32x16,
+)
+
+
+@njit(inline="always")
+def _h(w, r, o, f16):
+    """fp16 at bytes o, o+1 of row r, as float32 (`simd.half_at`; `f16` is unused here)."""
+    return half_at(w, r, o)
+
+
+@njit(inline="always")
+def _u32(w, r, o):
+    """Little-endian uint32 at bytes o..o+3 of row r, as int64."""
+    return (
+        np.int64(w[r, o])
+        | (np.int64(w[r, o + 1]) << 8)
+        | (np.int64(w[r, o + 2]) << 16)
+        | (np.int64(w[r, o + 3]) << 24)
+    )
+
+
+@njit(inline="always")
+def _k_scale(w, r, o, j):
+    """Q4_K/Q5_K 6-bit scale j (0..7) from the 12 packed bytes at offset o."""
+    if j < 4:
+        return np.int64(w[r, o + j]) & 63
+    return (np.int64(w[r, o + j + 4]) & 15) | ((np.int64(w[r, o + j - 4]) >> 6) << 4)
+
+
+@njit(inline="always")
+def _k_min(w, r, o, j):
+    """Q4_K/Q5_K 6-bit min j (0..7) from the 12 packed bytes at offset o."""
+    if j < 4:
+        return np.int64(w[r, o + j + 4]) & 63
+    return (np.int64(w[r, o + j + 4]) >> 4) | ((np.int64(w[r, o + j]) >> 6) << 4)
+
+
+@njit(inline="always")
+def _k_pair(w, r, o, c, d, dmin):
+    """Q4_K/Q5_K sub-blocks 2c and 2c + 1 of the super-block at o (scale d, min scale dmin):
+    (d * scale, dmin * min) of each, as float32."""
+    s = o + 4  # the 12 packed bytes of scales and mins
+    return (d * np.float32(_k_scale(w, r, s, 2 * c)), dmin * np.float32(_k_min(w, r, s, 2 * c)),
+            d * np.float32(_k_scale(w, r, s, 2 * c + 1)),
+            dmin * np.float32(_k_min(w, r, s, 2 * c + 1)))
+
+
+@njit(inline="always")
+def _at(a, i):
+    """a[i] for an index i >= 0, read without the code Numba adds to every signed index
+    for negative ones (a test and a conditional move in each block of the dot loops)."""
+    return a[np.uint64(i)]
+
+
+# --------------------------------------------------------------------------- dot products
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _split(v):
+    """A byte value as float32 -> (low nibble, high nibble), exact."""
+    hi = np.floor(v * np.float32(0.0625))
+    return v - np.float32(16.0) * hi, hi
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _total(a0, a1):
+    """Sum of two 16-lane accumulators."""
+    s = np.float32(0.0)
+    for j in range(16):
+        s += a0[j] + a1[j]
+    return s
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dot_q8_0(w, wi, r, x, xs, f16, n):
+    # Two accumulators, even and odd blocks: independent add chains.
+    nb = x.shape[0] // 32
+    wr = wi[r]
+    a0, a1 = stack_f32x16(), stack_f32x16()
+    for b in range(0, nb, 2):
+        o = b * 34
+        q8x32(a0, wr, o + 2, x, b * 32, _h(w, r, o, f16))
+        if b + 1 < nb:
+            q8x32(a1, wr, o + 36, x, b * 32 + 32, _h(w, r, o + 34, f16))
+    return _total(a0, a1)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _block_pairs(block, w, r, x, xs, f16):
+    """Row r of a 32-weight format times x: `block(acc, w, r, x, xs, f16, b)` adds the
+    vector part of block b into acc and returns its scalar part (offset or min times the
+    block's sum of x). Even and odd blocks go to two accumulators: independent add
+    chains."""
+    nb = x.shape[0] // 32
+    a0, a1 = stack_f32x16(), stack_f32x16()
+    s = np.float32(0.0)
+    for b in range(0, nb, 2):
+        s += block(a0, w, r, x, xs, f16, b)
+        if b + 1 < nb:
+            s += block(a1, w, r, x, xs, f16, b + 1)
+    return s + _total(a0, a1)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _blk_q4_0(acc, w, r, x, xs, f16, b):
+    """Block b of a Q4_0 row into acc (vector part); returns the scalar part."""
+    o = b * 18
+    d = _h(w, r, o, f16)
+    nib16_1(acc, w[r], o + 2, x, b * 32, b * 32 + 16, d)
+    return -np.float32(8.0) * d * _at(xs, b)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dot_q4_0(w, wi, r, x, xs, f16, n):
+    return _block_pairs(_blk_q4_0, w, r, x, xs, f16)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _blk_q4_1(acc, w, r, x, xs, f16, b):
+    o = b * 20
+    d = _h(w, r, o, f16)
+    nib16_1(acc, w[r], o + 4, x, b * 32, b * 32 + 16, d)
+    return _h(w, r, o + 2, f16) * _at(xs, b)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dot_q4_1(w, wi, r, x, xs, f16, n):
+    return _block_pairs(_blk_q4_1, w, r, x, xs, f16)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _bit(bits, mask, value):
+    """`value` where `bits & mask` is non-zero, else 0.0 (vectorizes to a test and a blend)."""
+    return value if (bits & mask) != 0 else np.float32(0.0)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _blk_q5_0(acc, w, r, x, xs, f16, b):
+    o = b * 22
+    d = _h(w, r, o, f16)
+    nib16_hb(acc, w[r], o + 6, x, b * 32, b * 32 + 16, d, np.int32(_u32(w, r, o + 2)))
+    return -np.float32(16.0) * d * _at(xs, b)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dot_q5_0(w, wi, r, x, xs, f16, n):
+    return _block_pairs(_blk_q5_0, w, r, x, xs, f16)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def _blk_q5_1(acc, w, r, x, xs, f16, b):
+    o = b * 24
+    nib16_hb(acc, w[r], o + 8, x, b * 32, b * 32 + 16, _h(w, r, o, f16),
+             np.int32(_u32(w, r, o + 4)))
+    return _h(w, r, o + 2, f16) * _at(xs, b)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dot_q5_1(w, wi, r, x, xs, f16, n):
+    return _block_pairs(_blk_q5_1, w, r, x, xs, f16)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dot_q4_k(w, wi, r, x, xs, f16, n):
+    nb = x.shape[0] // 256
+    wr = w[r]
+    a0, a1 = stack_f32x16(), stack_f32x16()
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 144
+        xo = b * 256
+        d = _h(w, r, o, f16)
+        dmin = _h(w, r, o + 2, f16)
+        for c in range(4):  # pairs of 32-weight sub-blocks sharing 32 bytes
+            qo = o + 16 + 32 * c
+            x0 = xo + 64 * c
+            d0, m0, d1, m1 = _k_pair(w, r, o, c, d, dmin)
+            nib16(a0, wr, qo, x, x0, x0 + 32, d0, d1)  # bytes 0-15 of the pair
+            nib16(a1, wr, qo + 16, x, x0 + 16, x0 + 48, d0, d1)  # bytes 16-31
+            g = x0 // 32  # sub-block 2c
+            s -= m0 * _at(xs, g)
+            s -= m1 * _at(xs, g + 1)
+    return s + _total(a0, a1)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dot_q5_k(w, wi, r, x, xs, f16, n):
+    nb = x.shape[0] // 256
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 176
+        xo = b * 256
+        d = _h(w, r, o, f16)
+        dmin = _h(w, r, o + 2, f16)
+        for c in range(4):
+            qo = o + 48 + 32 * c
+            x0 = xo + 64 * c
+            m0 = 1 << (2 * c)  # 5th bits of sub-blocks 2c, 2c+1: bits 2c, 2c+1 of qh[j]
+            m1 = 2 << (2 * c)
+            t0 = np.float32(0.0)
+            t1 = np.float32(0.0)
+            for j in range(2 * n):
+                lo, hi = _split(np.float32(w[r, qo + j]))
+                h = w[r, o + 16 + j]
+                t0 += (lo + _bit(h, m0, np.float32(16.0))) * x[x0 + j]
+                t1 += (hi + _bit(h, m1, np.float32(16.0))) * x[x0 + 32 + j]
+            g = x0 // 32
+            d0, m0, d1, m1 = _k_pair(w, r, o, c, d, dmin)
+            s += d0 * t0
+            s += d1 * t1
+            s -= m0 * _at(xs, g)
+            s -= m1 * _at(xs, g + 1)
+    return s
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dot_q6_k(w, wi, r, x, xs, f16, n):
+    nb = x.shape[0] // 256
+    wr = w[r]
+    a0, a1 = stack_f32x16(), stack_f32x16()
+    s = np.float32(0.0)
+    for b in range(nb):
+        o = b * 210
+        xo = b * 256
+        d = _h(w, r, o + 208, f16)
+        for h in range(2):  # two halves of 128 weights
+            so = o + 192 + 8 * h  # scale of weights 128h + 32s + 16*half: 8h + 2s + half
+            x0 = xo + 128 * h
+            d0, d1 = d * np.float32(wi[r, so]), d * np.float32(wi[r, so + 2])
+            d2, d3 = d * np.float32(wi[r, so + 4]), d * np.float32(wi[r, so + 6])
+            q6k16(a0, wr, o + 64 * h, o + 128 + 32 * h, x, x0, d0, d1, d2, d3)
+            g = x0 // 16  # 16-group of the first run; the others are 2, 4, 6 groups further
+            s -= np.float32(32.0) * (d0 * _at(xs, g) + d1 * _at(xs, g + 2) + d2 * _at(xs, g + 4)
+                                     + d3 * _at(xs, g + 6))
+            e0, e1 = d * np.float32(wi[r, so + 1]), d * np.float32(wi[r, so + 3])
+            e2, e3 = d * np.float32(wi[r, so + 5]), d * np.float32(wi[r, so + 7])
+            q6k16(a1, wr, o + 64 * h + 16, o + 128 + 32 * h + 16, x, x0 + 16, e0, e1, e2, e3)
+            s -= np.float32(32.0) * (e0 * _at(xs, g + 1) + e1 * _at(xs, g + 3) + e2 * _at(xs, g + 5)
+                                     + e3 * _at(xs, g + 7))
+    return s + _total(a0, a1)
+
+
+# --------------------------------------------------------------------------- row dequantizers
+
+
+@njit(inline="always")
+def row_q8_0(w, wi, r, f16, out, n):
+    for b in range(out.shape[0] // 32):
+        o = b * 34
+        d = _h(w, r, o, f16)
+        for j in range(2 * n):
+            out[b * 32 + j] = np.float32(wi[r, o + 2 + j]) * d
+
+
+@njit(inline="always")
+def row_q4_0(w, wi, r, f16, out, n):
+    wr = w[r]
+    for b in range(out.shape[0] // 32):
+        o = b * 18
+        deq16(out, b * 32, wr, o + 2, np.float32(8.0), _h(w, r, o, f16), np.float32(-0.0))
+
+
+@njit(inline="always")
+def row_q4_1(w, wi, r, f16, out, n):
+    wr = w[r]
+    for b in range(out.shape[0] // 32):
+        o = b * 20
+        deq16(out, b * 32, wr, o + 4, np.float32(0.0), _h(w, r, o, f16), _h(w, r, o + 2, f16))
+
+
+@njit(inline="always")
+def row_q5_0(w, wi, r, f16, out, n):
+    for b in range(out.shape[0] // 32):
+        o = b * 22
+        d = _h(w, r, o, f16)
+        qh = _u32(w, r, o + 2)
+        for j in range(n):
+            q = np.int64(w[r, o + 6 + j])
+            lo = (q & 15) | (((qh >> j) & 1) << 4)
+            hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+            out[b * 32 + j] = d * np.float32(lo - 16)
+            out[b * 32 + 16 + j] = d * np.float32(hi - 16)
+
+
+@njit(inline="always")
+def row_q5_1(w, wi, r, f16, out, n):
+    for b in range(out.shape[0] // 32):
+        o = b * 24
+        d = _h(w, r, o, f16)
+        m = _h(w, r, o + 2, f16)
+        qh = _u32(w, r, o + 4)
+        for j in range(n):
+            q = np.int64(w[r, o + 8 + j])
+            lo = (q & 15) | (((qh >> j) & 1) << 4)
+            hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+            out[b * 32 + j] = d * np.float32(lo) + m
+            out[b * 32 + 16 + j] = d * np.float32(hi) + m
+
+
+@njit(inline="always")
+def row_q4_k(w, wi, r, f16, out, n):
+    for b in range(out.shape[0] // 256):
+        o = b * 144
+        d = _h(w, r, o, f16)
+        dmin = _h(w, r, o + 2, f16)
+        for c in range(4):
+            d0, m0, d1, m1 = _k_pair(w, r, o, c, d, dmin)
+            e = b * 256 + 64 * c
+            for j in range(2 * n):
+                lo, hi = _split(np.float32(w[r, o + 16 + 32 * c + j]))
+                out[e + j] = d0 * lo - m0
+                out[e + 32 + j] = d1 * hi - m1
+
+
+@njit(inline="always")
+def row_q5_k(w, wi, r, f16, out, n):
+    for b in range(out.shape[0] // 256):
+        o = b * 176
+        d = _h(w, r, o, f16)
+        dmin = _h(w, r, o + 2, f16)
+        for c in range(4):
+            d0, m0, d1, m1 = _k_pair(w, r, o, c, d, dmin)
+            e = b * 256 + 64 * c
+            for j in range(2 * n):
+                q = np.int64(w[r, o + 48 + 32 * c + j])
+                h = np.int64(w[r, o + 16 + j]) >> (2 * c)
+                out[e + j] = d0 * np.float32((q & 15) | ((h & 1) << 4)) - m0
+                out[e + 32 + j] = d1 * np.float32((q >> 4) | ((h & 2) << 3)) - m1
+
+
+@njit(inline="always")
+def row_q6_k(w, wi, r, f16, out, n):
+    for b in range(out.shape[0] // 256):
+        o = b * 210
+        d = _h(w, r, o + 208, f16)
+        for h in range(2):
+            for half in range(2):
+                so = o + 192 + 8 * h + half  # scale of weights 128h + 32s + 16*half: 8h + 2s + half
+                d0 = d * np.float32(wi[r, so])
+                d1 = d * np.float32(wi[r, so + 2])
+                d2 = d * np.float32(wi[r, so + 4])
+                d3 = d * np.float32(wi[r, so + 6])
+                lo = o + 64 * h + 16 * half
+                ho = o + 128 + 32 * h + 16 * half
+                e = b * 256 + 128 * h + 16 * half
+                for j in range(n):
+                    a = np.int64(w[r, lo + j])
+                    c = np.int64(w[r, lo + 32 + j])
+                    hb = np.int64(w[r, ho + j])
+                    out[e + j] = d0 * np.float32(((a & 15) | ((hb & 3) << 4)) - 32)
+                    out[e + 32 + j] = d1 * np.float32(((c & 15) | ((hb & 12) << 2)) - 32)
+                    out[e + 64 + j] = d2 * np.float32(((a >> 4) | (hb & 48)) - 32)
+                    out[e + 96 + j] = d3 * np.float32(((c >> 4) | ((hb >> 2) & 48)) - 32)
+
+
+# --------------------------------------------------------------------------- multi-row blocks
+# The weights of block b as `w = q * a + c` (a block's scale a, offset or min c; noted
+# after each signature), in registers, times 4 or 8 rows of x (`simd.*_rows`).
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def rows_block_q8_0(acc, w, wi, r, b, x, xo, K, rows):  # q * d
+    o = b * 34
+    q8_rows(acc, wi[r], o + 2, x, xo, K, half_at(w, r, o), rows)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def rows_block_q4_0(acc, w, wi, r, b, x, xo, K, rows):  # (q - 8) * d
+    o = b * 18
+    d = half_at(w, r, o)
+    c = -np.float32(8.0) * d
+    nib_rows(acc, w[r], o + 2, x, xo, xo + 16, K, d, c, d, c, rows)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def rows_block_q4_1(acc, w, wi, r, b, x, xo, K, rows):  # q * d + m
+    o = b * 20
+    d, m = half_at(w, r, o), half_at(w, r, o + 2)
+    nib_rows(acc, w[r], o + 4, x, xo, xo + 16, K, d, m, d, m, rows)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def rows_block_q5_0(acc, w, wi, r, b, x, xo, K, rows):  # (q - 16) * d
+    o = b * 22
+    d = half_at(w, r, o)
+    nib_hb_rows(acc, w[r], o + 6, x, xo, xo + 16, K, d, -np.float32(16.0) * d,
+                np.int32(_u32(w, r, o + 2)), rows)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def rows_block_q5_1(acc, w, wi, r, b, x, xo, K, rows):  # q * d + m
+    o = b * 24
+    nib_hb_rows(acc, w[r], o + 8, x, xo, xo + 16, K, half_at(w, r, o), half_at(w, r, o + 2),
+                np.int32(_u32(w, r, o + 4)), rows)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def rows_block_q4_k(acc, w, wi, r, b, x, xo, K, rows):  # q * d * scale - dmin * min
+    o = b * 144
+    d, dmin = half_at(w, r, o), half_at(w, r, o + 2)
+    for c in range(4):  # pairs of 32-weight sub-blocks sharing 32 bytes, as in `dot_q4_k`
+        qo = o + 16 + 32 * c
+        x0 = xo + 64 * c
+        a0, m0, a1, m1 = _k_pair(w, r, o, c, d, dmin)
+        c0, c1 = -m0, -m1
+        nib_rows(acc, w[r], qo, x, x0, x0 + 32, K, a0, c0, a1, c1, rows)
+        nib_rows(acc, w[r], qo + 16, x, x0 + 16, x0 + 48, K, a0, c0, a1, c1, rows)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def rows_block_q6_k(acc, w, wi, r, b, x, xo, K, rows):  # (q - 32) * d * scale
+    o = b * 210
+    d = half_at(w, r, o + 208)
+    for h in range(2):  # halves of 128 weights; 16-weight sub-blocks as in `dot_q6_k`
+        so = o + 192 + 8 * h
+        for i in range(2):
+            q6k_rows(acc, w[r], o + 64 * h + 16 * i, o + 128 + 32 * h + 16 * i, x,
+                     xo + 128 * h + 16 * i, K, d * np.float32(wi[r, so + i]),
+                     d * np.float32(wi[r, so + 2 + i]), d * np.float32(wi[r, so + 4 + i]),
+                     d * np.float32(wi[r, so + 6 + i]), rows)
+
+
+# --------------------------------------------------------------------------- 16-bit floats
+# w is (N, 2 K) bytes, each row viewed as K uint16. F16: the `simd.half16` steps convert
+# 16 halves at a time (the CPU's own conversion); the table `f16` serves the last K % 16
+# columns and the bit-exact dequantizer. BF16: each weight is a lookup in `BF16_TO_F32`
+# (passed as `f16`), exact.
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dot_f16(w, wi, r, x, xs, f16, n):
+    hr = w[r].view(np.uint16)  # (K,)
+    K = x.shape[0]
+    K16 = K - K % 16
+    a0, a1 = stack_f32x16(), stack_f32x16()
+    k = 0
+    while k + 32 <= K16:
+        half16(a0, hr, k, x, k)
+        half16(a1, hr, k + 16, x, k + 16)
+        k += 32
+    if k < K16:
+        half16(a0, hr, k, x, k)
+    s = _total(a0, a1)
+    for j in range(K16, K):
+        s += f16[np.int64(hr[j])] * x[j]
+    return s
+
+
+@njit(inline="always")
+def row_f16(w, wi, r, f16, out, n):
+    hr = w[r].view(np.uint16)  # (K,)
+    for k in range(out.shape[0]):
+        out[k] = f16[np.int64(hr[k])]
+
+
+@njit(inline="always")
+def fast_row_f16(w, wi, r, f16, out, n):
+    hr = w[r].view(np.uint16)  # (K,)
+    K = out.shape[0]
+    K16 = K - K % 16
+    for k in range(0, K16, 16):
+        half16_store(out, k, hr, k)
+    for k in range(K16, K):
+        out[k] = f16[np.int64(hr[k])]
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def dot_bf16(w, wi, r, x, xs, f16, n):
+    hr = w[r].view(np.uint16)  # (K,)
+    s = np.float32(0.0)
+    for k in range(x.shape[0]):
+        s += f16[np.int64(hr[k])] * x[k]
+    return s
+
+
+row_bf16 = row_f16  # a lookup in the table passed as `f16`, which is BF16's here
