@@ -11,7 +11,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from tests.conftest import SHARED, shared_file
+from tests.support.shared import SHARED, shared_file
 from workbench.engine.grammar import (
     Grammar,
     GrammarError,

@@ -3,7 +3,7 @@
 names the problem, never with an error from deep inside, a blowup or a silent bad load.
 
 The "valid except one field" files start from tiny real models built as the fidelity
-tests build them (`tests.test_tiny_models.build_tiny`, `tests.whisper_to_bin.write_bin`);
+tests build them (`tests.support.tiny_llama.build_tiny`, `tests.whisper_to_bin.write_bin`);
 headers the `gguf` writer refuses to produce are written byte by byte. Cases that used to
 allocate gigabytes, and the seeded fuzz loop, run in a subprocess under RLIMIT_AS and a
 timeout, so a blowup or a hang fails the test instead of taking the machine down.
@@ -45,7 +45,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
     """A tiny random-weight llama (2 layers, width 64, 4 heads over 2 KV heads, 269 tokens)."""
     import transformers
 
-    from tests.test_tiny_models import COMMON, PROMPT, VARIANTS, VOCAB, build_tiny
+    from tests.support.tiny_llama import COMMON, PROMPT, VARIANTS, VOCAB, build_tiny
 
     arch, _, kwargs, qtype = VARIANTS["llama"]
     config = transformers.LlamaConfig(**COMMON, **kwargs, bos_token_id=VOCAB.eos_id,
@@ -58,12 +58,12 @@ def tiny_gguf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_bin(tmp_path_factory) -> Path:
     """A tiny random-weight Whisper `.bin` (vocab 120, 80 mels, width 64, 2 + 2 layers)."""
-    from tests.test_whisper import _tiny_whisper
+    from tests.support.tiny_encoders import tiny_whisper
     from tests.whisper_to_bin import F32, write_bin
     from workbench.engine.convert import mel_filters
 
     path = tmp_path_factory.mktemp("bin") / "tiny-whisper.bin"
-    return write_bin(_tiny_whisper(False), path, mel_filters(80),
+    return write_bin(tiny_whisper(False), path, mel_filters(80),
                      [bytes([i]) for i in range(100)], F32)
 
 
@@ -329,11 +329,11 @@ def test_empty_token_texts_are_told_apart(tiny_gguf, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_bert_gguf(tmp_path_factory) -> Path:
     """A tiny random-weight BERT (width 64, 4 heads, 2 layers), converted as users do."""
-    from tests.test_encoder import _tiny_bert
+    from tests.support.tiny_encoders import tiny_bert
     from workbench.engine.convert import hf_bert_to_gguf
 
     folder = tmp_path_factory.mktemp("bert")
-    _tiny_bert(folder / "tiny")
+    tiny_bert(folder / "tiny")
     return hf_bert_to_gguf(folder / "tiny", folder / "tiny-bert.gguf")
 
 

@@ -20,6 +20,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.support.byte_level import gpt2_alphabet
+from tests.support.chat_templates import GEMMA_STYLE, LLAMA3_STYLE, MISTRAL_STYLE
 from workbench.engine import chat_template, template_limits
 from workbench.engine.chat_template import (
     CHATML,
@@ -265,8 +267,6 @@ def test_load_check_passes_templates_within_limits(template):
 
 
 def test_load_check_passes_the_family_templates():
-    from tests.test_chat_template import GEMMA_STYLE, LLAMA3_STYLE, MISTRAL_STYLE
-
     for template in (LLAMA3_STYLE, GEMMA_STYLE, MISTRAL_STYLE):
         check_template_limits(template)
 
@@ -345,15 +345,8 @@ def _write_tiny_llama(path, template: str) -> None:
 
 def _byte_level(tokens: list[str]) -> list[str]:
     """GPT-2's printable stand-ins for the byte tokens (special tokens kept as they are)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[i] if i < 256 else t for i, t in enumerate(tokens)]
+    alphabet = gpt2_alphabet()
+    return [alphabet[i] if i < 256 else t for i, t in enumerate(tokens)]
 
 
 @pytest.fixture(scope="module")

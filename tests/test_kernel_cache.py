@@ -64,7 +64,7 @@ print(json.dumps(dict(package=workbench.__file__, warmup=warmup, after=compiled,
 @pytest.fixture(scope="module")
 def tiny_q8_0(tmp_path_factory) -> Path:
     """A tiny qwen2 GGUF with Q8_0 matrices (every matrix has a packed kernel: fused stack)."""
-    from tests.test_tiny_models import Built
+    from tests.support.tiny_llama import Built
 
     return Built("qwen2-q8_0", tmp_path_factory.mktemp("tiny")).path
 

@@ -10,7 +10,7 @@ part from llama.cpp the same way. Each such divergence is reported as a warning
 with its gap.
 
 Every check runs on the NumPy engine and on the MLX backend (`LLM(device="mlx")`), or
-on the devices `WORKBENCH_TEST_DEVICES` names (tests/conftest.py; "cuda" on a GPU). The
+on the devices `WORKBENCH_TEST_DEVICES` names (tests/support/devices.py; "cuda" on a GPU). The
 CuPy backend's code on NumPy is left to the tiny models: its reference kernels
 dequantize every matrix at every product, too slow for these long runs.
 """
@@ -22,8 +22,9 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.conftest import DEVICES, open_llm, reference
 from tests.gguf_to_hf import hf_logits, hf_model_from_gguf
+from tests.support.devices import DEVICES, open_llm
+from tests.support.shared import reference
 from workbench.engine.gguf import open_gguf
 
 pytestmark = pytest.mark.slow

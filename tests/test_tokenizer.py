@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import reference
+from tests.support.byte_level import gpt2_alphabet
+from tests.support.shared import reference
 from workbench.engine.tokenizers import (
     BPETokenizer,
     SPMTokenizer,
@@ -23,19 +24,6 @@ from workbench.engine.tokenizers.bpe import PRE_TOKENIZERS, PreTokenizer, byte_e
 from workbench.engine.tokenizers.stream import StreamDecoder
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
-
-
-def gpt2_alphabet() -> list[str]:
-    """GPT-2's bytes_to_unicode, written out independently of the package."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 def tiny_bpe(merges: list[str], *, pre: str | None = "gpt2", user_defined: tuple[str, ...] = (),
