@@ -344,6 +344,7 @@ def test_tiny_bert_reduced_precision(tmp_path, dtype, min_cos, device):
     assert _cosines(enc.token_embeddings(TINY_TEXTS[0]), ref).min() >= min_cos
 
 
+@pytest.mark.slow
 def test_long_texts_are_cut_exactly_and_fast(tmp_path):
     """A long text is tokenized a growing head at a time, cut at whitespace or, in a long
     run without any, hard (HARD_CUT_MARGIN more tokens): the kept ids are the whole

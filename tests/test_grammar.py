@@ -294,6 +294,7 @@ def test_schema_sample_compiles_but_for_fewer_than_15_percent():
     assert len(refused) < 0.15 * (len(ok) + len(refused)), refused
 
 
+@pytest.mark.slow
 def test_schema_sample_instances_are_accepted_or_rejected(smollm2):
     ok, _ = compiled_sample()
     n_valid = n_invalid = 0
@@ -307,6 +308,7 @@ def test_schema_sample_instances_are_accepted_or_rejected(smollm2):
     assert n_valid >= 40 and n_invalid >= 60
 
 
+@pytest.mark.slow
 def test_masks_over_the_sample_on_a_whitespace_rich_vocabulary(qwen):
     """Every valid instance of the sample, compact and indented, fed to a matcher on
     Qwen2's vocabulary (hundreds of whitespace tokens), computing the mask before every
@@ -486,6 +488,7 @@ def test_chat_json_tool_call_ten_seeds(smollm2):
         jsonschema.validate(call, TOOL_SCHEMA)
 
 
+@pytest.mark.slow
 def test_chat_json_returns_a_pydantic_instance(smollm2):
     pydantic = pytest.importorskip("pydantic")
 
@@ -571,6 +574,7 @@ def test_mask_time_is_recorded_per_token(smollm2):
     assert all(ev.mask_ms is None for ev in plain.events)
 
 
+@pytest.mark.slow
 def test_batched_sequences_each_follow_the_grammar(smollm2):
     g = Grammar.from_json_schema({"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],

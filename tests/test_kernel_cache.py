@@ -79,6 +79,7 @@ def _run(package: Path, cache: Path, model: Path) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_cache_is_complete_never_stale_and_recompiles_only_what_an_edit_reaches(
         tmp_path, tiny_q8_0):
     package = tmp_path / "pkg"

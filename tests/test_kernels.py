@@ -441,6 +441,7 @@ def test_compiled_kernels_can_be_cached_on_disk():
     assert {"attend_compiled", "_gemv_q4_1", "_rows_q4_1"} <= set(checked)
 
 
+@pytest.mark.slow
 def test_parallel_kernels_start_one_parallel_region():
     """Each gemv and multi-row kernel is one parallel loop (its prange). In a parallel
     function Numba also turns array expressions (np.zeros, a slice copy) into parallel

@@ -128,6 +128,7 @@ def test_logits_whole_prompt(built, any_engine):
     _assert_close(np.asarray(ours), built.ref, f"{built.name}: forward(600 tokens at once)")
 
 
+@pytest.mark.slow
 def test_logits_chunks_then_decode(built, any_engine):
     engine = any_engine
     cache = engine.new_cache()
@@ -183,6 +184,7 @@ def test_longrope_short_factors(tmp_path):
                       "phi3-longrope: 40 tokens, short factors")
 
 
+@pytest.mark.slow
 def test_greedy_generation(built, any_engine):
     engine = any_engine
     prompt, n = PROMPT[:100], 8  # (longer than LongRoPE's original context: long factors)
@@ -195,6 +197,7 @@ def test_greedy_generation(built, any_engine):
     assert engine.generate(prompt, max_tokens=n, temperature=0).token_ids == ref
 
 
+@pytest.mark.slow
 def test_batched_decode_equals_one_by_one(built, any_engine):
     engine = any_engine
     prompts = [PROMPT[:290], PROMPT[100:130], PROMPT[200:480]]

@@ -111,6 +111,7 @@ def test_bad_files_give_clear_errors(tmp_path):
 
 # -- a tiny random Whisper from transformers ------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
 def test_tiny_whisper_matches_transformers(tmp_path, f16, device):
