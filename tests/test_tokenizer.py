@@ -251,7 +251,6 @@ def model_tokenizer(alias: str):
     return load_tokenizer(metadata(alias))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("alias", MODELS)
 def test_cases_match_llamacpp(alias):
     tok, ref = model_tokenizer(alias), reference(MODELS[alias])
@@ -265,7 +264,6 @@ def test_cases_match_llamacpp(alias):
         assert tok.decode(case["ids_plain"]) == text
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("alias", MODELS)
 def test_prompts_and_generations_match_llamacpp(alias):
     tok, ref = model_tokenizer(alias), reference(MODELS[alias])
@@ -280,7 +278,6 @@ def test_prompts_and_generations_match_llamacpp(alias):
         assert gen["ids"][-1] not in tok.eot_ids or tok.is_control(gen["ids"][-1])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("alias", MODELS)
 def test_stream_decoder_on_model_tokens(alias):
     tok, ref = model_tokenizer(alias), reference(MODELS[alias])
@@ -294,7 +291,6 @@ def test_stream_decoder_on_model_tokens(alias):
         assert "" in parts[:-1]  # a byte piece of an emoji was held back
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("alias, eog", [
     ("smollm2-135m", {"<|endoftext|>", "<|im_end|>"}),
     ("qwen2.5-coder-0.5b", {"<|endoftext|>", "<|im_end|>"}),
@@ -307,7 +303,6 @@ def test_end_of_generation_ids(alias, eog):
     assert all(tok.is_control(i) for i in tok.eot_ids)
 
 
-@pytest.mark.slow
 def test_qwen_tokenizer_loads_fast():
     md = metadata("qwen2.5-coder-0.5b")
     start = time.perf_counter()
