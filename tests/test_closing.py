@@ -144,6 +144,7 @@ def test_chat_json_closed_at_the_budget_warns_and_returns_the_object(smollm2):
     assert [w.category for w in caught] == [ClosedEarlyWarning]
 
 
+@pytest.mark.slow
 def test_chat_json_takes_a_gbnf_grammar(smollm2):
     json_like = 'root ::= "{\\"name\\": \\"" [a-z]+ "\\"}"'
     value = smollm2.chat_json([{"role": "user", "content": "Name a cat."}],

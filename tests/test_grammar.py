@@ -565,6 +565,7 @@ def test_end_token_only_when_complete_and_stop_when_finished(smollm2):
     assert re.fullmatch(r"a[0-9]{3}", c.text) and c.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_mask_time_is_recorded_per_token(smollm2):
     c = smollm2.generate("Code:", grammar=Grammar.from_regex("[a-z]{5}"), temperature=0)
     assert len(c.text) == 5

@@ -113,6 +113,7 @@ def test_chat_stop_mid_stream(smollm2):
     assert "stopped" in cell.stats
 
 
+@pytest.mark.slow
 def test_chat_refuses_send_while_busy_regenerate_and_clear(smollm2):
     cell = ChatCell(smollm2, temperature=0, max_tokens=12)
     cell.send("Name a colour.")
