@@ -1,4 +1,5 @@
-"""Builders and helpers that several test modules share; fixtures stay in tests/conftest.py.
+"""Builders and helpers for the tests, shared between modules or moved out of long ones;
+fixtures stay in tests/conftest.py.
 
 - shared: the files under ../shared (reference JSON, audio, seeds).
 - devices: the devices the fidelity tests run on and how to open a model on each.
@@ -10,4 +11,7 @@
 - chat_templates: family-style chat templates written for the tests.
 - byte_level: GPT-2's printable stand-ins for bytes.
 - polling: waiting for a condition with a deadline.
+- gguf_bytes, file_layouts, limited_loads, mutations: hostile model and cache files,
+  loading them under limits, fuzzing.
+- schema_order: a JSON value with its keys in the order its schema declares them.
 """
