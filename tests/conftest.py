@@ -32,3 +32,11 @@ def engines(smollm2, minilm):
 
     with WhisperModel.load("whisper-tiny.en") as whisper:
         yield {"smollm2-135m": smollm2, "minilm-l6": minilm, "whisper-tiny.en": whisper}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items):
+    """A browser test is slow too: the inner loop, `-m "not slow"`, leaves it out."""
+    for item in items:
+        if item.get_closest_marker("browser") is not None:
+            item.add_marker(pytest.mark.slow)

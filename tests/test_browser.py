@@ -268,7 +268,6 @@ def _open_and_run_all(page, lab: Lab, notebook: str, before_run: str | None = No
 
 
 # -- the notebooks in the browser ----------------------------------------------------------
-@pytest.mark.slow
 @pytest.mark.browser
 def test_chat_notebook_in_the_browser(page, lab):
     t0 = time.monotonic()
@@ -314,7 +313,6 @@ def test_chat_notebook_in_the_browser(page, lab):
     assert not page.console_errors, page.console_errors
 
 
-@pytest.mark.slow
 @pytest.mark.browser
 def test_tour_shows_its_kernels_compiling_on_a_cold_cache(cold_page, cold_lab):
     """With an empty kernel cache, the tour's first model cell shows the busy badge in its
@@ -351,7 +349,6 @@ def test_tour_shows_its_kernels_compiling_on_a_cold_cache(cold_page, cold_lab):
     assert not page.console_errors, page.console_errors
 
 
-@pytest.mark.slow
 @pytest.mark.browser
 def test_json_notebook_shows_an_answer_closed_at_the_budget(page, lab):
     """03_json in the browser: the cell asked for a long poem inside 24 tokens shows a
@@ -385,7 +382,6 @@ def test_json_notebook_shows_an_answer_closed_at_the_budget(page, lab):
     assert not page.console_errors, page.console_errors
 
 
-@pytest.mark.slow
 @pytest.mark.browser
 def test_logits_notebook_in_the_browser(page, lab):
     t0 = time.monotonic()
@@ -433,7 +429,6 @@ def mic_context(playwright, tmp_path_factory):
         context.close()
 
 
-@pytest.mark.slow
 @pytest.mark.browser
 def test_microphone_cell_records_and_transcribes(mic_context, lab):
     from tests.support.speech import JFK, words
@@ -490,7 +485,6 @@ def test_lab_needs_the_notebook(capsys):
     assert "no notebook 'no_such.ipynb'" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 @pytest.mark.browser
 def test_lab_serves_the_tour_until_ctrl_c(tmp_path):
     port = _free_port()
