@@ -21,6 +21,8 @@ import statistics
 import sys
 import time
 
+from thread_pools import pin_thread_pools
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -32,9 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sentences", type=int, default=256)
     args = p.parse_args(argv)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                "NUMBA_NUM_THREADS"):
-        os.environ[var] = str(args.threads)  # before NumPy, Numba and torch load
+    pin_thread_pools(args.threads)  # before NumPy, Numba and torch load
 
     import numpy as np
     import torch

@@ -33,6 +33,8 @@ import sys
 import threading
 import time
 
+from thread_pools import pin_thread_pools
+
 # A pause before each run: an engine's worker threads keep spinning for a while after
 # a call, which would slow the other server's next run.
 SETTLE_S = 0.5
@@ -54,9 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="runs per level (medians)")
     p.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp's context size")
     args = p.parse_args(argv)
-    for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                "MKL_NUM_THREADS"):
-        os.environ[var] = str(args.threads)  # before NumPy and Numba load
+    pin_thread_pools(args.threads)  # before NumPy and Numba load
 
     import workbench
     from workbench import LLM

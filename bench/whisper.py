@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from thread_pools import pin_thread_pools
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
@@ -37,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--beam-size", type=int, default=1)
     args = p.parse_args(argv)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                "NUMBA_NUM_THREADS"):
-        os.environ[var] = str(args.threads)  # before NumPy, Numba and CTranslate2 load
+    pin_thread_pools(args.threads)  # before NumPy, Numba and CTranslate2 load
 
     import numpy as np
     from faster_whisper import WhisperModel as FasterWhisper

@@ -414,7 +414,7 @@ def test_logits_notebook_in_the_browser(page, lab):
 @pytest.fixture(scope="module")
 def mic_context(playwright, tmp_path_factory):
     """Chromium whose microphone plays jfk.wav (its fake capture device), permission granted."""
-    from tests.conftest import shared_file
+    from tests.support.shared import shared_file
 
     jfk = shared_file("data", "whisper", "jfk.wav")
     profile = tmp_path_factory.mktemp("chromium-mic-profile")
@@ -431,7 +431,7 @@ def mic_context(playwright, tmp_path_factory):
 
 @pytest.mark.browser
 def test_microphone_cell_records_and_transcribes(mic_context, lab):
-    from tests.test_whisper import JFK, words
+    from tests.support.speech import JFK, words
 
     page = mic_context.new_page()
     page.set_default_timeout(60_000)

@@ -102,6 +102,7 @@ def test_a_runaway_string_is_closed_at_the_budget(smollm2):
         json.loads(plain.text)
 
 
+@pytest.mark.slow
 def test_a_long_string_is_closed_after_its_free_text_budget(smollm2):
     c = smollm2.generate("A JSON record: ", schema=RECORD, max_tokens=200, temperature=0,
                          logits_processors=[letter_lover(smollm2.tokenizer, "a")],
@@ -122,6 +123,7 @@ def test_a_loop_is_closed_and_the_model_goes_on(smollm2):
     assert len(c.token_ids) < 100
 
 
+@pytest.mark.slow
 def test_batched_runaways_all_end_valid(smollm2):
     outputs = smollm2.generate_batch(["A JSON record: ", "Another record: "], schema=RECORD,
                                      max_tokens=20, temperature=0,
@@ -130,6 +132,7 @@ def test_batched_runaways_all_end_valid(smollm2):
         assert json.loads(c.text)["count"] >= 18 and len(c.token_ids) <= 20
 
 
+@pytest.mark.slow
 def test_chat_json_closed_at_the_budget_warns_and_returns_the_object(smollm2):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -141,6 +144,7 @@ def test_chat_json_closed_at_the_budget_warns_and_returns_the_object(smollm2):
     assert [w.category for w in caught] == [ClosedEarlyWarning]
 
 
+@pytest.mark.slow
 def test_chat_json_takes_a_gbnf_grammar(smollm2):
     json_like = 'root ::= "{\\"name\\": \\"" [a-z]+ "\\"}"'
     value = smollm2.chat_json([{"role": "user", "content": "Name a cat."}],
@@ -153,6 +157,7 @@ def test_chat_json_takes_a_gbnf_grammar(smollm2):
         smollm2.chat_json([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.slow
 def test_closing_off_and_on_agree_where_the_model_ends_on_its_own(smollm2):
     """The closer acts only where a plan would no longer fit: an answer the model ends
     itself, greedy or sampled, is the same token for token."""
@@ -167,6 +172,7 @@ def test_closing_off_and_on_agree_where_the_model_ends_on_its_own(smollm2):
         assert on.token_ids == off.token_ids
 
 
+@pytest.mark.slow
 def test_x_max_tokens_gives_one_string_its_own_budget(smollm2):
     schema = {"type": "object", "required": ["title", "body"], "additionalProperties": False,
               "properties": {"title": {"type": "string", "x-max-tokens": 4},

@@ -20,7 +20,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from tests.test_quants import F16_FIELDS, assert_bits_equal, random_blocks
+from tests.support.quant_blocks import F16_FIELDS, assert_bits_equal, random_blocks
 from workbench.kernels import cuda, quants
 from workbench.kernels.cuda import FORMATS, GEMV_MAX_T, SOURCE, ReferenceKernels, kernel_names
 

@@ -18,9 +18,9 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.conftest import DEVICES, cuda_on_numpy, open_llm, require_device
 from tests.hf_to_gguf import F32, tiny_vocab
-from tests.test_tiny_models import VARIANTS, build_tiny
+from tests.support.devices import DEVICES, cuda_on_numpy, open_llm, require_device
+from tests.support.tiny_llama import COMMON, VARIANTS, build_tiny
 
 VOCAB = tiny_vocab()
 PROMPT = [266, 55, 3, 201, 87, 260, 12, 140, 99, 7, 265, 33]
@@ -61,8 +61,6 @@ def test_an_absent_device_is_a_clear_error(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     import transformers
-
-    from tests.test_tiny_models import COMMON
 
     arch, cfg_name, kwargs, _ = VARIANTS["qwen3"]
     config = getattr(transformers, cfg_name)(

@@ -10,7 +10,7 @@
   (max |ours - ref| <= 1e-4 * max |ref|), from safetensors and from a
   pytorch_model.bin, alone and in a padded batch.
 - Every fidelity test runs on each of `DEVICES`: the NumPy engine, the MLX backend
-  and the CuPy backend's code on NumPy (`tests/conftest.py`).
+  and the CuPy backend's code on NumPy (`tests/support/devices.py`).
 - Bad input: empty text, over-long text (truncated, warned; the kept ids those of the
   whole text, which is not tokenized whole: 10 MB without whitespace in < 1 s), a
   decoder GGUF given to Encoder.load, unsupported or malicious checkpoints.
@@ -26,7 +26,15 @@ import zipfile
 import numpy as np
 import pytest
 
-from tests.conftest import DEVICES, open_encoder, reference, shared_file
+from tests.support.devices import DEVICES, open_encoder
+from tests.support.long_texts import (
+    LONG_TEXT_PIECES,
+    assert_cut_fast_and_exact,
+    kept_ids,
+    random_long_texts,
+)
+from tests.support.shared import reference, shared_file
+from tests.support.tiny_encoders import tiny_bert
 
 RTOL = 1e-4
 
@@ -279,40 +287,6 @@ def test_cli_convert_and_embed(tmp_path, capsys, minilm_folder):
 
 # -- a tiny random BERT from transformers --------------------------------------------------
 
-TINY_WORDS = ["the", "quick", "brown", "fox", "jump", "over", "lazy", "dog", "hello", "world",
-              "un", "##ed", "##ing", "##ly", ",", ".", "!", "?", "'"]
-
-
-def _tiny_bert(folder, *, safetensors: bool = True):
-    """A transformers BertModel with seeded random weights, saved with its vocabulary."""
-    import torch
-    from transformers import BertConfig, BertModel
-
-    vocab = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + TINY_WORDS
-             + list("abcdefghijklmnopqrstuvwxyz0123456789")
-             + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz0123456789"])
-    config = BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=128,
-                        max_position_embeddings=64, type_vocab_size=2,
-                        attn_implementation="eager")
-    torch.manual_seed(0)
-    model = BertModel(config).eval()
-    with torch.no_grad():  # weights large enough that attention is far from uniform
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("weight")
-                        else 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(folder)
-    if not safetensors:  # the older format, as torch.save writes it (a zip of pickles)
-        (folder / "model.safetensors").unlink()
-        torch.save(model.state_dict(), folder / "pytorch_model.bin")
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
-    return model
-
-
 TINY_TEXTS = ["The quick brown fox jumps over the lazy dog!", "hello, world", "unjumped foxes?",
               "x"]
 
@@ -326,7 +300,7 @@ def test_tiny_bert_matches_transformers(tmp_path, safetensors, device):
     from workbench.engine.convert import hf_bert_to_gguf
 
     folder = tmp_path / "tiny"
-    model = _tiny_bert(folder, safetensors=safetensors)
+    model = tiny_bert(folder, safetensors=safetensors)
     assert (folder / ("model.safetensors" if safetensors else "pytorch_model.bin")).is_file()
     enc = open_encoder(hf_bert_to_gguf(folder, tmp_path / "tiny.gguf"), device)
     tok = BertTokenizerFast(str(folder / "vocab.txt"), do_lower_case=True)
@@ -359,7 +333,7 @@ def test_tiny_bert_reduced_precision(tmp_path, dtype, min_cos, device):
     from workbench.engine.gguf import open_gguf
 
     folder = tmp_path / "tiny"
-    model = _tiny_bert(folder)
+    model = tiny_bert(folder)
     path = hf_bert_to_gguf(folder, tmp_path / f"tiny.{dtype}.gguf", dtype=dtype)
     assert open_gguf(path).tensor("blk.0.ffn_down.weight").qtype == \
         GGMLQuantizationType[dtype.upper()]
@@ -370,48 +344,7 @@ def test_tiny_bert_reduced_precision(tmp_path, dtype, min_cos, device):
     assert _cosines(enc.token_embeddings(TINY_TEXTS[0]), ref).min() >= min_cos
 
 
-def _kept_ids(enc, text: str) -> list[int]:
-    """What `enc.tokenize` must give: the whole text's ids, cut to max_length."""
-    tok = enc.tokenizer
-    whole = tok.encode(text)
-    return whole if len(whole) <= enc.max_length else whole[: enc.max_length - 1] + [tok.eos_id]
-
-
-def assert_cut_fast_and_exact(enc, texts) -> None:
-    """Each long text tokenizes in under a second to the ids its first 100,000
-    characters give (the kept ids of the whole text)."""
-    import time
-
-    for text in texts:
-        start = time.perf_counter()
-        ids = enc.tokenize(text)
-        assert time.perf_counter() - start < 1, text[:20]
-        assert ids == _kept_ids(enc, text[:100_000]), text[:20]
-
-
-def _random_long_texts(seed: int, n: int, pieces: list[str], max_pieces: int) -> list[str]:
-    """Texts of random pieces: half joined at spaces and newlines, half with no
-    whitespace at all (only hyphens and dots, or nothing), some then going on in words."""
-    import random
-
-    rng = random.Random(seed)
-    texts = []
-    for i in range(n):
-        seps = [" ", "", " ", "\n", "\t"] if i % 2 else ["", "", "-", "."]
-        text = "".join(rng.choice(pieces) + rng.choice(seps)
-                       for _ in range(rng.randint(1, max_pieces)))
-        if rng.random() < 0.3:
-            text += " then some words" * rng.randint(0, 300)
-        texts.append(text)
-    return texts
-
-
-LONG_TEXT_PIECES = ["the", "quick", "brown", "fox", "jumped", "unjumped", "hello", "world",
-                    "東京", "漢字", "中文测试你好世界", "ひらがな", "a" * 150, "x" * 60, "b" * 99,
-                    "c" * 101, "??", ",", "https://example.org/a?b=c", "1234567890",
-                    "nospacesatallbutlong", "base64+/=QUJD", "Ünïcödé", "😀"]
-
-
+@pytest.mark.slow
 def test_long_texts_are_cut_exactly_and_fast(tmp_path):
     """A long text is tokenized a growing head at a time, cut at whitespace or, in a long
     run without any, hard (HARD_CUT_MARGIN more tokens): the kept ids are the whole
@@ -429,22 +362,22 @@ def test_long_texts_are_cut_exactly_and_fast(tmp_path):
     assert _word_end("a b" + "c" * 40, 16) == 16  # a whitespace far behind is not near
 
     folder = tmp_path / "tiny"
-    _tiny_bert(folder)
+    tiny_bert(folder)
     path = hf_bert_to_gguf(folder, tmp_path / "tiny.gguf")
     for max_length in (16, 64):
         with open_encoder(path, "cpu", max_length=max_length, prepare_kernels=False) as enc:
-            texts = _random_long_texts(max_length, 150, LONG_TEXT_PIECES, 600)
+            texts = random_long_texts(max_length, 150, LONG_TEXT_PIECES, 600)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 for text in texts:
-                    assert enc.tokenize(text) == _kept_ids(enc, text), text[:200]
+                    assert enc.tokenize(text) == kept_ids(enc, text), text[:200]
                 # the same kept ids as the whole text's (its first 100,000 characters' here)
                 assert_cut_fast_and_exact(enc, ("a" * 10_000_000, "漢字" * 5_000_000,
                                                 "x," * 5_000_000, " " * 10_000_000))
                 # a word longer than HEAD_CHARS_LIMIT characters per kept token: cut in it
                 limit = (max_length + HEAD_MARGIN) * HEAD_CHARS_LIMIT
                 text = "a" * 5000 + " b" * 3000
-                expected = _kept_ids(enc, text if limit > 5000 else "a" * 5000)
+                expected = kept_ids(enc, text if limit > 5000 else "a" * 5000)
                 assert enc.tokenize(text) == expected
 
 
@@ -454,7 +387,7 @@ def test_converter_refuses_what_it_cannot_convert(tmp_path):
     with pytest.raises(ConversionError, match="is not a folder"):
         hf_bert_to_gguf(tmp_path / "missing", tmp_path / "out.gguf")
     folder = tmp_path / "tiny"
-    _tiny_bert(folder)
+    tiny_bert(folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "roberta"}))
     with pytest.raises(ConversionError, match="model_type 'roberta' is not supported"):
@@ -481,7 +414,7 @@ def test_malicious_pytorch_bin_runs_no_code(tmp_path, monkeypatch):
     from workbench.engine.convert import ConversionError, hf_bert_to_gguf
 
     folder = tmp_path / "evil"
-    _tiny_bert(folder)
+    tiny_bert(folder)
     (folder / "model.safetensors").unlink()
     with zipfile.ZipFile(folder / "pytorch_model.bin", "w") as zf:
         zf.writestr("archive/data.pkl", pickle.dumps({"x": _Exploit()}))

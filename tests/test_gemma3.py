@@ -19,7 +19,7 @@ import mmap
 import numpy as np
 import pytest
 
-from tests.conftest import reference
+from tests.support.shared import reference
 from workbench.engine.kv_cache import RING_SLACK
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """On a machine with CUDA (marker `gpu`): the fidelity suites and the benchmark on the GPU.
 
 Each fidelity module runs again in a child pytest with `WORKBENCH_TEST_DEVICES=cuda`
-(tests/conftest.py), so every device-parametrized check (llama.cpp golden runs,
+(tests/support/devices.py), so every device-parametrized check (llama.cpp golden runs,
 tiny transformers models, sentence-transformers embeddings, Whisper transcripts)
 runs on `device="cuda"` (decode steps recorded as CUDA graphs), and so does the device
 sampler's comparison with the host's (tests/test_device.py); the llama.cpp golden runs

@@ -11,7 +11,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from tests.conftest import SHARED, shared_file
+from tests.support.schema_order import in_schema_order
+from tests.support.shared import SHARED, shared_file
 from workbench.engine.grammar import (
     Grammar,
     GrammarError,
@@ -215,63 +216,6 @@ def test_regex_grammar(smollm2):
 
 
 # -- the JSONSchemaBench sample ---------------------------------------------------------------
-def in_schema_order(value, schema, root=None):
-    """`value` with object keys in the order the schema declares them.
-
-    llguidance, like OpenAI's structured outputs, emits properties in schema
-    order; reordering keys does not change what a JSON value means, so each
-    instance is fed in that order ($ref and the combinators are followed to
-    find the declared names; undeclared keys go last)."""
-    root = schema if root is None else root
-    if isinstance(value, dict):
-        order = list(dict.fromkeys(_declared(schema, root, set())))
-        keys = [k for k in order if k in value] + [k for k in value if k not in order]
-        return {k: in_schema_order(value[k], _property(schema, root, k), root) for k in keys}
-    if isinstance(value, list):
-        return [in_schema_order(v, _items(schema, root), root) for v in value]
-    return value
-
-
-def _resolve(s, root):
-    while isinstance(s, dict) and isinstance(s.get("$ref"), str) and s["$ref"].startswith("#"):
-        target = root
-        for part in s["$ref"][1:].split("/")[1:]:
-            target = target.get(part.replace("~1", "/").replace("~0", "~"), {})
-        s = target
-    return s if isinstance(s, dict) else {}
-
-
-def _parts(s):
-    return [sub for k in ("allOf", "anyOf", "oneOf") for sub in s.get(k, [])]
-
-
-def _declared(schema, root, seen):
-    s = _resolve(schema, root)
-    if id(s) in seen:
-        return []
-    seen.add(id(s))
-    return ([n for sub in _parts(s) for n in _declared(sub, root, seen)]
-            + list(s.get("properties", {})))
-
-
-def _property(schema, root, key):
-    s = _resolve(schema, root)
-    parts = [_property(sub, root, key) for sub in _parts(s)]
-    if key in s.get("properties", {}):
-        parts.append(s["properties"][key])
-    elif isinstance(s.get("additionalProperties"), dict):
-        parts.append(s["additionalProperties"])
-    return {"allOf": parts}
-
-
-def _items(schema, root):
-    s = _resolve(schema, root)
-    parts = [_items(sub, root) for sub in _parts(s)]
-    if isinstance(s.get("items"), dict):
-        parts.append(s["items"])
-    return {"allOf": parts}
-
-
 def compiled_sample():
     """(file, schema, grammar) for each schema of the sample that compiles, and the
     (file, reason) of each that does not."""
@@ -294,6 +238,7 @@ def test_schema_sample_compiles_but_for_fewer_than_15_percent():
     assert len(refused) < 0.15 * (len(ok) + len(refused)), refused
 
 
+@pytest.mark.slow
 def test_schema_sample_instances_are_accepted_or_rejected(smollm2):
     ok, _ = compiled_sample()
     n_valid = n_invalid = 0
@@ -307,6 +252,7 @@ def test_schema_sample_instances_are_accepted_or_rejected(smollm2):
     assert n_valid >= 40 and n_invalid >= 60
 
 
+@pytest.mark.slow
 def test_masks_over_the_sample_on_a_whitespace_rich_vocabulary(qwen):
     """Every valid instance of the sample, compact and indented, fed to a matcher on
     Qwen2's vocabulary (hundreds of whitespace tokens), computing the mask before every
@@ -486,6 +432,7 @@ def test_chat_json_tool_call_ten_seeds(smollm2):
         jsonschema.validate(call, TOOL_SCHEMA)
 
 
+@pytest.mark.slow
 def test_chat_json_returns_a_pydantic_instance(smollm2):
     pydantic = pytest.importorskip("pydantic")
 
@@ -562,6 +509,7 @@ def test_end_token_only_when_complete_and_stop_when_finished(smollm2):
     assert re.fullmatch(r"a[0-9]{3}", c.text) and c.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_mask_time_is_recorded_per_token(smollm2):
     c = smollm2.generate("Code:", grammar=Grammar.from_regex("[a-z]{5}"), temperature=0)
     assert len(c.text) == 5
@@ -571,6 +519,7 @@ def test_mask_time_is_recorded_per_token(smollm2):
     assert all(ev.mask_ms is None for ev in plain.events)
 
 
+@pytest.mark.slow
 def test_batched_sequences_each_follow_the_grammar(smollm2):
     g = Grammar.from_json_schema({"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],

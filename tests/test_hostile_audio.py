@@ -28,7 +28,7 @@ import wave
 import numpy as np
 import pytest
 
-from tests.conftest import shared_file
+from tests.support.shared import shared_file
 
 TEN_HOURS = 10 * 3600
 

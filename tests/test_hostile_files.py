@@ -3,7 +3,7 @@
 names the problem, never with an error from deep inside, a blowup or a silent bad load.
 
 The "valid except one field" files start from tiny real models built as the fidelity
-tests build them (`tests.test_tiny_models.build_tiny`, `tests.whisper_to_bin.write_bin`);
+tests build them (`tests.support.tiny_llama.build_tiny`, `tests.whisper_to_bin.write_bin`);
 headers the `gguf` writer refuses to produce are written byte by byte. Cases that used to
 allocate gigabytes, and the seeded fuzz loop, run in a subprocess under RLIMIT_AS and a
 timeout, so a blowup or a hang fails the test instead of taking the machine down.
@@ -11,30 +11,32 @@ timeout, so a blowup or a hang fails the test instead of taking the machine down
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import random
-import resource
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader
 from gguf import GGUFValueType as VT
 
+from tests.support.file_layouts import HPARAM, patched, prefix_parts, write_prefix
+from tests.support.gguf_bytes import ARCH, gguf_bytes, gguf_str, kv, rewrite_gguf, tensor
+from tests.support.limited_loads import FAST, assert_limited_refusal, refused, run_limited
+from tests.support.mutations import (
+    EXTRA_COUNT_KEYS,
+    HOSTILE_INTS,
+    HOSTILE_VALUES,
+    LARGE_COUNTS,
+    mutated_bytes,
+)
 from workbench.engine.gguf import GGUFError, open_gguf
 from workbench.engine.kv_cache import PrefixCache, PrefixCacheError
 from workbench.engine.whisper_file import WhisperFile, WhisperFileError
 
-ROOT = Path(__file__).resolve().parents[1]
-FAST = 5.0  # seconds: a generous bound on every refusal (each takes milliseconds)
-LIMIT_AS = 2 << 30  # address-space limit of the subprocess cases (2 GiB)
 KV_CACHE_SIZE = 64
 
 
@@ -45,7 +47,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
     """A tiny random-weight llama (2 layers, width 64, 4 heads over 2 KV heads, 269 tokens)."""
     import transformers
 
-    from tests.test_tiny_models import COMMON, PROMPT, VARIANTS, VOCAB, build_tiny
+    from tests.support.tiny_llama import COMMON, PROMPT, VARIANTS, VOCAB, build_tiny
 
     arch, _, kwargs, qtype = VARIANTS["llama"]
     config = transformers.LlamaConfig(**COMMON, **kwargs, bos_token_id=VOCAB.eos_id,
@@ -58,12 +60,12 @@ def tiny_gguf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_bin(tmp_path_factory) -> Path:
     """A tiny random-weight Whisper `.bin` (vocab 120, 80 mels, width 64, 2 + 2 layers)."""
-    from tests.test_whisper import _tiny_whisper
+    from tests.support.tiny_encoders import tiny_whisper
     from tests.whisper_to_bin import F32, write_bin
     from workbench.engine.convert import mel_filters
 
     path = tmp_path_factory.mktemp("bin") / "tiny-whisper.bin"
-    return write_bin(_tiny_whisper(False), path, mel_filters(80),
+    return write_bin(tiny_whisper(False), path, mel_filters(80),
                      [bytes([i]) for i in range(100)], F32)
 
 
@@ -75,114 +77,10 @@ def tiny_llm(tiny_gguf):
         yield m
 
 
-def rewrite_gguf(src: Path, dst: Path, changes: dict | None = None, drop: tuple = (),
-                 tensors: dict | None = None, drop_tensors: tuple = ()) -> Path:
-    """A copy of the GGUF `src` at `dst` with metadata `changes` ({key: (value, type[,
-    item type])}), keys `drop`ped, tensors replaced ({name: fn(array) -> array}) and
-    tensors `drop_tensors` left out."""
-    r = GGUFReader(src)
-    changes, tensors = changes or {}, tensors or {}
-    w = GGUFWriter(os.fspath(dst), r.fields["general.architecture"].contents())
-    for name, field in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" \
-                or name in drop or name in changes:
-            continue
-        item = field.types[-1] if field.types[0] == VT.ARRAY else None
-        w.add_key_value(name, field.contents(), field.types[0], sub_type=item)
-    for name, (value, vtype, *item) in changes.items():
-        w.add_key_value(name, value, vtype, sub_type=item[0] if item else None)
-    for t in r.tensors:
-        if t.name in drop_tensors:
-            continue
-        data = np.array(t.data)
-        w.add_tensor(t.name, tensors[t.name](data) if t.name in tensors else data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
-def _str(s: str | bytes) -> bytes:
-    s = s.encode() if isinstance(s, str) else s
-    return struct.pack("<Q", len(s)) + s
-
-
-def gguf_bytes(kvs: list[bytes], tensors: list[bytes] = (), n_kv: int | None = None,
-               n_tensors: int | None = None, tail: bytes = b"") -> bytes:
-    """A GGUF v3 file from raw metadata entries and tensor entries (see `kv` / `tensor`)."""
-    return (b"GGUF" + struct.pack("<IQQ", 3, len(tensors) if n_tensors is None else n_tensors,
-                                  len(kvs) if n_kv is None else n_kv)
-            + b"".join(kvs) + b"".join(tensors) + tail)
-
-
-def kv(key: str, vtype: VT, payload: bytes) -> bytes:
-    return _str(key) + struct.pack("<I", vtype) + payload
-
-
-def tensor(name: str, dims: tuple[int, ...], type_id: int = 0, offset: int = 0,
-           n_dims: int | None = None) -> bytes:
-    return (_str(name) + struct.pack("<I", len(dims) if n_dims is None else n_dims)
-            + b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", type_id, offset))
-
-
-ARCH = kv("general.architecture", VT.STRING, _str("llama"))
-
-
 def load_llm(path: Path):
     from workbench import LLM
 
     return LLM(open_gguf(path), prepare_kernels=False, kv_cache_size=KV_CACHE_SIZE)
-
-
-def refused(error: type[Exception], match: str, load, *args):
-    """Run `load(*args)`; assert it raises `error` matching `match` within `FAST` seconds."""
-    start = time.perf_counter()
-    with pytest.raises(error, match=match) as info:
-        load(*args)
-    assert time.perf_counter() - start < FAST
-    assert issubclass(info.type, ValueError)
-    return info.value
-
-
-def run_limited(code: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    """Run Python `code` from the repository root in a subprocess with at most `LIMIT_AS`
-    bytes of address space and `timeout` seconds."""
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS, LIMIT_AS))
-
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
-               NUMBA_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, preexec_fn=limit,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def assert_limited_refusal(code: str, error: str, match: str, within: float = FAST) -> None:
-    """`code` (which sets `load` to a zero-argument callable) must raise `error` matching
-    `match` inside the limited subprocess, within `within` seconds."""
-    script = f"""
-import re, time
-{code}
-start = time.perf_counter()
-try:
-    load()
-except Exception as exc:
-    took = time.perf_counter() - start
-    print("RAISED", type(exc).__name__, took)
-    print(exc)
-else:
-    print("LOADED")
-"""
-    done = run_limited(script)
-    lines = done.stdout.splitlines()
-    assert done.returncode == 0 and lines and lines[0].startswith("RAISED"), \
-        (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
-    _, name, took = lines[0].split()
-    assert name == error, done.stdout
-    assert float(took) < within, done.stdout
-    import re
-
-    assert re.search(match, "\n".join(lines[1:])), done.stdout
 
 
 # -- GGUF: metadata the model uses ----------------------------------------------------------
@@ -329,11 +227,11 @@ def test_empty_token_texts_are_told_apart(tiny_gguf, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_bert_gguf(tmp_path_factory) -> Path:
     """A tiny random-weight BERT (width 64, 4 heads, 2 layers), converted as users do."""
-    from tests.test_encoder import _tiny_bert
+    from tests.support.tiny_encoders import tiny_bert
     from workbench.engine.convert import hf_bert_to_gguf
 
     folder = tmp_path_factory.mktemp("bert")
-    _tiny_bert(folder / "tiny")
+    tiny_bert(folder / "tiny")
     return hf_bert_to_gguf(folder / "tiny", folder / "tiny-bert.gguf")
 
 
@@ -403,7 +301,7 @@ BAD_HEADERS = {
                          "offset 3, not a multiple of the alignment 32"),
     "duplicate-tensor": (gguf_bytes([ARCH], [tensor("t", (4,)), tensor("t", (4,))],
                                     tail=bytes(64)), "'t' is listed twice"),
-    "alignment-a-string": (gguf_bytes([ARCH, kv("general.alignment", VT.STRING, _str("32"))]),
+    "alignment-a-string": (gguf_bytes([ARCH, kv("general.alignment", VT.STRING, gguf_str("32"))]),
                            "alignment is '32'"),
     "version-99": (b"GGUF" + struct.pack("<IQQ", 99, 0, 0), "version 99 is not supported"),
 }
@@ -433,27 +331,9 @@ def prefix_file(tiny_llm, tmp_path_factory) -> Path:
     return pc.save(tmp_path_factory.mktemp("prefix") / "tiny.wbprefix")
 
 
-def write_prefix(path: Path, header: dict | bytes, payload: bytes,
-                 n_header: int | None = None, digest: bool = True) -> Path:
-    """A prefix cache file from parts; `digest` appends the BLAKE2b-256 of what precedes."""
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    body = PrefixCache.MAGIC + struct.pack("<Q", len(raw) if n_header is None else n_header) \
-        + raw + payload
-    if digest:
-        body += hashlib.blake2b(body, digest_size=32).digest()
-    path.write_bytes(body)
-    return path
-
-
-def _parts(path: Path) -> tuple[dict, bytes]:
-    data = path.read_bytes()
-    (n,) = struct.unpack_from("<Q", data, 8)
-    return json.loads(data[16 : 16 + n]), data[16 + n : -32]
-
-
 def test_prefix_round_trip(tiny_llm, prefix_file):
     pc = tiny_llm.load_prefix(prefix_file)
-    header, payload = _parts(prefix_file)
+    header, payload = prefix_parts(prefix_file)
     assert header["version"] == PrefixCache.VERSION == 2
     assert pc.tokens == header["tokens"] and len(pc) == N_PREFIX
     assert pc.keys.tobytes() + pc.values.tobytes() == payload
@@ -469,7 +349,7 @@ def test_prefix_length_field_2_63(tiny_llm, prefix_file, tmp_path):
 
 
 def test_prefix_deep_json_header(tiny_llm, prefix_file, tmp_path):
-    _, payload = _parts(prefix_file)
+    _, payload = prefix_parts(prefix_file)
     path = write_prefix(tmp_path / "p", b"[" * 2000 + b"]" * 2000, payload)
     refused(PrefixCacheError, "header is damaged \\(nested 2000 deep\\)",
             tiny_llm.load_prefix, path)
@@ -483,7 +363,7 @@ def test_prefix_payload_checked_by_checksum(tiny_llm, prefix_file, tmp_path):
     (tmp_path / "p").write_bytes(bytes(data))
     refused(PrefixCacheError, "checksum does not match", tiny_llm.load_prefix, tmp_path / "p")
     # a NaN payload with a valid checksum (crafted, not damaged): refused all the same
-    header, payload = _parts(prefix_file)
+    header, payload = prefix_parts(prefix_file)
     nan = np.frombuffer(payload, np.float32).copy()
     nan[5] = np.nan
     path = write_prefix(tmp_path / "nan", header, nan.tobytes())
@@ -492,7 +372,7 @@ def test_prefix_payload_checked_by_checksum(tiny_llm, prefix_file, tmp_path):
 
 @pytest.mark.parametrize("version", [1, 3, "2", None])
 def test_prefix_other_format_versions(tiny_llm, prefix_file, tmp_path, version):
-    header, payload = _parts(prefix_file)
+    header, payload = prefix_parts(prefix_file)
     header["version"] = version
     path = write_prefix(tmp_path / "p", header, payload, digest=version != 1)
     refused(PrefixCacheError, f"format version {version!r} is not supported.*make the prefix "
@@ -514,7 +394,7 @@ BAD_PREFIX_HEADERS = {
 
 @pytest.mark.parametrize("case", list(BAD_PREFIX_HEADERS))
 def test_prefix_header_checked_against_the_model(tiny_llm, prefix_file, tmp_path, case):
-    header, payload = _parts(prefix_file)
+    header, payload = prefix_parts(prefix_file)
     change, match = BAD_PREFIX_HEADERS[case]
     change(header)
     path = write_prefix(tmp_path / "p", [header] if case == "not-a-dict" else header, payload)
@@ -523,7 +403,7 @@ def test_prefix_header_checked_against_the_model(tiny_llm, prefix_file, tmp_path
 
 def _huge_prefix(prefix_file: Path, path: Path, n: int) -> Path:
     """A sparse prefix file whose header claims `n` tokens of this model's shape."""
-    header, _ = _parts(prefix_file)
+    header, _ = prefix_parts(prefix_file)
     L, H, _, d = header["shape"]
     header.update(tokens=[1] * n, shape=[L, H, n, d])
     write_prefix(path, header, b"", digest=False)
@@ -552,19 +432,6 @@ load = lambda: m.load_prefix({str(path)!r})
 
 
 # -- whisper.cpp .bin ------------------------------------------------------------------------
-
-HPARAM = {name: 4 + 4 * i for i, name in enumerate((
-    "n_vocab", "n_audio_ctx", "n_audio_state", "n_audio_head", "n_audio_layer", "n_text_ctx",
-    "n_text_state", "n_text_head", "n_text_layer", "n_mels", "ftype", "n_mel", "n_fft"))}
-
-
-def patched(src: Path, dst: Path, **fields: int) -> Path:
-    data = bytearray(src.read_bytes())
-    for name, value in fields.items():
-        struct.pack_into("<i", data, HPARAM[name], value)
-    dst.write_bytes(bytes(data))
-    return dst
-
 
 def load_whisper(path: Path):
     from workbench.engine.models.whisper import Whisper
@@ -629,36 +496,6 @@ load = lambda: Whisper(WhisperFile({str(path)!r}))
 # -- seeded fuzzing -----------------------------------------------------------------------------
 
 FUZZ_CASES = 120  # per format
-HOSTILE_INTS = [0, 1, -1, 2, 3, 7, 2**31 - 1, -2**31, 2**32 - 1, 2**63 - 1, 2**64 - 1, 64, 269]
-HOSTILE_VALUES = [(v, VT.UINT64 if v >= 2**63 else VT.INT64 if v < 0 else VT.UINT32
-                   if v < 2**32 else VT.UINT64) for v in HOSTILE_INTS] + [
-    (math.nan, VT.FLOAT32), (math.inf, VT.FLOAT64), (-1e-6, VT.FLOAT32), (1e38, VT.FLOAT32),
-    (0.0, VT.FLOAT32), ("x", VT.STRING), ("", VT.STRING), (True, VT.BOOL),
-    ([1, 2], VT.ARRAY, VT.INT32), (["a"], VT.ARRAY, VT.STRING), ([0.5], VT.ARRAY, VT.FLOAT32)]
-# Counts that pass the int32 bound but that no loop or allocation may trust before checking
-# them against the tensors (a huge block_count used to build millions of dict entries).
-LARGE_COUNTS = [2_000_000, 2**24 + 2, 2**31 - 1]
-EXTRA_COUNT_KEYS = ("llama.expert_count", "llama.expert_used_count",
-                    "llama.attention.key_length", "llama.attention.value_length",
-                    "llama.vocab_size")
-
-
-def _mutated_bytes(rng: random.Random, data: bytes, span: int) -> bytes:
-    """`data` with a few bytes of its first `span` replaced: random bytes, or an extreme
-    little-endian integer over a 4- or 8-byte field."""
-    out = bytearray(data)
-    for _ in range(rng.randint(1, 3)):
-        at = rng.randrange(min(span, len(out)))
-        if rng.random() < 0.5:
-            out[at] = rng.randrange(256)
-        else:
-            width = rng.choice((4, 8))
-            value = rng.choice((0, 1, 2**(8 * width) - 1, 2**(8 * width - 1), 2**31, 1000,
-                                2_000_000, 2**31 - 1))
-            out[at : at + width] = value.to_bytes(width, "little")[: len(out) - at]
-    return bytes(out)
-
-
 def fuzz_main(gguf_path: str, prefix_path: str, bin_path: str, workdir: str, seed: int) -> None:
     """The fuzz loop (run in a limited subprocess): print one line per case that raised
     something other than the loader's own error class or took longer than `FAST`."""
@@ -708,7 +545,7 @@ def fuzz_main(gguf_path: str, prefix_path: str, bin_path: str, workdir: str, see
             rewrite_gguf(Path(gguf_path), path, changes)
             what = f"gguf {changes}"
         else:
-            path.write_bytes(_mutated_bytes(rng, gguf_data, header_end))
+            path.write_bytes(mutated_bytes(rng, gguf_data, header_end))
             what = f"gguf bytes case {i}"
         attempt(what, GGUFError, open_llm, path)
         path.unlink()
@@ -722,7 +559,7 @@ def fuzz_main(gguf_path: str, prefix_path: str, bin_path: str, workdir: str, see
             write_prefix(path, header, prefix_data[16 + n_prefix_header : -32])
             what = f"prefix {key}={header[key]!r}"
         else:
-            path.write_bytes(_mutated_bytes(rng, prefix_data, 16 + n_prefix_header
+            path.write_bytes(mutated_bytes(rng, prefix_data, 16 + n_prefix_header
                                             if rng.random() < 0.8 else len(prefix_data)))
             what = f"prefix bytes case {i}"
         attempt(what, PrefixCacheError, model.load_prefix, path)
@@ -738,7 +575,7 @@ def fuzz_main(gguf_path: str, prefix_path: str, bin_path: str, workdir: str, see
             path.write_bytes(bytes(data))
             what = f"whisper {field}={value}"
         else:
-            path.write_bytes(_mutated_bytes(rng, bin_data, 52 + 4 * 80 * 201 + 600))
+            path.write_bytes(mutated_bytes(rng, bin_data, 52 + 4 * 80 * 201 + 600))
             what = f"whisper bytes case {i}"
         attempt(what, WhisperFileError, load_whisper, path)
     print(f"DONE {outcome['ok']} loaded, {outcome['refused']} refused", flush=True)

@@ -21,7 +21,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import shared_file
+from tests.support.polling import wait_for
+from tests.support.shared import shared_file
 
 pytestmark = pytest.mark.slow
 
@@ -70,15 +71,6 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def _wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def _post(server, path: str, *, key: str | None = KEY, **kwargs) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     headers.update(kwargs.pop("headers", {}))
@@ -96,8 +88,8 @@ def _healthy(server, baseline: int) -> None:
     """The server answers, its slot is free and memory is back near the baseline."""
     health = httpx.get(server.url + "/health", headers=AUTH, timeout=10).json()
     assert health["status"] == "ok"
-    assert _wait_for(lambda: server.running.peek() == 0 and server.queued.peek() == 0, 2)
-    assert _wait_for(lambda: _rss() <= 1.1 * baseline, 5), \
+    assert wait_for(lambda: server.running.peek() == 0 and server.queued.peek() == 0, 2)
+    assert wait_for(lambda: _rss() <= 1.1 * baseline, 5), \
         f"RSS {_rss() >> 20} MiB against {baseline >> 20} MiB"
 
 
@@ -114,12 +106,12 @@ def _send_raw(server, path: str, body: bytes, length: int | None = None) -> sock
 def _leave_mid_request(server, path: str, body: dict, after: float) -> None:
     """Send `body`, leave `after` s into its engine call; the slot must be free 2 s later."""
     sock = _send_raw(server, path, json.dumps(body).encode())
-    assert _wait_for(lambda: server.running.peek() == 1, 30)
+    assert wait_for(lambda: server.running.peek() == 1, 30)
     time.sleep(after)
     assert server.running.peek() == 1, "the request ended before the client left"
     sock.close()
     left = time.monotonic()
-    assert _wait_for(lambda: server.running.peek() == 0, 2.0), \
+    assert wait_for(lambda: server.running.peek() == 0, 2.0), \
         f"still running {time.monotonic() - left:.1f} s after the client left"
 
 
@@ -128,7 +120,7 @@ def test_leaving_a_non_streaming_chat_frees_the_slot(server, engines, baseline, 
     _leave_mid_request(server, "/v1/chat/completions",
                        {"model": "smollm2-135m", "messages": STORY, "max_tokens": 800,
                         "logit_bias": no_eos}, after=1.0)
-    assert _wait_for(lambda: not engines["smollm2-135m"].busy.peek(), 2)
+    assert wait_for(lambda: not engines["smollm2-135m"].busy.peek(), 2)
     _healthy(server, baseline)
 
 
@@ -136,7 +128,7 @@ def test_leaving_an_n2_chat_frees_the_slot(server, engines, baseline, no_eos):
     _leave_mid_request(server, "/v1/chat/completions",
                        {"model": "smollm2-135m", "messages": STORY, "max_tokens": 800, "n": 2,
                         "temperature": 0.8, "seed": 1, "logit_bias": no_eos}, after=1.0)
-    assert _wait_for(lambda: not engines["smollm2-135m"].busy.peek(), 2)
+    assert wait_for(lambda: not engines["smollm2-135m"].busy.peek(), 2)
     _healthy(server, baseline)
 
 
@@ -144,7 +136,7 @@ def test_leaving_a_long_embedding_request_frees_the_slot(server, engines, baseli
     texts = [f"sentence {i} " + "about many different things " * 25 for i in range(1024)]
     _leave_mid_request(server, "/v1/embeddings", {"model": "minilm-l6", "input": texts},
                        after=1.0)
-    assert _wait_for(lambda: not engines["minilm-l6"].busy.peek(), 2)
+    assert wait_for(lambda: not engines["minilm-l6"].busy.peek(), 2)
     _healthy(server, baseline)
 
 
@@ -170,13 +162,13 @@ def test_leaving_a_transcription_frees_the_slot(server, engines, baseline):
                   f"Authorization: Bearer {KEY}\r\nContent-Type: multipart/form-data; "
                   f"boundary={boundary}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
                  + body)
-    assert _wait_for(lambda: server.running.peek() == 1, 30)
+    assert wait_for(lambda: server.running.peek() == 1, 30)
     time.sleep(1.0)
     sock.close()
     left = time.monotonic()
-    assert _wait_for(lambda: server.running.peek() == 0, 2.0), \
+    assert wait_for(lambda: server.running.peek() == 0, 2.0), \
         f"still running {time.monotonic() - left:.1f} s after the client left"
-    assert _wait_for(lambda: not whisper.busy.peek(), 2)
+    assert wait_for(lambda: not whisper.busy.peek(), 2)
     _healthy(server, baseline)
 
 
@@ -191,7 +183,7 @@ def test_audio_longer_than_max_audio_seconds_gets_400(engines):
                        files={"file": ("jfk.wav", jfk)}, timeout=30)
         assert "max_seconds" in _error(r, 400)["message"]
         assert time.monotonic() - start < 5
-        assert _wait_for(lambda: s.running.peek() == 0, 2)
+        assert wait_for(lambda: s.running.peek() == 0, 2)
 
 
 # -- inputs past the model's window -----------------------------------------------------------
@@ -271,12 +263,12 @@ def test_a_request_past_its_deadline_is_stopped(engines, no_eos):
         r = httpx.post(s.base_url + "/chat/completions", json=body, timeout=30)
         assert _error(r, 504)["code"] == "timeout"
         assert time.monotonic() - start < 3
-        assert _wait_for(lambda: s.running.peek() == 0, 2)
+        assert wait_for(lambda: s.running.peek() == 0, 2)
         with httpx.stream("POST", s.base_url + "/chat/completions",
                           json={**body, "stream": True}, timeout=30) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert json.loads(lines[-1][6:])["error"]["code"] == "timeout"
-        assert _wait_for(lambda: s.running.peek() == 0 and not llm.busy.peek(), 2)
+        assert wait_for(lambda: s.running.peek() == 0 and not llm.busy.peek(), 2)
         assert httpx.get(s.url + "/health").json()["running"] == 0
 
 
@@ -428,11 +420,11 @@ def test_unspaced_10_mb_embedding_inputs_are_cut_fast(minilm):
     100,000 characters'). 100 random texts of words, CJK and unspaced runs: the same."""
     import warnings
 
-    from tests.test_encoder import (
+    from tests.support.long_texts import (
         LONG_TEXT_PIECES,
-        _kept_ids,
-        _random_long_texts,
         assert_cut_fast_and_exact,
+        kept_ids,
+        random_long_texts,
     )
     from workbench.engine.encoder import TruncationWarning
 
@@ -440,5 +432,5 @@ def test_unspaced_10_mb_embedding_inputs_are_cut_fast(minilm):
         warnings.simplefilter("ignore", TruncationWarning)
         assert_cut_fast_and_exact(minilm, ("a" * 10_000_000, "漢字" * 5_000_000,
                                            "中文，" * 3_000_000, "x," * 5_000_000))
-        for text in _random_long_texts(0, 100, LONG_TEXT_PIECES, 3000):
-            assert minilm.tokenize(text) == _kept_ids(minilm, text), text[:200]
+        for text in random_long_texts(0, 100, LONG_TEXT_PIECES, 3000):
+            assert minilm.tokenize(text) == kept_ids(minilm, text), text[:200]

@@ -20,6 +20,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.support.byte_level import gpt2_alphabet
+from tests.support.chat_templates import GEMMA_STYLE, LLAMA3_STYLE, MISTRAL_STYLE
 from workbench.engine import chat_template, template_limits
 from workbench.engine.chat_template import (
     CHATML,
@@ -29,65 +31,70 @@ from workbench.engine.chat_template import (
     render,
 )
 
-# name -> (template, the limit it must hit)
-PAYLOADS = {
-    # the audit's findings
-    "macro_fan_out": ("{% macro f(n) %}{% if n < 40 %}{{ f(n+1) }}{{ f(n+1) }}{% endif %}"
-                      "{% endmacro %}{{ f(0) }}", "steps"),
-    "concat_doubling": ("{% set s = namespace(v='x') %}{% for i in range(100000) %}"
-                        "{% set s.v = s.v ~ s.v %}{% endfor %}{{ s.v }}", "size"),
-    "plus_doubling": ("{% set s = namespace(v='x') %}{% for i in range(100000) %}"
-                      "{% set s.v = s.v + s.v %}{% endfor %}{{ s.v }}", "size"),
-    "center": ("{{ 'x'|center(10**9) }}", "size"),
-    "center_literal": ("{{ 'x'|center(1000000000) }}", "size"),
-    "tojson_indent": ("{{ messages|tojson(indent=10**9) }}", "size"),
-    # loops and recursion
-    "nested_loops": ("{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}"
-                     "{% endfor %}", "steps"),
-    "deep_recursion": ("{% macro f(n) %}{{ f(n+1) }}{% endmacro %}{{ f(0) }}", "depth"),
-    "recursive_loop": ("{% for x in [1] recursive %}{{ loop([x]) }}{% endfor %}", "depth"),
-    "loop_over_long_string": ("{% set s = 'ab' * 400000 %}{% for a in s %}{% for b in s %}"
-                              "{% endfor %}{% endfor %}", "steps"),
-    "copying_in_a_loop": ("{% set s = 'x' * 999999 %}{% for i in range(99999) %}"
-                          "{% set t = s.upper() %}{% endfor %}", "steps"),
-    # one operation, one huge string
-    "string_multiplication": ("{{ 'x' * 999999 * 1000 }}", "size"),
-    "huge_join": ("{{ (['x' * 999999] * 1000)|join }}", "size"),
-    "join_method": ("{{ ''.join(['x' * 999999] * 1000) }}", "size"),
-    "format_filter": ("{{ '%999999999d'|format(1) }}", "size"),
-    "percent_star": ("{{ '%*d' % (999999999, 1) }}", "size"),
-    "percent_precision": ("{{ '%.999999999f' % 1.5 }}", "size"),
-    "str_format": ("{{ '{:>999999999}'.format(1) }}", "size"),
-    "str_format_nested_width": ("{{ '{:>{}}'.format(1, 999999999) }}", "size"),
-    "ljust": ("{{ 'x'.ljust(10**9) }}", "size"),
-    "expandtabs": ("{{ ('\t' * 99999).expandtabs(100000) }}", "size"),
-    "indent": ("{{ ('\n' * 999999)|indent(999999) }}", "size"),
-    "replace_filter": ("{{ ('x' * 999999)|replace('', 'y' * 999) }}", "size"),
-    "replace_method": ("{{ ('x' * 999999).replace('x', 'yy' * 999) }}", "size"),
-    "wordwrap": ("{{ ('x' * 999999)|wordwrap(1, wrapstring='y' * 1000) }}", "size"),
-    "translate": ("{{ ('x' * 999999).translate({120: 'y' * 9999}) }}", "size"),
-    "batch_fill": ("{{ [1]|batch(10**9, 0)|list|length }}", "size"),
-    # containers
-    "list_repr": ("{{ ['x' * 999999] * 1000 }}", "size"),
-    "list_growth": ("{% set ns = namespace(l=[]) %}{% for i in range(100000) %}"
-                    "{% set ns.l = ns.l + ['x' * 1000] %}{% endfor %}{{ ns.l|length }}", "size"),
-    "list_doubling": ("{% set ns = namespace(l=['x' * 999999]) %}{% for i in range(30) %}"
-                      "{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l|sort|length }}", "size"),
-    "list_repetition_by_text": ("{{ (['x' * 999999] * 1000)|sort|length }}", "size"),
-    "filled_batch": ("{{ ['x']|batch(1000, 'x' * 999999)|list|length }}", "size"),
-    "shared_tuple_doubling": ("{% set ns = namespace(t=1) %}{% for i in range(100) %}"
-                              "{% set ns.t = (ns.t, ns.t) %}{% endfor %}{{ ns.t|tojson }}",
-                              "size"),
-    "dict_fromkeys": ("{% set d = {}.fromkeys(range(99999), 'x' * 999999) %}{{ d }}", "size"),
-    "sum_of_lists": ("{{ (range(99999)|batch(1)|list)|sum(start=[])|length }}", "steps"),
-    # output
-    "macro_output": ("{% macro f() %}{% for i in range(100000) %}{{ 'x' * 999999 }}"
-                     "{% endfor %}{% endmacro %}{{ f()|length }}", "steps"),
-    "set_block_doubling": ("{% set ns = namespace(v='x') %}{% for i in range(100) %}"
-                           "{% set b %}{{ ns.v }}{{ ns.v }}{% endset %}{% set ns.v = b %}"
-                           "{% endfor %}", "size"),
-    "long_output": ("{% for i in range(100000) %}{{ 'x' * 999 }}{% endfor %}", "output"),
+# the limit each payload must hit -> name -> template: the audit's findings, loops and
+# recursion, one operation making one huge string, growing containers, output
+PAYLOADS_BY_LIMIT = {
+    "steps": {
+        "macro_fan_out": ("{% macro f(n) %}{% if n < 40 %}{{ f(n+1) }}{{ f(n+1) }}{% endif %}"
+                          "{% endmacro %}{{ f(0) }}"),
+        "nested_loops": ("{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}"
+                         "{% endfor %}"),
+        "loop_over_long_string": ("{% set s = 'ab' * 400000 %}{% for a in s %}{% for b in s %}"
+                                  "{% endfor %}{% endfor %}"),
+        "copying_in_a_loop": ("{% set s = 'x' * 999999 %}{% for i in range(99999) %}"
+                              "{% set t = s.upper() %}{% endfor %}"),
+        "sum_of_lists": "{{ (range(99999)|batch(1)|list)|sum(start=[])|length }}",
+        "macro_output": ("{% macro f() %}{% for i in range(100000) %}{{ 'x' * 999999 }}"
+                         "{% endfor %}{% endmacro %}{{ f()|length }}"),
+    },
+    "size": {
+        "concat_doubling": ("{% set s = namespace(v='x') %}{% for i in range(100000) %}"
+                            "{% set s.v = s.v ~ s.v %}{% endfor %}{{ s.v }}"),
+        "plus_doubling": ("{% set s = namespace(v='x') %}{% for i in range(100000) %}"
+                          "{% set s.v = s.v + s.v %}{% endfor %}{{ s.v }}"),
+        "center": "{{ 'x'|center(10**9) }}",
+        "center_literal": "{{ 'x'|center(1000000000) }}",
+        "tojson_indent": "{{ messages|tojson(indent=10**9) }}",
+        "string_multiplication": "{{ 'x' * 999999 * 1000 }}",
+        "huge_join": "{{ (['x' * 999999] * 1000)|join }}",
+        "join_method": "{{ ''.join(['x' * 999999] * 1000) }}",
+        "format_filter": "{{ '%999999999d'|format(1) }}",
+        "percent_star": "{{ '%*d' % (999999999, 1) }}",
+        "percent_precision": "{{ '%.999999999f' % 1.5 }}",
+        "str_format": "{{ '{:>999999999}'.format(1) }}",
+        "str_format_nested_width": "{{ '{:>{}}'.format(1, 999999999) }}",
+        "ljust": "{{ 'x'.ljust(10**9) }}",
+        "expandtabs": "{{ ('\t' * 99999).expandtabs(100000) }}",
+        "indent": "{{ ('\n' * 999999)|indent(999999) }}",
+        "replace_filter": "{{ ('x' * 999999)|replace('', 'y' * 999) }}",
+        "replace_method": "{{ ('x' * 999999).replace('x', 'yy' * 999) }}",
+        "wordwrap": "{{ ('x' * 999999)|wordwrap(1, wrapstring='y' * 1000) }}",
+        "translate": "{{ ('x' * 999999).translate({120: 'y' * 9999}) }}",
+        "batch_fill": "{{ [1]|batch(10**9, 0)|list|length }}",
+        "list_repr": "{{ ['x' * 999999] * 1000 }}",
+        "list_growth": ("{% set ns = namespace(l=[]) %}{% for i in range(100000) %}"
+                        "{% set ns.l = ns.l + ['x' * 1000] %}{% endfor %}{{ ns.l|length }}"),
+        "list_doubling": ("{% set ns = namespace(l=['x' * 999999]) %}{% for i in range(30) %}"
+                          "{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l|sort|length }}"),
+        "list_repetition_by_text": "{{ (['x' * 999999] * 1000)|sort|length }}",
+        "filled_batch": "{{ ['x']|batch(1000, 'x' * 999999)|list|length }}",
+        "shared_tuple_doubling": ("{% set ns = namespace(t=1) %}{% for i in range(100) %}"
+                                  "{% set ns.t = (ns.t, ns.t) %}{% endfor %}{{ ns.t|tojson }}"),
+        "dict_fromkeys": "{% set d = {}.fromkeys(range(99999), 'x' * 999999) %}{{ d }}",
+        "set_block_doubling": ("{% set ns = namespace(v='x') %}{% for i in range(100) %}"
+                               "{% set b %}{{ ns.v }}{{ ns.v }}{% endset %}{% set ns.v = b %}"
+                               "{% endfor %}"),
+    },
+    "depth": {
+        "deep_recursion": "{% macro f(n) %}{{ f(n+1) }}{% endmacro %}{{ f(0) }}",
+        "recursive_loop": "{% for x in [1] recursive %}{{ loop([x]) }}{% endfor %}",
+    },
+    "output": {
+        "long_output": "{% for i in range(100000) %}{{ 'x' * 999 }}{% endfor %}",
+    },
 }
+PAYLOADS = {name: (template, limit) for limit, group in PAYLOADS_BY_LIMIT.items()
+            for name, template in group.items()}  # name -> (template, limit)
 
 LIMIT_WORDS = {"steps": "step limit", "size": "size limit", "output": "output limit",
                "depth": "depth limit"}
@@ -265,8 +272,6 @@ def test_load_check_passes_templates_within_limits(template):
 
 
 def test_load_check_passes_the_family_templates():
-    from tests.test_chat_template import GEMMA_STYLE, LLAMA3_STYLE, MISTRAL_STYLE
-
     for template in (LLAMA3_STYLE, GEMMA_STYLE, MISTRAL_STYLE):
         check_template_limits(template)
 
@@ -345,15 +350,8 @@ def _write_tiny_llama(path, template: str) -> None:
 
 def _byte_level(tokens: list[str]) -> list[str]:
     """GPT-2's printable stand-ins for the byte tokens (special tokens kept as they are)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[i] if i < 256 else t for i, t in enumerate(tokens)]
+    alphabet = gpt2_alphabet()
+    return [alphabet[i] if i < 256 else t for i, t in enumerate(tokens)]
 
 
 @pytest.fixture(scope="module")

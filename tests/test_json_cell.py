@@ -27,6 +27,7 @@ def test_partial_json_grows_into_the_whole_value():
     assert {"name": "Ann"} in growing and {"name": 'Ann "A" \\ B', "tags": ["x"]} in growing
 
 
+@pytest.mark.slow
 def test_schema_mode_streams_a_valid_tree(smollm2):
     cell = JSONCell(smollm2, temperature=0, max_tokens=200)
     cell.run()

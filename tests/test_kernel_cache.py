@@ -64,7 +64,7 @@ print(json.dumps(dict(package=workbench.__file__, warmup=warmup, after=compiled,
 @pytest.fixture(scope="module")
 def tiny_q8_0(tmp_path_factory) -> Path:
     """A tiny qwen2 GGUF with Q8_0 matrices (every matrix has a packed kernel: fused stack)."""
-    from tests.test_tiny_models import Built
+    from tests.support.tiny_llama import Built
 
     return Built("qwen2-q8_0", tmp_path_factory.mktemp("tiny")).path
 
@@ -79,6 +79,7 @@ def _run(package: Path, cache: Path, model: Path) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_cache_is_complete_never_stale_and_recompiles_only_what_an_edit_reaches(
         tmp_path, tiny_q8_0):
     package = tmp_path / "pkg"
@@ -135,10 +136,11 @@ def test_every_compiled_function_uses_the_source_keyed_cache():
 
 
 def test_stamp_follows_the_modules_a_kernel_module_reaches():
-    from workbench.kernels import cache
+    from workbench.kernels import cache, cpu, decode  # noqa: F401 (loaded: what is reached)
 
     assert cache._reached_modules("workbench.kernels.cpu") == [
-        "workbench.kernels.cpu", "workbench.kernels.simd"]
+        "workbench.kernels.blocks", "workbench.kernels.cpu", "workbench.kernels.formats",
+        "workbench.kernels.loops", "workbench.kernels.simd"]
     reached = cache._reached_modules("workbench.kernels.decode")
     assert {"workbench.kernels.cpu", "workbench.kernels.layers",
             "workbench.kernels.simd"} <= set(reached)

@@ -17,7 +17,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from tests.test_quants import F16_FIELDS, assert_bits_equal, random_blocks
+from tests.support.quant_blocks import F16_FIELDS, assert_bits_equal, random_blocks
 from workbench import registry
 from workbench.kernels import cpu, loops
 from workbench.kernels.linear import QuantizedWeight
@@ -468,6 +468,7 @@ def test_compiled_kernels_can_be_cached_on_disk():
     assert {"attend_compiled", "_gemv_q4_1", "_rows_q4_1"} <= set(checked)
 
 
+@pytest.mark.slow
 def test_parallel_kernels_start_one_parallel_region():
     """Each gemv and multi-row kernel is one parallel loop (its prange). In a parallel
     function Numba also turns array expressions (np.zeros, a slice copy) into parallel

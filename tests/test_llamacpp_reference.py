@@ -10,7 +10,7 @@ part from llama.cpp the same way. Each such divergence is reported as a warning
 with its gap.
 
 Every check runs on the NumPy engine and on the MLX backend (`LLM(device="mlx")`), or
-on the devices `WORKBENCH_TEST_DEVICES` names (tests/conftest.py; "cuda" on a GPU). The
+on the devices `WORKBENCH_TEST_DEVICES` names (tests/support/devices.py; "cuda" on a GPU). The
 CuPy backend's code on NumPy is left to the tiny models: its reference kernels
 dequantize every matrix at every product, too slow for these long runs.
 """
@@ -22,8 +22,9 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.conftest import DEVICES, open_llm, reference
 from tests.gguf_to_hf import hf_logits, hf_model_from_gguf
+from tests.support.devices import DEVICES, open_llm
+from tests.support.shared import reference
 from workbench.engine.gguf import open_gguf
 
 pytestmark = pytest.mark.slow
@@ -73,6 +74,15 @@ def golden(request):
         m.close()
 
 
+def _fp32_explains(case: str, step: int, ours, theirs, gap: float, exact) -> None:
+    """At `step` of `case` we pick `ours` and llama.cpp `theirs` at a clear top-2 `gap`: the
+    fp32 reference must pick `ours` too (`exact`), and the divergence is reported as a
+    `LlamaCppDivergence` warning."""
+    where = f"{case} step {step}: ours {ours}, llama.cpp {theirs} (its top-2 gap {gap:.3f})"
+    assert exact == ours, f"{where}, but the fp32 reference {exact}"
+    warnings.warn(LlamaCppDivergence(f"{where}; the fp32 reference agrees with ours"))
+
+
 def _step_logits(run, logits):
     P = len(run["gen"]["prompt_ids"])
     return logits[P - 1 : P - 1 + len(run["gen"]["ids"])]  # row i predicts generated step i
@@ -95,12 +105,8 @@ def test_teacher_forced_argmax_matches_llamacpp(golden):
         for i, (want, gap) in enumerate(zip(gen["ids"], gen["top2_gap"])):
             if gap < NEAR_TIE or ours[i] == want:
                 continue
-            assert exact[i] == ours[i], (
-                f"{name} {gen.get('prompt') or gen['messages']!r} step {i}: we pick {ours[i]}, "
-                f"llama.cpp {want} (gap {gap:.3f}) and the fp32 reference {exact[i]}")
-            warnings.warn(LlamaCppDivergence(
-                f"{name} {gen['kind']} case {gen.get('prompt') or gen['messages'][-1]['content']!r}"
-                f" step {i}: llama.cpp {want}, ours and fp32 {ours[i]}, llama.cpp gap {gap:.3f}"))
+            case = gen.get("prompt") or gen["messages"][-1]["content"]
+            _fp32_explains(f"{name} {gen['kind']} case {case!r}", i, ours[i], want, gap, exact[i])
 
 
 def test_first_step_top10_logits(golden):
@@ -143,13 +149,10 @@ def test_greedy_generation_matches_llamacpp(golden):
         # along llama.cpp's path sees the same context as we did
         exact = int(_step_logits(run, run["exact"])[n].argmax())
         ours = got[n] if n < len(got) else "end of turn"
-        assert exact == ours or (ours == "end of turn" and exact in m.tokenizer.eot_ids), (
-            f"{name} {gen['kind']}: step {n} we generate {ours}, llama.cpp {gen['ids'][n]} "
-            f"(gap {gen['top2_gap'][n]:.3f}), fp32 reference {exact}")
-        warnings.warn(LlamaCppDivergence(
-            f"{name} greedy {gen['kind']} case: diverges from llama.cpp at step {n} "
-            f"(gap {gen['top2_gap'][n]:.3f}); ours = fp32 reference = {ours}, "
-            f"llama.cpp {gen['ids'][n]}"))
+        if ours == "end of turn" and exact in m.tokenizer.eot_ids:
+            exact = ours  # the reference ends the turn there too
+        _fp32_explains(f"{name} greedy {gen['kind']} case", n, ours, gen["ids"][n],
+                       gen["top2_gap"][n], exact)
 
 
 def test_greedy_text_of_agreeing_prefix(golden):

@@ -8,8 +8,8 @@ import io
 import numpy as np
 import pytest
 
-from tests.conftest import shared_file
-from tests.test_whisper import JFK, jfk_pcm, wer
+from tests.support.shared import shared_file
+from tests.support.speech import JFK, jfk_pcm, wer
 from workbench.widgets import MicrophoneCell
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from tests.support.quant_blocks import F16_FIELDS, assert_bits_equal, random_blocks
 from workbench import registry
-from workbench.kernels.formats import FORMATS
 from workbench.kernels.quants import (
     SUPPORTED_TYPES,
     UnsupportedQuantError,
@@ -19,27 +18,6 @@ from workbench.kernels.quants import (
 )
 
 QUANTIZED = [t for t in SUPPORTED_TYPES if t not in (Q.F32, Q.F16, Q.BF16)]
-# byte offsets of the fp16 fields (scales, mins) inside one block, from the table of formats
-F16_FIELDS = {f.qtype: list(f.fp16_fields) for f in FORMATS if f.fp16_fields}
-
-
-def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """(rows, bytes_per_row) uint8: random bytes, with every fp16 field a finite random value."""
-    bs, ts = GGML_QUANT_SIZES[qtype]
-    n_blocks = rows * (cols // bs)
-    raw = rng.integers(0, 256, size=(n_blocks, ts), dtype=np.uint8)  # (blocks, type_size)
-    for off in F16_FIELDS[qtype]:
-        vals = (rng.standard_normal(raw.shape[0]) * 4).astype(np.float16)
-        raw[:, off : off + 2] = vals.view(np.uint8).reshape(-1, 2)
-    return raw.reshape(rows, cols // bs * ts)
-
-
-def assert_bits_equal(a: np.ndarray, b: np.ndarray) -> None:
-    assert a.dtype == np.float32 and b.dtype == np.float32
-    assert a.shape == b.shape
-    diff = a.view(np.uint32) != b.view(np.uint32)
-    assert not diff.any(), (f"{diff.sum()} of {a.size} values differ, "
-                            f"e.g. {a[diff][:4]} vs {b[diff][:4]}")
 
 
 def test_every_format_is_covered():

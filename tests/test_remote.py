@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import shared_file
+from tests.support.shared import shared_file
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")

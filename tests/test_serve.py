@@ -9,13 +9,13 @@ from __future__ import annotations
 import base64
 import json
 import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import shared_file
+from tests.support.polling import wait_for
+from tests.support.shared import shared_file
 
 pytestmark = pytest.mark.slow
 
@@ -336,15 +336,6 @@ def test_non_audio_upload_gets_400(server, client):
 
 
 # -- disconnects and load ----------------------------------------------------------------------
-def _wait_for(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_disconnect_stops_generation(server, client, engines):
     llm = engines["smollm2-135m"]
     stream = client.chat.completions.create(
@@ -354,7 +345,7 @@ def test_disconnect_stops_generation(server, client, engines):
         if i == 3:
             break
     stream.close()
-    assert _wait_for(lambda: server.running.peek() == 0 and not llm.busy.peek(), 10)
+    assert wait_for(lambda: server.running.peek() == 0 and not llm.busy.peek(), 10)
     _still_serving(client)
 
 
@@ -415,7 +406,7 @@ def test_load_with_queue_and_cancellations(engines):
         # warm up, then take the baseline
         for i in range(16):
             one(i)
-        assert _wait_for(lambda: server.running.peek() == 0, 10)
+        assert wait_for(lambda: server.running.peek() == 0, 10)
         outcomes.clear()
         threads_before, rss_before = threading.active_count(), _rss()
 
@@ -430,8 +421,8 @@ def test_load_with_queue_and_cancellations(engines):
         assert all(s in (200, 429) for s in statuses), sorted(set(statuses))
         assert not [o for o in outcomes if o[0] == "wrong" and o[1] == 200]
         assert statuses.count(200) >= 30 and statuses.count(429) >= 1  # both happened
-        assert _wait_for(lambda: server.running.peek() == 0 and server.queued.peek() == 0, 20)
-        assert _wait_for(lambda: threading.active_count() <= threads_before, 20), \
+        assert wait_for(lambda: server.running.peek() == 0 and server.queued.peek() == 0, 20)
+        assert wait_for(lambda: threading.active_count() <= threads_before, 20), \
             [t.name for t in threading.enumerate()]
         assert _rss() - rss_before < 64 * 1024 * 1024
     assert not llm.busy.peek()
@@ -452,7 +443,7 @@ def test_a_client_leaving_the_queue_frees_its_place(engines):
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(server.url + "/v1/chat/completions", timeout=1.0,
                            json={"model": "m", "messages": QUESTION, "max_tokens": 4})
-            assert _wait_for(lambda: server.queued.peek() == 0, 5)  # its place is free
+            assert wait_for(lambda: server.queued.peek() == 0, 5)  # its place is free
             assert server.running.peek() == 1
             # so the next request queues (rather than getting 429) ...
             answers: list[httpx.Response] = []
@@ -461,10 +452,10 @@ def test_a_client_leaving_the_queue_frees_its_place(engines):
                 json={"model": "m", "messages": QUESTION, "max_tokens": 4,
                       "temperature": 0})))
             waiting.start()
-            assert _wait_for(lambda: server.queued.peek() == 1, 5)
+            assert wait_for(lambda: server.queued.peek() == 1, 5)
         # ... and is answered once the stream is dropped and its generation stops
         waiting.join(60)
         assert answers and answers[0].status_code == 200, answers
         assert answers[0].json()["choices"][0]["message"]["content"] \
             == llm.chat(QUESTION, max_tokens=4, temperature=0).text
-        assert _wait_for(lambda: server.running.peek() == 0 and not llm.busy.peek(), 10)
+        assert wait_for(lambda: server.running.peek() == 0 and not llm.busy.peek(), 10)

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from tests.support.polling import wait_for
+
 openai = pytest.importorskip("openai")
-
-
-def _wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return predicate()
 
 
 @pytest.mark.slow
@@ -36,8 +29,8 @@ def test_serve_cell_serves_counts_and_stops(smollm2):
         assert r.choices[0].message.content == smollm2.chat(messages, temperature=0,
                                                             max_tokens=12).text
         assert True in busy_seen  # the badge followed the model while the server used it
-        assert _wait_for(lambda: "1 requests answered · 0 running · 0 queued"
-                         in cell.counters.value), cell.counters.value
+        assert wait_for(lambda: "1 requests answered · 0 running · 0 queued"
+                        in cell.counters.value, 10), cell.counters.value
         url = cell.base_url
         cell.stop()
         assert not cell.running and "stopped" in cell.url_label.value

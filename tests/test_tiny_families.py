@@ -9,8 +9,8 @@ chunks and while decoding one token at a time. Gemma 3 has six layers (five
 local, one global). The Q8_0 variants decode through the fused stack
 (`workbench.kernels.decode`), the others kernel by kernel. The logits, greedy and
 batched tests of the dense families also run on the GPU backends' code (`DEVICES` of
-tests/conftest.py); the rotating-cache tests are the NumPy engine's. The metric is the
-one of tests/test_tiny_models.py:
+tests/support/devices.py); the rotating-cache tests are the NumPy engine's. The metric is the
+one of tests/support/tiny_llama.py:
 
     max |ours - ref| <= 1e-4 * max |ref|    (over all T x V entries)
 """
@@ -22,9 +22,10 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import DEVICES, open_llm
 from tests.hf_to_gguf import F32, tiny_vocab
-from tests.test_tiny_models import _assert_close, build_tiny
+from tests.support.devices import DEVICES, open_llm
+from tests.support.tiny_llama import assert_close as _assert_close
+from tests.support.tiny_llama import build_tiny
 from workbench.engine.kv_cache import RING_SLACK
 
 WINDOW = 8
@@ -127,6 +128,7 @@ def test_logits_whole_prompt(built, any_engine):
     _assert_close(np.asarray(ours), built.ref, f"{built.name}: forward(600 tokens at once)")
 
 
+@pytest.mark.slow
 def test_logits_chunks_then_decode(built, any_engine):
     engine = any_engine
     cache = engine.new_cache()
@@ -182,6 +184,7 @@ def test_longrope_short_factors(tmp_path):
                       "phi3-longrope: 40 tokens, short factors")
 
 
+@pytest.mark.slow
 def test_greedy_generation(built, any_engine):
     engine = any_engine
     prompt, n = PROMPT[:100], 8  # (longer than LongRoPE's original context: long factors)
@@ -194,6 +197,7 @@ def test_greedy_generation(built, any_engine):
     assert engine.generate(prompt, max_tokens=n, temperature=0).token_ids == ref
 
 
+@pytest.mark.slow
 def test_batched_decode_equals_one_by_one(built, any_engine):
     engine = any_engine
     prompts = [PROMPT[:290], PROMPT[100:130], PROMPT[200:480]]

@@ -21,7 +21,7 @@ Metric for every logits comparison:
   token at a time with the same cache.
 - test_greedy_generation: `LLM.generate(ids, temperature=0)` gives transformers'
   `generate(do_sample=False)` tokens.
-- The engine tests run on each of `DEVICES` (tests/conftest.py): the NumPy engine,
+- The engine tests run on each of `DEVICES` (tests/support/devices.py): the NumPy engine,
   the MLX backend, and the CuPy backend's code with NumPy standing in for CuPy.
 """
 
@@ -31,122 +31,18 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import transformers
 
-from tests.conftest import DEVICES, open_llm
-from tests.hf_to_gguf import F16, F32, interleave_rope_rows, snap_to_qtype, tiny_vocab, write_gguf
+from tests.hf_to_gguf import interleave_rope_rows
+from tests.support.devices import DEVICES, open_llm
+from tests.support.tiny_llama import PROMPT, RTOL, VARIANTS, VOCAB, Built, V
+from tests.support.tiny_llama import assert_close as _assert_close
 
-Q8_0 = gguf.GGMLQuantizationType.Q8_0
-
-RTOL = 1e-4
-PROMPT = [266, 55, 3, 201, 87, 260, 12, 140, 99, 7, 265, 33, 180, 64, 2, 77, 119, 250, 45, 261]
 PREFILL = 12
-VOCAB = tiny_vocab()
-V = len(VOCAB.tokens)
-
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-              attn_implementation="eager")
-
-# name -> (arch, config class name, config kwargs, storage type)
-VARIANTS = {
-    "llama": ("llama", "LlamaConfig", dict(rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                           rope_parameters={"rope_type": "default",
-                                                            "rope_theta": 10000.0}), F32),
-    # Llama 3.1-style scaling; original context 64 so that, with head size 16 and
-    # theta 5e5, pair 0 keeps its frequency, pair 1 is blended and pairs 2-7 are
-    # divided by 8 (llama.cpp's rope_freqs.weight)
-    "llama3-rope": ("llama", "LlamaConfig", dict(
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64}), F32),
-    "llama-linear-rope": ("llama", "LlamaConfig", dict(
-        rms_norm_eps=1e-5, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}), F32),
-    "llama-f16": ("llama", "LlamaConfig", dict(rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                               rope_parameters={"rope_type": "default",
-                                                                "rope_theta": 10000.0}), F16),
-    "qwen2": ("qwen2", "Qwen2Config", dict(rms_norm_eps=1e-6, tie_word_embeddings=False,
-                                           rope_parameters={"rope_type": "default",
-                                                            "rope_theta": 1000000.0}), F32),
-    "qwen2-tied": ("qwen2", "Qwen2Config", dict(rms_norm_eps=1e-6, tie_word_embeddings=True,
-                                                rope_parameters={"rope_type": "default",
-                                                                 "rope_theta": 1000000.0}), F32),
-    # Q8_0 matrices (the reference holds the dequantized values)
-    "qwen2-q8_0": ("qwen2", "Qwen2Config", dict(rms_norm_eps=1e-6, tie_word_embeddings=False,
-                                                rope_parameters={"rope_type": "default",
-                                                                 "rope_theta": 1000000.0}), Q8_0),
-    # explicit head size 32 != 64 / 4 (key_length / value_length in the file)
-    "qwen3": ("qwen3", "Qwen3Config", dict(head_dim=32, rms_norm_eps=1e-6,
-                                           tie_word_embeddings=True,
-                                           rope_parameters={"rope_type": "default",
-                                                            "rope_theta": 1000000.0}), F32),
-}
-
-
-def _randomize(model, seed: int) -> None:
-    """Seeded weights with some spread: matrices N(0, 0.1^2) (embedding N(0, 0.5^2)),
-    norm weights 1 + N(0, 0.2^2), biases N(0, 0.2^2). transformers' own init (std 0.02,
-    unit norms, zero biases) leaves attention almost uniform and biases untested."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if p.ndim == 2:
-                p.copy_(noise * (0.5 if "embed_tokens" in name else 0.1))
-            elif "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            else:
-                p.copy_(0.2 * noise)
-
-
-def build_tiny(model_cls, config, seed: int, arch: str, qtype, path, prompt: list[int]):
-    """A transformers model of `config` with `_randomize`d weights rounded through `qtype`
-    (so the reference computes with the stored values), written to GGUF at `path`;
-    returns the model and its logits (T, V) over `prompt`."""
-    torch.manual_seed(0)
-    model = model_cls(config).float().eval()
-    _randomize(model, seed=seed)
-    snap_to_qtype(model, qtype)
-    write_gguf(model, path, arch, qtype=qtype)
-    with torch.no_grad():
-        return model, model(torch.tensor([prompt])).logits[0].float().numpy()
-
-
-class Built:
-    def __init__(self, name: str, tmp_dir):
-        arch, cfg_name, kwargs, qtype = VARIANTS[name]
-        cfg_cls = getattr(transformers, cfg_name)
-        model_cls = getattr(transformers, cfg_name.replace("Config", "ForCausalLM"))
-        config = cfg_cls(**COMMON, **kwargs, bos_token_id=VOCAB.eos_id,
-                         eos_token_id=VOCAB.eos_id, pad_token_id=VOCAB.eos_id)
-        self.name, self.arch, self.qtype = name, arch, qtype
-        self.path = tmp_dir / f"{name}.gguf"
-        self.model, self.ref = build_tiny(model_cls, config, 1234 + sum(map(ord, name)),
-                                          arch, qtype, self.path, PROMPT)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def built(request, tmp_path_factory):
     return Built(request.param, tmp_path_factory.mktemp("tiny"))
-
-
-def _max_rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
-
-
-def _assert_close(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
-    assert ours.shape == ref.shape, f"{what}: shape {ours.shape}, expected {ref.shape}"
-    assert ours.dtype == np.float32, f"{what}: dtype {ours.dtype}"
-    err = np.abs(ours - ref)
-    scale = float(np.max(np.abs(ref)))
-    if float(np.max(err)) > RTOL * scale:
-        per_pos = err.max(axis=1) / scale
-        bad = [int(t) for t in np.nonzero(per_pos > RTOL)[0]]
-        pytest.fail(f"{what}: max|ours-ref| = {float(np.max(err)):.3e} > {RTOL} * max|ref| "
-                    f"({scale:.3f}); relative error per position "
-                    f"{np.array2string(per_pos, precision=1)}; first bad positions {bad[:8]}")
 
 
 # -- the converter, checked without the engine --------------------------------------------

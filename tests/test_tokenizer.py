@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import reference
+from tests.support.byte_level import gpt2_alphabet
+from tests.support.shared import reference
 from workbench.engine.tokenizers import (
     BPETokenizer,
     SPMTokenizer,
@@ -23,19 +24,6 @@ from workbench.engine.tokenizers.bpe import PRE_TOKENIZERS, PreTokenizer, byte_e
 from workbench.engine.tokenizers.stream import StreamDecoder
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
-
-
-def gpt2_alphabet() -> list[str]:
-    """GPT-2's bytes_to_unicode, written out independently of the package."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 def tiny_bpe(merges: list[str], *, pre: str | None = "gpt2", user_defined: tuple[str, ...] = (),
@@ -263,7 +251,6 @@ def model_tokenizer(alias: str):
     return load_tokenizer(metadata(alias))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("alias", MODELS)
 def test_cases_match_llamacpp(alias):
     tok, ref = model_tokenizer(alias), reference(MODELS[alias])
@@ -277,7 +264,6 @@ def test_cases_match_llamacpp(alias):
         assert tok.decode(case["ids_plain"]) == text
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("alias", MODELS)
 def test_prompts_and_generations_match_llamacpp(alias):
     tok, ref = model_tokenizer(alias), reference(MODELS[alias])
@@ -292,7 +278,6 @@ def test_prompts_and_generations_match_llamacpp(alias):
         assert gen["ids"][-1] not in tok.eot_ids or tok.is_control(gen["ids"][-1])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("alias", MODELS)
 def test_stream_decoder_on_model_tokens(alias):
     tok, ref = model_tokenizer(alias), reference(MODELS[alias])
@@ -306,7 +291,6 @@ def test_stream_decoder_on_model_tokens(alias):
         assert "" in parts[:-1]  # a byte piece of an emoji was held back
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("alias, eog", [
     ("smollm2-135m", {"<|endoftext|>", "<|im_end|>"}),
     ("qwen2.5-coder-0.5b", {"<|endoftext|>", "<|im_end|>"}),
@@ -319,7 +303,6 @@ def test_end_of_generation_ids(alias, eog):
     assert all(tok.is_control(i) for i in tok.eot_ids)
 
 
-@pytest.mark.slow
 def test_qwen_tokenizer_loads_fast():
     md = metadata("qwen2.5-coder-0.5b")
     start = time.perf_counter()

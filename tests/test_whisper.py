@@ -21,7 +21,6 @@ model must stay within 1e-4 relative of the cpu's.
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import warnings
@@ -30,33 +29,12 @@ import wave
 import numpy as np
 import pytest
 
-from tests.conftest import DEVICES, cuda_on_numpy, reference, require_device, shared_file
+from tests.support.devices import DEVICES, cuda_on_numpy, require_device
+from tests.support.shared import reference, shared_file
+from tests.support.speech import JFK, jfk_pcm, wer, words
+from tests.support.tiny_encoders import tiny_whisper
 
-JFK = ("And so, my fellow Americans, ask not what your country can do for you, "
-       "ask what you can do for your country.")
 RTOL = 1e-4
-
-
-def words(text: str) -> list[str]:
-    """Lower-case words without punctuation (hyphens split words)."""
-    return re.sub(r"[^\w\s']", " ", text.lower().replace("-", " ")).split()
-
-
-def wer(hypothesis: str, truth: str) -> float:
-    """Word error rate: word-level edit distance over the reference length."""
-    h, r = words(hypothesis), words(truth)
-    d = np.arange(len(h) + 1)
-    for i, rw in enumerate(r, 1):
-        prev, d[0] = d[0], i
-        for j, hw in enumerate(h, 1):
-            prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (rw != hw))
-    return d[len(h)] / max(1, len(r))
-
-
-def jfk_pcm() -> np.ndarray:
-    from workbench.engine.audio import load_audio
-
-    return load_audio(shared_file("data", "whisper", "jfk.wav"))
 
 
 def _backend(device: str):
@@ -133,32 +111,7 @@ def test_bad_files_give_clear_errors(tmp_path):
 
 # -- a tiny random Whisper from transformers ------------------------------------------------
 
-def _tiny_whisper(f16: bool):
-    import torch
-    from transformers import WhisperConfig, WhisperForConditionalGeneration
-
-    cfg = WhisperConfig(vocab_size=120, num_mel_bins=80, d_model=64, encoder_layers=2,
-                        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                        encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=1500,
-                        max_target_positions=64, attn_implementation="eager",
-                        decoder_start_token_id=1, pad_token_id=0, bos_token_id=1,
-                        eos_token_id=2)
-    torch.manual_seed(0)
-    model = WhisperForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # weights large enough that attention is far from uniform
-        for name, p in model.named_parameters():
-            if "layer_norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("weight")
-                        else 0.1 * torch.randn_like(p))
-            elif "embed_positions" in name:
-                p.normal_(0.0, 0.5)
-            else:
-                p.normal_(0.0, 0.15)
-            if f16 and p.ndim >= 2 and "embed_positions" not in name:
-                p.copy_(p.half().float())  # the reference sees the weights the file stores
-    return model
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
 def test_tiny_whisper_matches_transformers(tmp_path, f16, device):
@@ -169,7 +122,7 @@ def test_tiny_whisper_matches_transformers(tmp_path, f16, device):
     from workbench.engine.models.whisper import Whisper
     from workbench.engine.whisper_file import WhisperFile
 
-    model = _tiny_whisper(f16)
+    model = tiny_whisper(f16)
     path = write_bin(model, tmp_path / "tiny.bin", mel_filters(80),
                      [bytes([i]) for i in range(100)], F16 if f16 else F32)
     net = net_on(Whisper(WhisperFile(path)), device)
@@ -216,7 +169,7 @@ def test_tiny_whisper_q8_0(tmp_path, device):
     from workbench.engine.models.whisper import Whisper
     from workbench.engine.whisper_file import WhisperFile
 
-    model = _tiny_whisper(False)
+    model = tiny_whisper(False)
     f = WhisperFile(write_bin(model, tmp_path / "q8.bin", mel_filters(80),
                               [bytes([i]) for i in range(100)], Q8_0))
     assert f.tensors["encoder.blocks.0.mlp.0.weight"].qtype == GGMLQuantizationType.Q8_0

@@ -95,7 +95,6 @@ def test_chat_send_matches_model_chat(smollm2):
     assert smollm2.busy.get() is False and cell.busy is False
 
 
-@pytest.mark.slow
 def test_chat_stop_mid_stream(smollm2):
     cell = ChatCell(smollm2, temperature=0, max_tokens=200)
     seen = []
@@ -221,7 +220,6 @@ def test_logits_cell_tokens(smollm2):
     assert cell.output.outputs[0]["data"]["image/png"]
 
 
-@pytest.mark.slow
 def test_logits_cell_choose_alternative(smollm2):
     cell = LogitsCell(smollm2, "The capital of France is", max_tokens=8, top_k=5)
     cell.wait()
@@ -254,7 +252,6 @@ def test_logits_choose_token_outside_top_k(smollm2):
         cell.choose(99, other)
 
 
-@pytest.mark.slow
 def test_logits_figures_render(smollm2):
     cell = LogitsCell(smollm2, "One, two,", max_tokens=4, top_k=3, color_by="surprisal")
     cell.wait()

@@ -43,7 +43,6 @@ class Format:
     bf16: bool = False  # the CPU kernels' 65536-entry table is `BF16_TO_F32`, not F16's
     fast_row: bool = False  # the two-stage gemv unpacks rows with `blocks.fast_row_<name>`
     affine_bits: int = 0  # code width of its 32-weight affine groups (MLX), 0: none
-    fp16_fields: tuple[int, ...] = ()  # byte offsets of a block's fp16 scales and mins
     cuda: bool = True  # gguf.cu has its kernels
 
     @property
@@ -66,16 +65,16 @@ FORMATS: tuple[Format, ...] = (
     Format(Q.F32),
     Format(Q.F16, cpu=True, fast_row=True),
     Format(Q.BF16, cpu=True, bf16=True),
-    Format(Q.Q8_0, cpu=True, rows=True, affine_bits=8, fp16_fields=(0,)),
-    Format(Q.Q4_0, cpu=True, rows=True, sums=32, affine_bits=4, fp16_fields=(0,)),
-    Format(Q.Q4_1, cpu=True, rows=True, sums=32, affine_bits=4, fp16_fields=(0, 2)),
-    Format(Q.Q5_0, cpu=True, rows=True, sums=32, affine_bits=5, fp16_fields=(0,)),
-    Format(Q.Q5_1, cpu=True, rows=True, sums=32, affine_bits=5, fp16_fields=(0, 2)),
-    Format(Q.Q2_K, fp16_fields=(80, 82)),
-    Format(Q.Q3_K, fp16_fields=(108,)),
-    Format(Q.Q4_K, cpu=True, rows=True, sums=32, affine_bits=4, fp16_fields=(0, 2)),
-    Format(Q.Q5_K, cpu=True, sums=32, affine_bits=5, fp16_fields=(0, 2)),
-    Format(Q.Q6_K, cpu=True, rows=True, sums=16, fp16_fields=(208,)),
+    Format(Q.Q8_0, cpu=True, rows=True, affine_bits=8),
+    Format(Q.Q4_0, cpu=True, rows=True, sums=32, affine_bits=4),
+    Format(Q.Q4_1, cpu=True, rows=True, sums=32, affine_bits=4),
+    Format(Q.Q5_0, cpu=True, rows=True, sums=32, affine_bits=5),
+    Format(Q.Q5_1, cpu=True, rows=True, sums=32, affine_bits=5),
+    Format(Q.Q2_K),
+    Format(Q.Q3_K),
+    Format(Q.Q4_K, cpu=True, rows=True, sums=32, affine_bits=4),
+    Format(Q.Q5_K, cpu=True, sums=32, affine_bits=5),
+    Format(Q.Q6_K, cpu=True, rows=True, sums=16),
 )
 """Every supported format, in the order workbench lists them."""
 

@@ -1,0 +1,57 @@
+"""The devices the fidelity tests run on, and opening a model on one of them.
+
+The defaults: the NumPy engine, the MLX backend (`mlx[cpu]` runs its array code on this
+CPU) and the CuPy backend's code with NumPy standing in for CuPy and `ReferenceKernels`
+for its RawKernels. `WORKBENCH_TEST_DEVICES=cuda` (as tests/test_gpu.py sets it) runs
+them on a real GPU instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+DEVICES = tuple(os.environ.get("WORKBENCH_TEST_DEVICES", "cpu,mlx,cuda-on-numpy").split(","))
+
+
+def require_device(device: str) -> None:
+    """Fail clearly where the MLX backend cannot run (it is a dev dependency: never skip)."""
+    if device == "mlx":
+        try:
+            import mlx.core  # noqa: F401
+        except ImportError as exc:
+            pytest.fail(f"the mlx tests need `pip install \"mlx[cpu]\"` (a dev dependency): {exc}")
+
+
+def cuda_on_numpy(graphs: bool = True):
+    """The CuPy backend with NumPy standing in for CuPy. With `graphs` (as on a GPU) the
+    decode step takes the path that CUDA graphs record; a "recording" re-runs it."""
+    import numpy as np
+
+    from workbench.engine.backend import CupyBackend
+    from workbench.kernels.cuda import ReferenceKernels
+
+    return CupyBackend(np, ReferenceKernels(), name="cuda", graphs=graphs)
+
+
+def open_llm(source, device: str, **options):
+    """`LLM.load(source, device=...)`, with "cuda-on-numpy" for the stand-in backend."""
+    from workbench import LLM, registry
+    from workbench.engine.gguf import open_gguf
+
+    require_device(device)
+    if device == "cuda-on-numpy":
+        return LLM(open_gguf(registry.resolve(source)), backend=cuda_on_numpy(), **options)
+    return LLM.load(source, device=device, **options)
+
+
+def open_encoder(source, device: str, **options):
+    """`Encoder.load(source, device=...)`, with "cuda-on-numpy" for the stand-in backend."""
+    from workbench import Encoder, registry
+    from workbench.engine.gguf import open_gguf
+
+    require_device(device)
+    if device == "cuda-on-numpy":
+        return Encoder(open_gguf(registry.resolve(source)), backend=cuda_on_numpy(), **options)
+    return Encoder.load(source, device=device, **options)
