@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +56,7 @@ from workbench.engine.mel import (
     window_log10_mel_max,
 )
 from workbench.engine.models import whisper as arch
+from workbench.engine.results import Segment, Transcript
 from workbench.engine.sampling import log_softmax
 from workbench.engine.tokenizers.whisper import WhisperTokenizer
 from workbench.engine.warmup import KernelWarmup, Warming
@@ -68,39 +69,6 @@ MAX_INITIAL_TIMESTAMP = 1.0  # seconds: a chunk's first segment starts within it
 _ANNOTATION = re.compile(
     r"\s*[\[(]\s*(?:blank_audio|silen(?:t|ce)|music|inaudible|no speech|"
     r"background noise|applause|laughter|noise)\s*[\])]", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A stretch of the transcript: seconds from the start of the audio, and its text."""
-
-    start: float
-    end: float
-    text: str
-    tokens: tuple[int, ...] = ()
-
-
-class Transcript(str):
-    """The transcribed text, with `.language`, `.language_probability`, `.segments`
-    (`Segment` list), `.tokens` (all decoded token ids, specials included) and
-    `.duration` (seconds of audio)."""
-
-    language: str
-    language_probability: float
-    segments: list[Segment]
-    tokens: list[int]
-    duration: float
-
-    def __new__(cls, text: str, *, language: str, language_probability: float = 1.0,
-                segments: Sequence[Segment] = (), tokens: Sequence[int] = (),
-                duration: float = 0.0) -> Transcript:
-        obj = super().__new__(cls, text)
-        obj.language = language
-        obj.language_probability = language_probability
-        obj.segments = list(segments)
-        obj.tokens = list(tokens)
-        obj.duration = duration
-        return obj
 
 
 @dataclass
