@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from workbench import registry
-from workbench.engine import chat_template
+from workbench.engine import chat_template, sources
 from workbench.engine.backend import Backend, select_backend
 from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.chat_template import render as render_chat
@@ -34,6 +34,7 @@ from workbench.engine.decoding import Decoding, LogitsProcessor, replay
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.grammar import Grammar, resolve_grammar
 from workbench.engine.kv_cache import KVCache, PrefixCache
+from workbench.engine.lifecycle import Closeable
 from workbench.engine.models import gemma3, llama
 from workbench.engine.options import GenerationOptions, publishes_options
 from workbench.engine.results import (  # noqa: F401  (importable from here, as before)
@@ -57,7 +58,7 @@ PREFILL_CHUNK = 512  # prompt tokens per forward pass
 STEPWISE_TAIL = 16
 
 
-class LLM:
+class LLM(Closeable):
     """A GGUF decoder model (llama, qwen2, qwen3, their MoE variants, phi3, gemma3) ready to
     chat, complete and embed."""
 
@@ -114,7 +115,7 @@ class LLM:
         in the background at once (`prepare_kernels`; progress in `m.warming`,
         `m.warmup.wait()` blocks until they are ready).
         """
-        return cls(open_gguf(registry.resolve(source)), device=device,
+        return cls(open_gguf(sources.resolve(source)), device=device,
                    kv_cache_size=kv_cache_size, prepare_kernels=prepare_kernels)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -123,12 +124,6 @@ class LLM:
         self.model = None
         self._cache = None
         self._gguf = None
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"LLM({self.path.name!r}, arch={self.config.arch!r}, "

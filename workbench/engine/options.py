@@ -89,6 +89,11 @@ class GenerationOptions(SamplingParams):
         values["seed"] = self.seed if seed is None else seed
         return SamplingParams(**values)
 
+    def changed(self) -> dict[str, Any]:
+        """The fields whose values differ from the defaults, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(DEFAULTS, f.name)}
+
     def stop_strings(self) -> list[str]:
         """`stop` as a list, without empty strings (which would stop before any text)."""
         stop = self.stop

@@ -38,10 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench import registry
+from workbench.engine import sources
 from workbench.engine.audio import SAMPLE_RATE, AudioError, AudioSource, open_audio
 from workbench.engine.backend import Backend, select_backend
 from workbench.engine.cancel import CancelFlag, check_cancel
+from workbench.engine.lifecycle import Closeable
 from workbench.engine.mel import (
     HOP_LENGTH,
     LOG_MEL_FLOOR,
@@ -82,7 +83,7 @@ def clean_text(text: str) -> str:
     return re.sub(r"\s+", " ", _ANNOTATION.sub("", text)).strip()
 
 
-class WhisperModel:
+class WhisperModel(Closeable):
     """A Whisper speech recognizer loaded from a whisper.cpp `.bin` file."""
 
     def __init__(self, f: WhisperFile, *, device: str = "auto", backend: Backend | None = None,
@@ -118,7 +119,7 @@ class WhisperModel:
         right away, with progress in `warming` (`warmup.wait()` blocks until they are
         ready); False compiles each on first use.
         """
-        return cls(WhisperFile(registry.resolve(source)), device=device,
+        return cls(WhisperFile(sources.resolve(source)), device=device,
                    prepare_kernels=prepare_kernels)
 
     @property
@@ -129,12 +130,6 @@ class WhisperModel:
     def close(self) -> None:
         """Drop the weights."""
         self.net = None
-
-    def __enter__(self) -> WhisperModel:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         kind = "multilingual" if self.multilingual else "English-only"

@@ -24,7 +24,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
-from workbench import __version__
 from workbench.engine.cancel import check_cancel
 from workbench.serve import limits
 from workbench.serve.gatekeeper import Gatekeeper
@@ -36,6 +35,7 @@ from workbench.serve.schemas import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from workbench.version import __version__
 
 # texts per forward pass of an embedding request: the cancel flag is looked at between
 # passes, and 8 texts of 256 tokens take a fraction of a second on a CPU
