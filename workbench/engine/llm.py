@@ -14,7 +14,6 @@ the entropy of the distribution it was drawn from (with `logprobs=k`).
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Generator, Mapping, Sequence
@@ -26,17 +25,17 @@ import numpy as np
 
 from workbench import registry
 from workbench.engine import chat_template, sources
-from workbench.engine.backend import Backend, select_backend
+from workbench.engine.backend import Backend
 from workbench.engine.cancel import CancelFlag, check_cancel
-from workbench.engine.chat_template import render as render_chat
 from workbench.engine.closing import Closing
 from workbench.engine.decoding import Decoding, LogitsProcessor, replay
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.grammar import Grammar, resolve_grammar
 from workbench.engine.kv_cache import KVCache, PrefixCache
-from workbench.engine.lifecycle import Closeable
+from workbench.engine.local_engine import LocalEngine
 from workbench.engine.models import gemma3, llama
 from workbench.engine.options import GenerationOptions, publishes_options
+from workbench.engine.prompting import Prompting
 from workbench.engine.results import (  # noqa: F401  (importable from here, as before)
     Alternative,
     Completion,
@@ -46,8 +45,7 @@ from workbench.engine.results import (  # noqa: F401  (importable from here, as 
 )
 from workbench.engine.structured import answer_json, with_schema_instruction  # noqa: F401
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
-from workbench.engine.warmup import KernelWarmup, Warming, helper_command
-from workbench.signals import BusyCounter, Signal
+from workbench.engine.warmup import KernelWarmup, helper_command
 
 _MODEL_CLASSES = {**dict.fromkeys(llama.ARCHITECTURES, llama.LlamaModel),
                   **dict.fromkeys(gemma3.ARCHITECTURES, gemma3.Gemma3Model)}
@@ -58,7 +56,7 @@ PREFILL_CHUNK = 512  # prompt tokens per forward pass
 STEPWISE_TAIL = 16
 
 
-class LLM(Closeable):
+class LLM(Prompting, LocalEngine):
     """A GGUF decoder model (llama, qwen2, qwen3, their MoE variants, phi3, gemma3) ready to
     chat, complete and embed."""
 
@@ -78,12 +76,7 @@ class LLM(Closeable):
             )
         if kv_cache_size < 1:
             raise ValueError("kv_cache_size must be >= 1")
-        name, self.backend = select_backend(device, backend)  # no backend: the cpu
-        self.device: Signal[str] = Signal(name, name="device")
-        self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
-        self._busy = BusyCounter(self.busy)
-        # kernels being compiled: progress, or None (see workbench.engine.warmup)
-        self.warming: Signal[Warming | None] = Signal(None, name="warming")
+        self._start_signals(device, backend)
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
@@ -129,31 +122,6 @@ class LLM(Closeable):
         return (f"LLM({self.path.name!r}, arch={self.config.arch!r}, "
                 f"device={self.device.peek()!r})")
 
-    # -- tokens ------------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True
-                 ) -> list[int]:
-        """Token ids of `text`. BOS only when the model adds one (or `add_bos=True`);
-        special tokens such as `<|im_start|>` are parsed unless `special=False`."""
-        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
-
-    def detokenize(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
-        """Text of token ids."""
-        return self.tokenizer.decode(list(ids), skip_special=skip_special)
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = True, chat_template: str | None = None,
-                            **variables) -> str:
-        """The prompt text the model's own chat template (or `chat_template`, Jinja text)
-        makes of `messages`."""
-        tok = self.tokenizer
-        return render_chat(
-            chat_template or self.chat_template, list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
-            eos_token=tok.decode([tok.eos_id]) if tok.eos_id is not None else "",
-            **variables,
-        )
-
     # -- low level ---------------------------------------------------------------------------
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """An empty KV cache for `forward` (default length: `kv_cache_size`)."""
@@ -164,10 +132,6 @@ class LLM(Closeable):
         `cache` at its next positions."""
         with self._busy, self._forward_lock:
             return self._require_model().forward(np.asarray(ids), cache)
-
-    def is_stop_token(self, token: int) -> bool:
-        """True for the model's end-of-generation tokens (end of turn, EOS)."""
-        return int(token) in self.tokenizer.eot_ids
 
     def kv_remove(self, start: int, end: int, *, recompute: bool = True) -> None:
         """Forget positions start .. end - 1 of the kept sequence (the cached prompt and
@@ -475,56 +439,6 @@ class LLM(Closeable):
         return out
 
     # -- internals ---------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | Sequence[int], add_bos: bool | None,
-                    include_prompt: bool) -> tuple[list[int], str]:
-        """A prompt's checked token ids, and its text when `include_prompt` (else "")."""
-        if isinstance(prompt, str):
-            self._refuse_overlong(prompt, self.kv_cache_size, "prompt")
-            ids = self.tokenize(prompt, add_bos=add_bos)
-            text = prompt
-        else:
-            ids = [int(i) for i in prompt]
-            text = self.detokenize(ids) if include_prompt else ""
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens); pass text or token ids")
-        if max(ids) >= self.config.n_vocab or min(ids) < 0:
-            raise ValueError(f"prompt token ids must lie in [0, {self.config.n_vocab})")
-        if len(ids) >= self.kv_cache_size:
-            raise ValueError(f"the prompt has {len(ids)} tokens and the context holds "
-                             f"{self.kv_cache_size}; load with a larger kv_cache_size")
-        return ids, text if include_prompt else ""
-
-    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: list | None, *,
-                  add_generation_prompt: bool = True, chat_template: str | None = None
-                  ) -> list[int]:
-        """Token ids of a conversation rendered with the chat template (BOS as the model wants)."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        variables = {"tools": tools} if tools else {}
-        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template, **variables)
-        self._refuse_overlong(prompt, self.kv_cache_size, "conversation")
-        ids = self.tokenize(prompt, add_bos=False)
-        tok = self.tokenizer
-        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids.insert(0, tok.bos_id)
-        return ids
-
-    @functools.cached_property
-    def _longest_token(self) -> int:
-        """The most characters one token of the vocabulary stands for."""
-        return max(map(len, self.tokenizer.tokens), default=1)
-
-    def _refuse_overlong(self, text: str, limit: int, what: str) -> None:
-        """Refuse `text` that cannot tokenize to fewer than `limit` tokens, before
-        tokenizing it: no token covers more characters than the vocabulary's longest
-        token, so a text longer than `limit` times that needs at least `limit` tokens
-        (this bounds the tokenizer's work to a few hundred kB per prompt)."""
-        if len(text) > limit * self._longest_token:
-            raise ValueError(f"the {what} has {len(text)} characters, far more than the "
-                             f"{self.kv_cache_size} tokens the context holds; shorten it or "
-                             "load with a larger kv_cache_size")
-
     def _require_model(self) -> llama.LlamaModel:
         if self.model is None:
             raise RuntimeError("this LLM has been closed")

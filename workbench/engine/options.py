@@ -112,7 +112,8 @@ def publishes_options(fn: F) -> F:
     The generation methods take `options=None, **overrides` so that each default is
     written only in the dataclass, yet `help()`, notebook tooltips and tab completion
     should still list `temperature=0.8` and its siblings: this sets `__signature__`
-    to the written parameters plus one keyword-only parameter per field. A catch-all
+    to the written parameters plus `options` and one keyword-only parameter per field
+    (the values are read from `DEFAULTS`, not written again). A catch-all
     named `overrides` is replaced by the fields; another (such as `chat`'s
     `**generate_args`, passed on to `generate`) stays last.
     """
@@ -124,5 +125,8 @@ def publishes_options(fn: F) -> F:
                                 default=getattr(DEFAULTS, f.name), annotation=f.type)
               for f in dataclasses.fields(GenerationOptions)
               if f.name not in sig.parameters]
+    if "options" not in sig.parameters:  # passed on in the catch-all
+        fields.insert(0, inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY,
+                                           default=None, annotation="GenerationOptions | None"))
     fn.__signature__ = sig.replace(parameters=written + fields + rest)  # type: ignore[attr-defined]
     return fn

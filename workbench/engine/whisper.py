@@ -40,9 +40,9 @@ import numpy as np
 
 from workbench.engine import sources
 from workbench.engine.audio import SAMPLE_RATE, AudioError, AudioSource, open_audio
-from workbench.engine.backend import Backend, select_backend
+from workbench.engine.backend import Backend
 from workbench.engine.cancel import CancelFlag, check_cancel
-from workbench.engine.lifecycle import Closeable
+from workbench.engine.local_engine import LocalEngine
 from workbench.engine.mel import (
     HOP_LENGTH,
     LOG_MEL_FLOOR,
@@ -60,9 +60,8 @@ from workbench.engine.models import whisper as arch
 from workbench.engine.results import Segment, Transcript
 from workbench.engine.sampling import log_softmax
 from workbench.engine.tokenizers.whisper import WhisperTokenizer
-from workbench.engine.warmup import KernelWarmup, Warming
+from workbench.engine.warmup import KernelWarmup
 from workbench.engine.whisper_file import WhisperFile
-from workbench.signals import BusyCounter, Signal
 
 DEFAULT_WHISPER = "whisper-tiny.en"
 SILENCE_RMS = 1e-4  # chunks quieter than this are not decoded
@@ -83,7 +82,7 @@ def clean_text(text: str) -> str:
     return re.sub(r"\s+", " ", _ANNOTATION.sub("", text)).strip()
 
 
-class WhisperModel(Closeable):
+class WhisperModel(LocalEngine):
     """A Whisper speech recognizer loaded from a whisper.cpp `.bin` file."""
 
     def __init__(self, f: WhisperFile, *, device: str = "auto", backend: Backend | None = None,
@@ -92,12 +91,7 @@ class WhisperModel(Closeable):
         (MLX on any platform). `backend`: a `workbench.engine.backend.Backend` to run on
         instead of the one `device` names (the tests run the CuPy backend's code with
         NumPy standing in for CuPy). `prepare_kernels`: see `load`."""
-        name, self.backend = select_backend(device, backend)  # no backend: the cpu
-        self.device: Signal[str] = Signal(name, name="device")
-        self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
-        self._busy = BusyCounter(self.busy)
-        # kernels being compiled: progress, or None (see workbench.engine.warmup)
-        self.warming: Signal[Warming | None] = Signal(None, name="warming")
+        self._start_signals(device, backend)
         self.path: Path = f.path
         net = arch.Whisper(f)
         tasks = net.kernel_tasks() if prepare_kernels and self.backend is None else []
