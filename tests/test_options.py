@@ -55,7 +55,8 @@ def test_the_generation_methods_show_every_option_with_its_default():
         params = inspect.signature(method).parameters
         for f in dataclasses.fields(GenerationOptions):
             assert params[f.name].default == getattr(DEFAULTS, f.name), (method, f.name)
-        assert "options" in params
+        assert params["options"].default is None and params["options"].kind is params[
+            "options"].KEYWORD_ONLY
     assert "overrides" not in inspect.signature(LLM.generate).parameters
     assert "generate_args" in inspect.signature(LLM.chat).parameters  # grammar=, prefix= ...
 

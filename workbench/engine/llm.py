@@ -264,7 +264,7 @@ class LLM(Prompting, LocalEngine):
     @publishes_options
     def chat_json(self, messages: Sequence[Mapping[str, Any]], schema: Any = None, *,
                   grammar: Grammar | str | None = None, schema_in_prompt: bool = True,
-                  return_completion: bool = False, **options) -> Any:
+                  return_completion: bool = False, **chat_args: Any) -> Any:
         """Answer with JSON that validates against `schema` and return it parsed.
 
         `schema` is a JSON Schema (dict or text), a `Grammar` from one, or a
@@ -275,7 +275,7 @@ class LLM(Prompting, LocalEngine):
         Instead of a schema, `grammar` (GBNF text or a `Grammar`) constrains the
         answer; it is parsed where it is JSON and returned as text where not.
 
-        Options are those of `chat`. The answer always completes within
+        The other arguments are those of `chat`. The answer always completes within
         `max_tokens`: where the model would run on, the output is closed at the
         budget (or a loop or an overlong string is closed early), and a
         `ClosedEarlyWarning` says so. `return_completion=True` returns
@@ -285,7 +285,7 @@ class LLM(Prompting, LocalEngine):
         """
         return answer_json(self, messages, schema, grammar=grammar,
                            schema_in_prompt=schema_in_prompt,
-                           return_completion=return_completion, **options)
+                           return_completion=return_completion, **chat_args)
 
     @publishes_options
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], *,

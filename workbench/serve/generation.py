@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from workbench.engine.cancel import check_cancel
-from workbench.engine.llm import TokenEvent
+from workbench.engine.results import TokenEvent
 from workbench.serve.jobs import JOB_DONE, ClientGone, Job, ServerState, engine_accepts, start_job
 from workbench.serve.schemas import (
     MAX_CHOICES,
