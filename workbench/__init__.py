@@ -11,17 +11,36 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
-__all__ = ["LLM", "Completion", "TokenEvent", "Encoder", "WhisperModel", "Transcript",
-           "serve", "RemoteEngine", "Branch", "BranchStore", "PrefixCache", "Grammar",
-           "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "Closing",
+from workbench.version import __version__
+
+__all__ = ["LLM", "Completion", "TokenEvent", "GenerationOptions", "Encoder", "WhisperModel",
+           "Transcript", "serve", "RemoteEngine", "Branch", "BranchStore", "PrefixCache",
+           "Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "Closing",
            "ClosedEarlyWarning", "GrammarBudgetError", "validate_chat_template",
            "ChatTemplateError", "PrefixCacheError", "GGUFError", "AudioError", "Cancelled",
            "__version__"]
-_GRAMMAR = ("Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError")
-_ERRORS = {"GGUFError": "gguf", "AudioError": "audio", "Cancelled": "cancel"}  # name: module
+# name: the module that defines it, imported on first use: the engine imports NumPy and
+# Numba, and `import workbench` (and the CLI's `pull`/`list`) should stay light
+_LAZY = {
+    "LLM": "engine.llm",
+    "Completion": "engine.results", "TokenEvent": "engine.results",
+    "Transcript": "engine.results",
+    "GenerationOptions": "engine.options",
+    "Encoder": "engine.encoder",
+    "WhisperModel": "engine.whisper",
+    "Branch": "engine.branch", "BranchStore": "engine.branch",
+    "Closing": "engine.closing", "ClosedEarlyWarning": "engine.closing",
+    "GrammarBudgetError": "engine.closing",
+    "PrefixCache": "engine.kv_cache", "PrefixCacheError": "engine.kv_cache",
+    "validate_chat_template": "engine.chat_template", "ChatTemplateError": "engine.chat_template",
+    "Grammar": "engine.grammar", "parse_gbnf": "engine.grammar",
+    "compile_schema": "engine.grammar", "UnsupportedSchemaError": "engine.grammar",
+    "GGUFError": "engine.gguf", "AudioError": "engine.audio", "Cancelled": "engine.cancel",
+    "RemoteEngine": "serve.remote",
+}
 
 # `workbench.serve` is the function (the package `workbench/serve/` holds it): binding it
 # here, after the package is imported, keeps later submodule imports from rebinding it
@@ -37,52 +56,14 @@ if TYPE_CHECKING:
     from workbench.engine.gguf import GGUFError
     from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
     from workbench.engine.kv_cache import PrefixCache, PrefixCacheError
-    from workbench.engine.llm import LLM, Completion, TokenEvent
-    from workbench.engine.whisper import Transcript, WhisperModel
+    from workbench.engine.llm import LLM
+    from workbench.engine.options import GenerationOptions
+    from workbench.engine.results import Completion, TokenEvent, Transcript
+    from workbench.engine.whisper import WhisperModel
     from workbench.serve.remote import RemoteEngine
 
 
 def __getattr__(name: str):
-    # the engine imports NumPy and Numba; keep `import workbench` (and the CLI's
-    # `pull`/`list`) light by loading it on first use
-    if name in ("LLM", "Completion", "TokenEvent"):
-        from workbench.engine import llm
-
-        return getattr(llm, name)
-    if name in ("WhisperModel", "Transcript"):
-        from workbench.engine import whisper
-
-        return getattr(whisper, name)
-    if name in ("Branch", "BranchStore"):
-        from workbench.engine import branch
-
-        return getattr(branch, name)
-    if name in ("Closing", "ClosedEarlyWarning", "GrammarBudgetError"):
-        from workbench.engine import closing
-
-        return getattr(closing, name)
-    if name in ("PrefixCache", "PrefixCacheError"):
-        from workbench.engine import kv_cache
-
-        return getattr(kv_cache, name)
-    if name in ("validate_chat_template", "ChatTemplateError"):
-        from workbench.engine import chat_template
-
-        return getattr(chat_template, name)
-    if name in _ERRORS:
-        import importlib
-
-        return getattr(importlib.import_module(f"workbench.engine.{_ERRORS[name]}"), name)
-    if name == "RemoteEngine":
-        from workbench.serve.remote import RemoteEngine
-
-        return RemoteEngine
-    if name == "Encoder":
-        from workbench.engine.encoder import Encoder
-
-        return Encoder
-    if name in _GRAMMAR:
-        from workbench.engine import grammar
-
-        return getattr(grammar, name)
-    raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"workbench.{_LAZY[name]}"), name)

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from workbench import registry
+from workbench.engine import sources
+from workbench.engine.options import DEFAULTS, GenerationOptions
 from workbench.serve import limits
 
 DEFAULT_SYSTEM = "You are helpful and concise."
@@ -170,24 +172,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# the generation options the commands offer as flags: name -> (short flag, type, what it
+# does); their defaults are `GenerationOptions`'s
+_OPTION_FLAGS = {
+    "max_tokens": ("-n", int, "tokens to write at most"),
+    "temperature": ("-t", float, "0 = greedy"),
+    "top_k": (None, int, "0 = off"),
+    "top_p": (None, float, "1.0 = off"),
+    "min_p": (None, float, "0 = off"),
+    "repeat_penalty": (None, float, "1.0 = off"),
+    "seed": (None, int, "random seed (same seed, same text)"),
+}
+
+
 def _generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=registry.DEFAULT_MODEL,
                    help=f"alias, .gguf path or hf://repo/file (default: {registry.DEFAULT_MODEL})")
-    p.add_argument("-n", "--max-tokens", type=int, default=512, help="default: 512")
-    p.add_argument("-t", "--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="default: 40 (0 = off)")
-    p.add_argument("--top-p", type=float, default=0.95, help="default: 0.95")
-    p.add_argument("--min-p", type=float, default=0.05, help="default: 0.05")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="default: 1.0 (off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
+    for name, (short, kind, note) in _OPTION_FLAGS.items():
+        default = getattr(DEFAULTS, name)
+        flags = ([short] if short else []) + [f"--{name.replace('_', '-')}"]
+        shown = "" if default is None else f" (default: {default})"
+        p.add_argument(*flags, type=kind, default=default, help=note + shown)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
 
 
-def _options(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                seed=args.seed, stop=args.stop)
+def _options(args) -> GenerationOptions:
+    """The generation options the command line set (the others at their defaults)."""
+    return GenerationOptions(stop=args.stop,
+                             **{name: getattr(args, name) for name in _OPTION_FLAGS})
 
 
 def _load(args):
@@ -217,7 +230,7 @@ def _stream(completion) -> None:
 
 def _pull(args) -> int:
     for alias in args.aliases:
-        path = registry.pull(alias, force=args.force)
+        path = sources.pull(alias, force=args.force)
         print(f"{alias}: {path}")
         if not args.no_kernels:  # compile them now, not in the user's first call
             engine = _prepared(load_engine(alias))
@@ -298,7 +311,7 @@ def _convert(args) -> int:
 def load_engine(source: str, *, ctx: int = 4096):
     """The engine a model file calls for: `WhisperModel` for a whisper.cpp .bin, `Encoder`
     for a BERT GGUF, `LLM` for a decoder GGUF."""
-    path = registry.resolve(source)
+    path = sources.resolve(source)
     if path.suffix == ".bin":
         from workbench.engine.whisper import WhisperModel
 
@@ -342,7 +355,7 @@ def _serve(args) -> int:
 
 def _generate(args) -> int:
     m = _load(args)
-    _stream(m.generate(args.prompt, **_options(args)))
+    _stream(m.generate(args.prompt, options=_options(args)))
     return 0
 
 
@@ -350,7 +363,8 @@ def _chat(args) -> int:
     m = _load(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
-        _stream(m.chat(system + [{"role": "user", "content": args.message}], **_options(args)))
+        question = {"role": "user", "content": args.message}
+        _stream(m.chat(system + [question], options=_options(args)))
         return 0
     history: list[dict] = []
     print(f"{m.path.name} - /reset clears the conversation, /exit leaves", file=sys.stderr)
@@ -368,7 +382,7 @@ def _chat(args) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        completion = m.chat(system + history, **_options(args))
+        completion = m.chat(system + history, options=_options(args))
         _stream(completion)
         history.append({"role": "assistant", "content": completion.text})
 
@@ -412,7 +426,7 @@ def _lab(args) -> int:
                                 "the notebooks of a source checkout (pip install -e .)")
     if not (notebooks / args.notebook).is_file():
         raise FileNotFoundError(f"no notebook {args.notebook!r} in {notebooks}")
-    registry.pull(registry.DEFAULT_MODEL)  # with a progress bar; a no-op once cached
+    sources.pull(registry.DEFAULT_MODEL)  # with a progress bar; a no-op once cached
     # its CPU kernels compile (or load from the cache) in another process while JupyterLab
     # starts, so that the tour's first cell finds them ready
     subprocess.Popen([sys.executable, "-m", "workbench.cli", "pull", registry.DEFAULT_MODEL],

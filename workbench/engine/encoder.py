@@ -29,14 +29,15 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from tqdm.auto import tqdm
 
-from workbench import registry
-from workbench.engine.backend import Backend, select_backend
+from workbench.engine import sources
+from workbench.engine.backend import Backend
 from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
+from workbench.engine.local_engine import LocalEngine
 from workbench.engine.models import bert, gemma3, llama
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
-from workbench.engine.warmup import KernelWarmup, Warming
-from workbench.signals import BusyCounter, Signal
+from workbench.engine.warmup import KernelWarmup
+from workbench.signals import Signal
 
 DEFAULT_ENCODER = "minilm-l6"
 POOLS = ("mean", "cls", "last")
@@ -90,7 +91,7 @@ def _l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
-class Encoder:
+class Encoder(LocalEngine):
     """A BERT-style sentence encoder loaded from a GGUF file."""
 
     def __init__(self, gguf: GGUFFile, *, device: str = "auto", max_length: int | None = None,
@@ -105,12 +106,7 @@ class Encoder:
             raise UnsupportedArchitectureError(
                 f"{gguf.path.name}: architecture {arch!r} is not an encoder this engine runs; "
                 f"supported: {', '.join(bert.ARCHITECTURES)}{hint}")
-        name, self.backend = select_backend(device, backend)  # no backend: the cpu
-        self.device: Signal[str] = Signal(name, name="device")
-        self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
-        self._busy = BusyCounter(self.busy)
-        # kernels being compiled: progress, or None (see workbench.engine.warmup)
-        self.warming: Signal[Warming | None] = Signal(None, name="warming")
+        self._start_signals(device, backend)
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
         model = bert.BertModel(gguf)
@@ -146,7 +142,7 @@ class Encoder:
         in a background thread right away, with progress in `warming` (`warmup.wait()`
         blocks until they are ready); False compiles each on first use.
         """
-        return cls(open_gguf(registry.resolve(source)), device=device, max_length=max_length,
+        return cls(open_gguf(sources.resolve(source)), device=device, max_length=max_length,
                    prepare_kernels=prepare_kernels)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -154,12 +150,6 @@ class Encoder:
         """Drop the weights (the file's memory map goes with them)."""
         self.model = None
         self._gguf = None
-
-    def __enter__(self) -> Encoder:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"Encoder({self.path.name!r}, dim={self.dim}, pooling={self.pooling!r}, "

@@ -14,226 +14,49 @@ the entropy of the distribution it was drawn from (with `logprobs=k`).
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import json
 import os
 import threading
-import warnings
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from workbench import registry
-from workbench.engine import chat_template
-from workbench.engine.backend import Backend, select_backend
+from workbench.engine import chat_template, sources
+from workbench.engine.backend import Backend
 from workbench.engine.cancel import CancelFlag, check_cancel
-from workbench.engine.chat_template import render as render_chat
-from workbench.engine.closing import ClosedEarlyWarning, Closer, Closing
+from workbench.engine.closing import Closing
+from workbench.engine.decoding import Decoding, LogitsProcessor, replay
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
-from workbench.engine.grammar import Grammar, GrammarMatcher, resolve_grammar
+from workbench.engine.grammar import Grammar, resolve_grammar
 from workbench.engine.kv_cache import KVCache, PrefixCache
+from workbench.engine.local_engine import LocalEngine
 from workbench.engine.models import gemma3, llama
-from workbench.engine.sampling import DeviceSampler, Sampler, SamplingParams, entropy, log_softmax
+from workbench.engine.options import GenerationOptions, publishes_options
+from workbench.engine.prompting import Prompting
+from workbench.engine.results import (  # noqa: F401  (importable from here, as before)
+    Alternative,
+    Completion,
+    IncompleteOutputError,
+    TokenEvent,
+    Usage,
+)
+from workbench.engine.structured import answer_json, with_schema_instruction  # noqa: F401
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
-from workbench.engine.tokenizers.stream import StreamDecoder
-from workbench.engine.warmup import KernelWarmup, Warming, helper_command
-from workbench.signals import BusyCounter, Signal
+from workbench.engine.warmup import KernelWarmup, helper_command
 
 _MODEL_CLASSES = {**dict.fromkeys(llama.ARCHITECTURES, llama.LlamaModel),
                   **dict.fromkeys(gemma3.ARCHITECTURES, gemma3.Gemma3Model)}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
-LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]  # fn(ids, logits) -> logits
 PREFILL_CHUNK = 512  # prompt tokens per forward pass
 # After a prefix cache, tails up to this long run token by token on the decode path, which
 # beats one small prefill chunk (16 tokens after a 995-token prefix: 0.19 s against 0.40 s)
 STEPWISE_TAIL = 16
 
 
-@dataclass(frozen=True)
-class Alternative:
-    """One candidate for a generated position."""
-
-    id: int
-    text: str
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token.
-
-    `text` is the output released at this step: it may be empty while a UTF-8
-    character or a possible stop string is incomplete, and a later event then
-    carries it. `piece` is the token's own text. The last event of a
-    generation may have `id=None`: it carries text held back until the end
-    and stands for no token. `logprob`, `top` and `entropy`
-    (nats) describe the model's distribution at this position before sampling
-    filters and the grammar mask; they are None unless the call asked for
-    `logprobs`. `mask_ms` is set when a grammar constrained the step;
-    `closed` when the grammar's closer chose this token to make the output end
-    valid: "budget" (max_tokens or the context was near), "free_text" (a
-    string ran past its token limit) or "repetition" (a loop); see
-    `workbench.engine.closing`.
-    """
-
-    id: int | None
-    text: str
-    piece: str
-    logprob: float | None = None
-    top: tuple[Alternative, ...] | None = None
-    entropy: float | None = None
-    mask_ms: float | None = None  # time the grammar took to compute this step's mask
-    closed: str | None = None  # why the closer chose this token, if it did
-    closing_ms: float | None = None  # time the closer took at this step
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-class Completion:
-    """A running or finished generation; iterate it for text pieces."""
-
-    def __init__(self, events: Iterator[TokenEvent], prompt_ids: list[int], prefix_text: str = ""):
-        self.prompt_ids = prompt_ids
-        self._events: list[TokenEvent] = []
-        self._finish_reason: str | None = None
-        self._source = events
-        self._prefix_text = prefix_text
-        self._text: list[str] = [prefix_text] if prefix_text else []
-        self._prefix_pending = bool(prefix_text)
-        self._done = False
-
-    @property
-    def prompt_text(self) -> str:
-        """The prompt's text when the call asked for `include_prompt`, else ""."""
-        return self._prefix_text
-
-    def iter_events(self) -> Iterator[TokenEvent]:
-        """Yield each generated token's event as it is produced.
-
-        Abandoning the iteration early (closing it, or dropping it) stops the
-        generation and frees the model.
-        """
-        try:
-            while True:
-                try:
-                    ev = next(self._source)
-                except StopIteration as stop:  # the generator returns its finish reason
-                    self._finish_reason = stop.value or self._finish_reason
-                    break
-                self._events.append(ev)
-                if ev.text:
-                    self._text.append(ev.text)
-                yield ev
-        finally:
-            self.close()
-
-    def __iter__(self) -> Iterator[str]:
-        if self._prefix_pending:
-            self._prefix_pending = False
-            yield self._prefix_text
-        for ev in self.iter_events():
-            if ev.text:
-                yield ev.text
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return _aiter(iter(self))
-
-    def wait(self) -> Completion:
-        """Run the generation to its end; return self."""
-        for _ in self.iter_events():
-            pass
-        return self
-
-    @property
-    def text(self) -> str:
-        """The whole output text (generation runs to its end first)."""
-        self.wait()
-        return "".join(self._text)
-
-    @property
-    def events(self) -> list[TokenEvent]:
-        """Every event of the generation (which runs to its end first)."""
-        self.wait()
-        return list(self._events)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Generated token ids (without the prompt and without the stop token)."""
-        self.wait()
-        return [ev.id for ev in self._events if ev.id is not None]
-
-    @property
-    def finish_reason(self) -> str:
-        """"stop" (end of turn, a stop token or string, or `close()`) or "length"
-        (max_tokens or the context is full)."""
-        self.wait()
-        return self._finish_reason or "stop"
-
-    @property
-    def closed_early(self) -> str | None:
-        """Why a constrained output was closed before the model ended it ("budget",
-        "free_text" or "repetition"), or None if the model wrote it all. An output
-        closed at the budget finishes with "length", complete and valid."""
-        self.wait()
-        return next((ev.closed for ev in self._events if ev.closed), None)
-
-    @property
-    def usage(self) -> Usage:
-        self.wait()
-        return Usage(len(self.prompt_ids), len(self.token_ids))
-
-    def close(self) -> None:
-        """Stop the generation early (frees the model for other calls)."""
-        self._source.close()
-        self._done = True
-
-    def __repr__(self) -> str:
-        state = (self._finish_reason or "stopped") if self._done else "running"
-        n = sum(ev.id is not None for ev in self._events)
-        return f"<Completion {state}: {n} tokens {''.join(self._text)[:60]!r}>"
-
-
-async def _aiter(it: Iterator[str]) -> AsyncIterator[str]:
-    done = object()
-    while True:
-        piece = await asyncio.to_thread(next, it, done)
-        if piece is done:
-            return
-        yield piece
-
-
-def with_schema_instruction(messages: Sequence[Mapping[str, Any]], schema: Any
-                            ) -> list[dict[str, Any]]:
-    """A copy of `messages` whose system message (added when there is none) asks for JSON
-    following `schema`, as OpenAI's structured outputs show the schema to the model."""
-    messages = [dict(m) for m in messages]
-    instruction = ("Answer with a JSON object that follows this JSON Schema:\n"
-                   + json.dumps(schema, ensure_ascii=False))
-    if messages and messages[0].get("role") == "system":
-        messages[0]["content"] = f"{messages[0].get('content') or ''}\n\n{instruction}"
-    else:
-        messages.insert(0, {"role": "system", "content": instruction})
-    return messages
-
-
-class IncompleteOutputError(RuntimeError):
-    """Generation ended (max_tokens, a stop string, a full context) before the constrained
-    output was complete."""
-
-
-class LLM:
+class LLM(Prompting, LocalEngine):
     """A GGUF decoder model (llama, qwen2, qwen3, their MoE variants, phi3, gemma3) ready to
     chat, complete and embed."""
 
@@ -253,12 +76,7 @@ class LLM:
             )
         if kv_cache_size < 1:
             raise ValueError("kv_cache_size must be >= 1")
-        name, self.backend = select_backend(device, backend)  # no backend: the cpu
-        self.device: Signal[str] = Signal(name, name="device")
-        self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
-        self._busy = BusyCounter(self.busy)
-        # kernels being compiled: progress, or None (see workbench.engine.warmup)
-        self.warming: Signal[Warming | None] = Signal(None, name="warming")
+        self._start_signals(device, backend)
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
@@ -290,7 +108,7 @@ class LLM:
         in the background at once (`prepare_kernels`; progress in `m.warming`,
         `m.warmup.wait()` blocks until they are ready).
         """
-        return cls(open_gguf(registry.resolve(source)), device=device,
+        return cls(open_gguf(sources.resolve(source)), device=device,
                    kv_cache_size=kv_cache_size, prepare_kernels=prepare_kernels)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -300,40 +118,9 @@ class LLM:
         self._cache = None
         self._gguf = None
 
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (f"LLM({self.path.name!r}, arch={self.config.arch!r}, "
                 f"device={self.device.peek()!r})")
-
-    # -- tokens ------------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True
-                 ) -> list[int]:
-        """Token ids of `text`. BOS only when the model adds one (or `add_bos=True`);
-        special tokens such as `<|im_start|>` are parsed unless `special=False`."""
-        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
-
-    def detokenize(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
-        """Text of token ids."""
-        return self.tokenizer.decode(list(ids), skip_special=skip_special)
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = True, chat_template: str | None = None,
-                            **variables) -> str:
-        """The prompt text the model's own chat template (or `chat_template`, Jinja text)
-        makes of `messages`."""
-        tok = self.tokenizer
-        return render_chat(
-            chat_template or self.chat_template, list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
-            eos_token=tok.decode([tok.eos_id]) if tok.eos_id is not None else "",
-            **variables,
-        )
 
     # -- low level ---------------------------------------------------------------------------
     def new_cache(self, max_len: int | None = None) -> KVCache:
@@ -345,10 +132,6 @@ class LLM:
         `cache` at its next positions."""
         with self._busy, self._forward_lock:
             return self._require_model().forward(np.asarray(ids), cache)
-
-    def is_stop_token(self, token: int) -> bool:
-        """True for the model's end-of-generation tokens (end of turn, EOS)."""
-        return int(token) in self.tokenizer.eot_ids
 
     def kv_remove(self, start: int, end: int, *, recompute: bool = True) -> None:
         """Forget positions start .. end - 1 of the kept sequence (the cached prompt and
@@ -414,25 +197,23 @@ class LLM:
                              "(LLM.prefix / prefix_chat / load_prefix)")
 
     # -- generation --------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 512,
-                 stop: str | Sequence[str] | None = None, stop_tokens: Sequence[int] = (),
+    @publishes_options
+    def generate(self, prompt: str | Sequence[int], *, options: GenerationOptions | None = None,
                  include_prompt: bool = False, add_bos: bool | None = None,
-                 logprobs: int | None = None, temperature: float = 0.8, top_k: int = 40,
-                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                 repeat_last_n: int = 64, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, seed: int | None = None,
-                 logit_bias: Mapping[int, float] | None = None,
                  grammar: Grammar | str | None = None, schema: Any = None,
                  closing: Closing | bool = True, prefix: PrefixCache | None = None,
                  logits_processors: Sequence[LogitsProcessor] = (),
-                 cancel: CancelFlag | None = None) -> Completion:
+                 cancel: CancelFlag | None = None, **overrides: Any) -> Completion:
         """Continue `prompt` (text, or token ids) without a chat template.
 
-        Stops at the model's end-of-generation tokens, any of `stop_tokens`, any
-        string in `stop` (not included in the output), or after `max_tokens`.
-        `logprobs=k` records each token's log-probability, its k best
-        alternatives and the entropy in the events. `include_prompt` puts the
-        prompt text in front of the output.
+        `options` (a `GenerationOptions`) and keywords naming its fields
+        (`max_tokens`, `temperature`, `top_k`, `top_p`, `min_p`, the penalties,
+        `seed`, `logit_bias`, `stop`, `stop_tokens`, `logprobs`; keywords win) say
+        how tokens are sampled and when to stop: at the model's end-of-generation
+        tokens, any of `stop_tokens`, any string in `stop` (not included in the
+        output), or after `max_tokens`. `logprobs=k` records each token's
+        log-probability, its k best alternatives and the entropy in the events.
+        `include_prompt` puts the prompt text in front of the output.
 
         `grammar` (a `Grammar`, or GBNF text) or `schema` (a JSON Schema dict or
         pydantic model class) constrains the output: before every token the
@@ -457,35 +238,33 @@ class LLM:
         `cancel`: a flag (`threading.Event`) looked at between prefill chunks
         and before each token; once it is set, iterating raises `Cancelled`.
         """
+        opts = GenerationOptions.of(options, **overrides)
         ids, prompt_text = self._prompt_ids(prompt, add_bos, include_prompt)
         self._check_prefix(prefix)
-        options = dict(max_tokens=max_tokens, stop=stop, stop_tokens=stop_tokens,
-                       logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
-                       min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                       presence_penalty=presence_penalty,
-                       frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                       logits_processors=logits_processors, closing=closing)
-        seq = self._decoding(ids, resolve_grammar(grammar, schema), seed, **options)
+        seq = self._decoding(ids, resolve_grammar(grammar, schema), opts,
+                             logits_processors=logits_processors, closing=closing)
         return Completion(self._generate_events(ids, seq, prefix, cancel), ids, prompt_text)
 
+    @publishes_options
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
              chat_template: str | None = None, cancel: CancelFlag | None = None,
-             **options) -> Completion:
+             **generate_args: Any) -> Completion:
         """Answer a conversation rendered with the model's chat template (or
         `chat_template`, Jinja text, rendered in the same sandbox; check one with
         `validate_chat_template`).
 
-        `messages` are dicts with `role` and `content`. Options are those of
-        `generate` (`max_tokens`, `temperature`, `stop`, `logprobs`, `seed`,
-        `cancel` ...).
+        `messages` are dicts with `role` and `content`. The other arguments are
+        those of `generate` (`options`, `max_tokens`, `temperature`, `stop`,
+        `logprobs`, `seed`, `grammar` ...).
         """
-        options.pop("include_prompt", None)
+        generate_args.pop("include_prompt", None)
         ids = self._chat_ids(messages, tools, chat_template=chat_template)
-        return self.generate(ids, cancel=cancel, **options)
+        return self.generate(ids, cancel=cancel, **generate_args)
 
+    @publishes_options
     def chat_json(self, messages: Sequence[Mapping[str, Any]], schema: Any = None, *,
                   grammar: Grammar | str | None = None, schema_in_prompt: bool = True,
-                  return_completion: bool = False, **options) -> Any:
+                  return_completion: bool = False, **chat_args: Any) -> Any:
         """Answer with JSON that validates against `schema` and return it parsed.
 
         `schema` is a JSON Schema (dict or text), a `Grammar` from one, or a
@@ -496,7 +275,7 @@ class LLM:
         Instead of a schema, `grammar` (GBNF text or a `Grammar`) constrains the
         answer; it is parsed where it is JSON and returned as text where not.
 
-        Options are those of `chat`. The answer always completes within
+        The other arguments are those of `chat`. The answer always completes within
         `max_tokens`: where the model would run on, the output is closed at the
         budget (or a loop or an overlong string is closed early), and a
         `ClosedEarlyWarning` says so. `return_completion=True` returns
@@ -504,48 +283,18 @@ class LLM:
         `GrammarBudgetError` when even the shortest valid answer does not fit
         `max_tokens`, and `IncompleteOutputError` when a stop string cut it short.
         """
-        if (schema is None) == (grammar is None):
-            raise ValueError("chat_json needs a schema= or a grammar= (one of them)")
-        if isinstance(schema, Grammar) and schema.kind != "json_schema":
-            raise ValueError(f"chat_json's schema= takes a JSON Schema, got a {schema.kind} "
-                             f"grammar (pass it as grammar=)")
-        constraint = resolve_grammar(grammar, schema)
-        if schema_in_prompt and constraint.schema is not None:
-            messages = with_schema_instruction(messages, constraint.schema)
-        completion = self.chat(messages, grammar=constraint, **options)
-        text = completion.text
-        if completion.finish_reason != "stop" and completion.closed_early != "budget":
-            raise IncompleteOutputError(
-                f"generation ended ({completion.finish_reason}) after "
-                f"{completion.usage.completion_tokens} tokens, before the output was "
-                f"complete: {text[:200]!r}; raise max_tokens")
-        if completion.closed_early:
-            warnings.warn(ClosedEarlyWarning(completion.closed_early, text), stacklevel=2)
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            if constraint.kind == "json_schema":  # a stop string cut it short
-                raise IncompleteOutputError(f"the output is not complete JSON ({e}): "
-                                            f"{text[:200]!r}") from None
-            value = text
-        if constraint.model is not None:
-            value = constraint.model.model_validate(value)
-        return (value, completion) if return_completion else value
+        return answer_json(self, messages, schema, grammar=grammar,
+                           schema_in_prompt=schema_in_prompt,
+                           return_completion=return_completion, **chat_args)
 
-    def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, max_tokens: int = 512,
-                       stop: str | Sequence[str] | None = None,
-                       stop_tokens: Sequence[int] = (), include_prompt: bool = False,
-                       add_bos: bool | None = None, logprobs: int | None = None,
-                       temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
-                       min_p: float = 0.05, repeat_penalty: float = 1.0,
-                       repeat_last_n: int = 64, presence_penalty: float = 0.0,
-                       frequency_penalty: float = 0.0,
-                       seed: int | Sequence[int] | None = None,
-                       logit_bias: Mapping[int, float] | None = None,
-                       grammar: Grammar | str | None = None, schema: Any = None,
-                       closing: Closing | bool = True, prefix: PrefixCache | None = None,
+    @publishes_options
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], *,
+                       options: GenerationOptions | None = None, include_prompt: bool = False,
+                       add_bos: bool | None = None, grammar: Grammar | str | None = None,
+                       schema: Any = None, closing: Closing | bool = True,
+                       prefix: PrefixCache | None = None,
                        logits_processors: Sequence[LogitsProcessor] = (),
-                       cancel: CancelFlag | None = None) -> list[Completion]:
+                       cancel: CancelFlag | None = None, **overrides: Any) -> list[Completion]:
         """Continue several prompts at once; returns their finished `Completion`s, in order.
 
         Each prompt is prefilled into its own rows of one KV pool; then every
@@ -559,9 +308,11 @@ class LLM:
         `cancel`: a flag (`threading.Event`) looked at before each prompt's prefill
         and each decode step; once it is set the call raises `Cancelled`.
         """
+        opts = GenerationOptions.of(options, **overrides)
         prompts = list(prompts)
         if not prompts:
             return []
+        seed = opts.seed
         if seed is None or isinstance(seed, int):
             seeds = [None if seed is None else seed + i for i in range(len(prompts))]
         else:
@@ -573,38 +324,32 @@ class LLM:
             check_cancel(cancel)
             requests.append(self._prompt_ids(p, add_bos, include_prompt))
         self._check_prefix(prefix)
-        options = dict(max_tokens=max_tokens, stop=stop, stop_tokens=stop_tokens,
-                       logprobs=logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
-                       min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                       presence_penalty=presence_penalty,
-                       frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                       logits_processors=logits_processors, closing=closing)
         constraint = resolve_grammar(grammar, schema)
-        seqs = [self._decoding(ids, constraint, sd, **options)
+        seqs = [self._decoding(ids, constraint, replace(opts, seed=sd),
+                               logits_processors=logits_processors, closing=closing)
                 for (ids, _), sd in zip(requests, seeds)]
         events: list[list[TokenEvent]] = [[] for _ in prompts]
-        if max_tokens > 0:
+        if opts.max_tokens > 0:
             with self._busy:
-                self._run_batch([ids for ids, _ in requests], seqs, events, max_tokens,
+                self._run_batch([ids for ids, _ in requests], seqs, events, opts.max_tokens,
                                 prefix, cancel)
-        return [Completion(_replay(ev, seq.finish_reason or "length"), ids, text)
+        return [Completion(replay(ev, seq.finish_reason or "length"), ids, text)
                 for ev, seq, (ids, text) in zip(events, seqs, requests)]
 
-    def chat_batch(self, conversations: Sequence[Sequence[Mapping[str, Any]]], **options
-                   ) -> list[Completion]:
+    @publishes_options
+    def chat_batch(self, conversations: Sequence[Sequence[Mapping[str, Any]]], *,
+                   tools: list | None = None, chat_template: str | None = None,
+                   cancel: CancelFlag | None = None, **generate_args: Any) -> list[Completion]:
         """Answer several conversations at once (see `chat` and `generate_batch`;
         `cancel=` is looked at between conversations too)."""
-        tools = options.pop("tools", None)
-        template = options.pop("chat_template", None)
-        options.pop("include_prompt", None)
-        cancel = options.get("cancel")
+        generate_args.pop("include_prompt", None)
         prompts = []
         for messages in conversations:
             check_cancel(cancel)
-            prompts.append(self._chat_ids(messages, tools, chat_template=template))
-        return self.generate_batch(prompts, **options)
+            prompts.append(self._chat_ids(messages, tools, chat_template=chat_template))
+        return self.generate_batch(prompts, cancel=cancel, **generate_args)
 
-    def _run_batch(self, prompt_ids: list[list[int]], seqs: list[_Decoding],
+    def _run_batch(self, prompt_ids: list[list[int]], seqs: list[Decoding],
                    events: list[list[TokenEvent]], max_tokens: int,
                    prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
                    ) -> None:
@@ -694,56 +439,6 @@ class LLM:
         return out
 
     # -- internals ---------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | Sequence[int], add_bos: bool | None,
-                    include_prompt: bool) -> tuple[list[int], str]:
-        """A prompt's checked token ids, and its text when `include_prompt` (else "")."""
-        if isinstance(prompt, str):
-            self._refuse_overlong(prompt, self.kv_cache_size, "prompt")
-            ids = self.tokenize(prompt, add_bos=add_bos)
-            text = prompt
-        else:
-            ids = [int(i) for i in prompt]
-            text = self.detokenize(ids) if include_prompt else ""
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens); pass text or token ids")
-        if max(ids) >= self.config.n_vocab or min(ids) < 0:
-            raise ValueError(f"prompt token ids must lie in [0, {self.config.n_vocab})")
-        if len(ids) >= self.kv_cache_size:
-            raise ValueError(f"the prompt has {len(ids)} tokens and the context holds "
-                             f"{self.kv_cache_size}; load with a larger kv_cache_size")
-        return ids, text if include_prompt else ""
-
-    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: list | None, *,
-                  add_generation_prompt: bool = True, chat_template: str | None = None
-                  ) -> list[int]:
-        """Token ids of a conversation rendered with the chat template (BOS as the model wants)."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        variables = {"tools": tools} if tools else {}
-        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template, **variables)
-        self._refuse_overlong(prompt, self.kv_cache_size, "conversation")
-        ids = self.tokenize(prompt, add_bos=False)
-        tok = self.tokenizer
-        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids.insert(0, tok.bos_id)
-        return ids
-
-    @functools.cached_property
-    def _longest_token(self) -> int:
-        """The most characters one token of the vocabulary stands for."""
-        return max(map(len, self.tokenizer.tokens), default=1)
-
-    def _refuse_overlong(self, text: str, limit: int, what: str) -> None:
-        """Refuse `text` that cannot tokenize to fewer than `limit` tokens, before
-        tokenizing it: no token covers more characters than the vocabulary's longest
-        token, so a text longer than `limit` times that needs at least `limit` tokens
-        (this bounds the tokenizer's work to a few hundred kB per prompt)."""
-        if len(text) > limit * self._longest_token:
-            raise ValueError(f"the {what} has {len(text)} characters, far more than the "
-                             f"{self.kv_cache_size} tokens the context holds; shorten it or "
-                             "load with a larger kv_cache_size")
-
     def _require_model(self) -> llama.LlamaModel:
         if self.model is None:
             raise RuntimeError("this LLM has been closed")
@@ -803,30 +498,16 @@ class LLM:
             return model.device_logits(hidden)
         return model.logits(hidden)
 
-    def _decoding(self, prompt_ids: list[int], grammar: Grammar | None, seed: int | None, *,
-                  max_tokens: int, stop: str | Sequence[str] | None = None,
-                  stop_tokens: Sequence[int] = (), logprobs: int | None = None,
-                  logit_bias: Mapping[int, float] | None = None,
+    def _decoding(self, prompt_ids: list[int], grammar: Grammar | None,
+                  options: GenerationOptions, *,
                   logits_processors: Sequence[LogitsProcessor] = (),
-                  closing: Closing | bool = True, **sampling) -> _Decoding:
+                  closing: Closing | bool = True) -> Decoding:
         """The checked state of one sequence about to be generated."""
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        n_vocab = self.config.n_vocab
-        stop_ids = frozenset(int(t) for t in stop_tokens)
-        if any(not 0 <= t < n_vocab for t in stop_ids):
-            raise ValueError(f"stop_tokens must lie in [0, {n_vocab})")
-        params = SamplingParams(seed=seed, logit_bias=dict(logit_bias or {}), **sampling)
-        matcher = grammar.matcher(self.tokenizer, n_vocab) if grammar is not None else None
-        sampler = (Sampler(params, n_vocab) if self.backend is None
-                   else DeviceSampler(params, n_vocab, self.backend))
-        return _Decoding(self.tokenizer, prompt_ids, sampler,
-                         max_tokens=max_tokens,
-                         stop=[s for s in ([stop] if isinstance(stop, str) else stop or []) if s],
-                         stop_tokens=stop_ids, logprobs=logprobs, matcher=matcher,
-                         processors=list(logits_processors), closing=Closing.of(closing))
+        return Decoding.start(self.tokenizer, prompt_ids, options, self.config.n_vocab,
+                              backend=self.backend, grammar=grammar,
+                              logits_processors=logits_processors, closing=closing)
 
-    def _generate_events(self, prompt_ids: list[int], seq: _Decoding,
+    def _generate_events(self, prompt_ids: list[int], seq: Decoding,
                          prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
                          ) -> Generator[TokenEvent, None, str]:
         """Yield the events of one generation; return its finish reason."""
@@ -858,143 +539,3 @@ class LLM:
                 self._cache_lock.release()
 
 
-class _Decoding:
-    """One sequence being generated: picks its tokens from logits and turns them into
-    events (sampling, logprobs, end tokens, stop strings, streamed UTF-8 text)."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], sampler: Sampler, *,
-                 max_tokens: int, stop: list[str], stop_tokens: frozenset[int],
-                 logprobs: int | None, matcher: GrammarMatcher | None = None,
-                 processors: list[LogitsProcessor] | None = None,
-                 closing: Closing | None = None):
-        if any(not callable(fn) for fn in processors or ()):
-            raise TypeError("logits_processors must be functions fn(ids, logits) -> logits")
-        self.processors = processors or []
-        self.tok = tokenizer
-        self.sampler = sampler
-        self.matcher = matcher
-        self.max_tokens = max_tokens
-        self.stop = stop
-        self.end_ids = tokenizer.eot_ids | stop_tokens
-        self._end_array = np.fromiter(self.end_ids, dtype=np.int64)
-        self.closer = (Closer(matcher, closing, max_tokens, self._end_array)
-                       if matcher is not None and closing is not None and max_tokens > 0
-                       else None)
-        self.logprobs = logprobs
-        self.history = list(prompt_ids)
-        self.decoder = StreamDecoder(tokenizer)
-        self.held = ""  # released text that might still turn out to start a stop string
-        self.n_generated = 0
-        self.finish_reason: str | None = None
-        self.device_token = None  # on a GPU backend: the last sampled id, still on the device
-
-    def step(self, logits: np.ndarray, room: int, on_device: bool = False
-             ) -> tuple[int | None, list[TokenEvent]]:
-        """Choose the next token from `logits` (n_vocab,); `room`: how many more tokens
-        the KV cache can take. Returns the token to feed back to the model, or None once
-        the sequence is finished (`finish_reason` set), and the events to emit.
-
-        `on_device`: `logits` is a GPU backend's array; the device sampler then picks the
-        token there, unless log-probabilities or Python logits processors need every
-        logit on the host."""
-        tok, logprobs, matcher, closer = self.tok, self.logprobs, self.matcher, self.closer
-        lp = top = ent = allowed = mask_ms = closed = closing_ms = None
-        self.device_token = None
-        if on_device and (logprobs is not None or self.processors):
-            logits, on_device = self.sampler.backend.to_host(logits), False
-        if logprobs is not None:
-            logp = log_softmax(logits)
-            ent = entropy(logp)
-        for fn in self.processors:
-            out = np.asarray(fn(np.asarray(self.history, dtype=np.intc),
-                                np.array(logits, np.float32)), dtype=np.float32)
-            if out.shape != logits.shape:
-                raise ValueError(f"a logits processor returned shape {out.shape}, not "
-                                 f"{logits.shape}")
-            logits = out
-        if matcher is not None:
-            allowed = matcher.mask()
-            mask_ms = matcher.mask_times[-1] * 1e3
-            allowed[self._end_array] = matcher.is_accepting  # end only a complete output
-        if closer is not None:  # tokens this sequence may still write, this one included
-            remaining = min(self.max_tokens - self.n_generated, room + 1)
-            steered = closer.steer(allowed, remaining)
-            closed = closer.reason if steered is not allowed else None
-            allowed = steered
-        token = self._sample(logits, allowed, on_device)
-        if closer is not None:
-            if token not in self.end_ids and not closer.admits(token, remaining):
-                allowed, closed = closer.forced(), closer.reason
-                token = self._sample(logits, allowed, on_device)
-            closing_ms = closer.times[-1] * 1e3
-        if logprobs is not None:
-            lp = float(logp[token])
-            k = min(int(logprobs), len(logp))
-            best = np.argpartition(-logp, k - 1)[:k] if k > 0 else np.empty(0, int)
-            best = best[np.argsort(-logp[best], kind="stable")]
-            top = tuple(Alternative(int(i), tok.decode([int(i)]), float(logp[i])) for i in best)
-        if token in self.end_ids:
-            return None, self._finish("stop")
-        if matcher is not None:
-            matcher.consume(token)
-        if closer is not None:
-            closer.advance(token)
-        self.history.append(token)
-        self.n_generated += 1
-        self.held += self.decoder.push(token)
-        released, self.held, hit = _split_stop(self.held, self.stop)
-        events = [TokenEvent(token, released, tok.decode([token]), lp, top, ent, mask_ms,
-                             closed, closing_ms)]
-        if hit:
-            self.finish_reason = "stop"
-            return None, events
-        if matcher is not None and matcher.is_finished:  # nothing more can follow
-            return None, events + self._finish("stop")
-        if self.n_generated >= self.max_tokens or room <= 0:
-            return None, events + self._finish("length")
-        return token, events
-
-    def _sample(self, logits: Any, allowed: np.ndarray | None, on_device: bool) -> int:
-        if on_device:
-            token, self.device_token = self.sampler.sample_device(logits, self.history,
-                                                                  allowed)
-            return token
-        return self.sampler.sample(logits, self.history, allowed)
-
-    def _finish(self, reason: str) -> list[TokenEvent]:
-        """End the sequence; text held back until the end goes out in a token-less event.
-        An output the closer ended at the budget finishes with "length"."""
-        if self.closer is not None and self.closer.reason == "budget":
-            reason = "length"
-        self.finish_reason = reason
-        tail, _, _ = _split_stop(self.held + self.decoder.flush(), self.stop, final=True)
-        return [TokenEvent(None, tail, "")] if tail else []
-
-
-def _replay(events: list[TokenEvent], finish_reason: str) -> Generator[TokenEvent, None, str]:
-    """The events of a finished generation, as `Completion` consumes them."""
-    yield from events
-    return finish_reason
-
-
-def _split_stop(text: str, stops: list[str], final: bool = False) -> tuple[str, str, bool]:
-    """Split `text` into (releasable, held back, stop string found).
-
-    Text up to a stop string is released and the rest dropped; otherwise the
-    longest tail that could begin a stop string is held back (unless `final`).
-    """
-    if not stops:
-        return text, "", False
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut], "", True
-    if final:
-        return text, "", False
-    keep = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), keep, -1):
-            if text.endswith(s[:n]):
-                keep = n
-                break
-    cut = len(text) - keep
-    return text[:cut], text[cut:], False

@@ -9,41 +9,11 @@ the vocabulary, so sampling stays cheap with a 150k vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. The defaults are llama-cpp-python's."""
-
-    temperature: float = 0.8  # 0 means greedy argmax
-    top_k: int = 40  # keep the k most likely tokens; 0 keeps all
-    top_p: float = 0.95  # keep the smallest set whose probability reaches p; 1.0 keeps all
-    min_p: float = 0.05  # drop tokens below min_p times the best token's probability
-    repeat_penalty: float = 1.0  # > 1 discourages tokens seen in the last repeat_last_n
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0  # subtracted from the logit of every token seen in the window
-    frequency_penalty: float = 0.0  # subtracted once per occurrence in the window
-    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added logit
-    seed: int | None = None  # same seed, same text
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repeat_penalty <= 0:
-            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+from workbench.engine.options import SamplingParams  # noqa: F401  (its home; kept importable here)
 
 
 class Sampler:

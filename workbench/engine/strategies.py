@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 
 from workbench.engine.branch import Branch, BranchStore
-from workbench.engine.llm import LLM, Completion, TokenEvent
+from workbench.engine.llm import LLM
 from workbench.engine.metrics import Perplexity, model_entropy
+from workbench.engine.options import GenerationOptions
+from workbench.engine.results import Completion, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,8 @@ def best_of_n(model: LLM, prompt: str | Sequence[int] | Sequence[Mapping[str, An
     batch and rank them by perplexity (lowest first: the answer the model is surest of).
 
     Options are `generate_batch`'s (`cancel=` a flag included: once it is set the batch
-    raises `Cancelled`); the default temperature is 0.8 and `seed=s` gives candidate i
-    the seed s + i.
+    raises `Cancelled`); the temperature is `GenerationOptions`'s default and `seed=s`
+    gives candidate i the seed s + i.
     """
     if n < 1:
         raise ValueError("n must be >= 1")
@@ -88,8 +90,9 @@ def stream_past_context(model: LLM, prompt: str | Sequence[int], *, max_tokens: 
     if len(ids) >= window:
         raise ValueError(f"the prompt ({len(ids)} tokens) must be shorter than the window "
                          f"({window})")
-    seed = options.pop("seed", None)
-    seq = model._decoding(ids, None, seed, max_tokens=max_tokens, **options)
+    processors = options.pop("logits_processors", ())
+    opts = GenerationOptions.of(options.pop("options", None), max_tokens=max_tokens, **options)
+    seq = model._decoding(ids, None, opts, logits_processors=processors)
     return Completion(_stream(model, ids, seq, window, sink, discard), ids, text)
 
 

@@ -32,16 +32,17 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from workbench import registry
+from workbench.engine import sources
 from workbench.engine.audio import SAMPLE_RATE, AudioError, AudioSource, open_audio
-from workbench.engine.backend import Backend, select_backend
+from workbench.engine.backend import Backend
 from workbench.engine.cancel import CancelFlag, check_cancel
+from workbench.engine.local_engine import LocalEngine
 from workbench.engine.mel import (
     HOP_LENGTH,
     LOG_MEL_FLOOR,
@@ -56,11 +57,11 @@ from workbench.engine.mel import (
     window_log10_mel_max,
 )
 from workbench.engine.models import whisper as arch
+from workbench.engine.results import Segment, Transcript
 from workbench.engine.sampling import log_softmax
 from workbench.engine.tokenizers.whisper import WhisperTokenizer
-from workbench.engine.warmup import KernelWarmup, Warming
+from workbench.engine.warmup import KernelWarmup
 from workbench.engine.whisper_file import WhisperFile
-from workbench.signals import BusyCounter, Signal
 
 DEFAULT_WHISPER = "whisper-tiny.en"
 SILENCE_RMS = 1e-4  # chunks quieter than this are not decoded
@@ -68,39 +69,6 @@ MAX_INITIAL_TIMESTAMP = 1.0  # seconds: a chunk's first segment starts within it
 _ANNOTATION = re.compile(
     r"\s*[\[(]\s*(?:blank_audio|silen(?:t|ce)|music|inaudible|no speech|"
     r"background noise|applause|laughter|noise)\s*[\])]", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A stretch of the transcript: seconds from the start of the audio, and its text."""
-
-    start: float
-    end: float
-    text: str
-    tokens: tuple[int, ...] = ()
-
-
-class Transcript(str):
-    """The transcribed text, with `.language`, `.language_probability`, `.segments`
-    (`Segment` list), `.tokens` (all decoded token ids, specials included) and
-    `.duration` (seconds of audio)."""
-
-    language: str
-    language_probability: float
-    segments: list[Segment]
-    tokens: list[int]
-    duration: float
-
-    def __new__(cls, text: str, *, language: str, language_probability: float = 1.0,
-                segments: Sequence[Segment] = (), tokens: Sequence[int] = (),
-                duration: float = 0.0) -> Transcript:
-        obj = super().__new__(cls, text)
-        obj.language = language
-        obj.language_probability = language_probability
-        obj.segments = list(segments)
-        obj.tokens = list(tokens)
-        obj.duration = duration
-        return obj
 
 
 @dataclass
@@ -114,7 +82,7 @@ def clean_text(text: str) -> str:
     return re.sub(r"\s+", " ", _ANNOTATION.sub("", text)).strip()
 
 
-class WhisperModel:
+class WhisperModel(LocalEngine):
     """A Whisper speech recognizer loaded from a whisper.cpp `.bin` file."""
 
     def __init__(self, f: WhisperFile, *, device: str = "auto", backend: Backend | None = None,
@@ -123,12 +91,7 @@ class WhisperModel:
         (MLX on any platform). `backend`: a `workbench.engine.backend.Backend` to run on
         instead of the one `device` names (the tests run the CuPy backend's code with
         NumPy standing in for CuPy). `prepare_kernels`: see `load`."""
-        name, self.backend = select_backend(device, backend)  # no backend: the cpu
-        self.device: Signal[str] = Signal(name, name="device")
-        self.busy: Signal[bool] = Signal(False, name="busy")  # True while any call runs
-        self._busy = BusyCounter(self.busy)
-        # kernels being compiled: progress, or None (see workbench.engine.warmup)
-        self.warming: Signal[Warming | None] = Signal(None, name="warming")
+        self._start_signals(device, backend)
         self.path: Path = f.path
         net = arch.Whisper(f)
         tasks = net.kernel_tasks() if prepare_kernels and self.backend is None else []
@@ -150,7 +113,7 @@ class WhisperModel:
         right away, with progress in `warming` (`warmup.wait()` blocks until they are
         ready); False compiles each on first use.
         """
-        return cls(WhisperFile(registry.resolve(source)), device=device,
+        return cls(WhisperFile(sources.resolve(source)), device=device,
                    prepare_kernels=prepare_kernels)
 
     @property
@@ -161,12 +124,6 @@ class WhisperModel:
     def close(self) -> None:
         """Drop the weights."""
         self.net = None
-
-    def __enter__(self) -> WhisperModel:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         kind = "multilingual" if self.multilingual else "English-only"

@@ -24,7 +24,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
-from workbench import __version__
 from workbench.engine.cancel import check_cancel
 from workbench.serve import limits
 from workbench.serve.gatekeeper import Gatekeeper
@@ -36,6 +35,7 @@ from workbench.serve.schemas import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from workbench.version import __version__
 
 # texts per forward pass of an embedding request: the cancel flag is looked at between
 # passes, and 8 texts of 256 tokens take a fraction of a second on a CPU
@@ -115,8 +115,18 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
         engine = state.engine(body.model, "embed_batch|embed", "embeddings")
         return await _embed(state, engine, body, request)
 
-    @app.post("/v1/audio/transcriptions")
-    async def transcriptions(
+    for path, task, what in (("/v1/audio/transcriptions", "transcribe", "audio transcriptions"),
+                             ("/v1/audio/translations", "translate", "audio translations")):
+        app.post(path)(_audio_route(state, task, what))
+
+    return app
+
+
+def _audio_route(state: ServerState, task: str, what: str):
+    """The endpoint of one audio route: OpenAI's multipart form, answered by `_transcribe`
+    (a translation has no source `language` to set: it is ignored there)."""
+
+    async def endpoint(
         request: Request,
         file: Annotated[UploadFile, File(description="the audio file")],
         model: Annotated[str, Form()],
@@ -125,24 +135,13 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
         response_format: Annotated[str, Form()] = "json",
         temperature: Annotated[float, Form()] = 0.0,
     ) -> Response:
-        engine = state.engine(model, "transcribe", "audio transcriptions")
-        return await _transcribe(state, engine, request, file, "transcribe", language, prompt,
+        engine = state.engine(model, "transcribe", what)
+        return await _transcribe(state, engine, request, file, task,
+                                 language if task == "transcribe" else None, prompt,
                                  response_format, temperature)
 
-    @app.post("/v1/audio/translations")
-    async def translations(
-        request: Request,
-        file: Annotated[UploadFile, File(description="the audio file")],
-        model: Annotated[str, Form()],
-        prompt: Annotated[str | None, Form()] = None,
-        response_format: Annotated[str, Form()] = "json",
-        temperature: Annotated[float, Form()] = 0.0,
-    ) -> Response:
-        engine = state.engine(model, "transcribe", "audio translations")
-        return await _transcribe(state, engine, request, file, "translate", None, prompt,
-                                 response_format, temperature)
-
-    return app
+    endpoint.__name__ = {"transcribe": "transcriptions", "translate": "translations"}[task]
+    return endpoint
 
 
 # -- plumbing ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from workbench.engine.cancel import check_cancel
-from workbench.engine.llm import TokenEvent
+from workbench.engine.results import TokenEvent
 from workbench.serve.jobs import JOB_DONE, ClientGone, Job, ServerState, engine_accepts, start_job
 from workbench.serve.schemas import (
     MAX_CHOICES,
@@ -151,7 +151,7 @@ async def answer_chat(state: ServerState, engine: Any, body: ChatCompletionReque
                 raise APIError(400, "response_format json_schema needs a json_schema",
                                param="response_format.json_schema")
             options["schema"] = fmt.json_schema.schema_
-            from workbench.engine.llm import with_schema_instruction
+            from workbench.engine.structured import with_schema_instruction
 
             messages = with_schema_instruction(messages, fmt.json_schema.schema_)
     start = _choices(engine, "chat", "chat_batch", [messages], body.n, options)

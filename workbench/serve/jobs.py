@@ -29,11 +29,11 @@ from typing import Any
 from fastapi import Request
 
 from workbench.engine.cancel import Cancelled
+from workbench.engine.options import DEFAULTS
 from workbench.serve import limits
 from workbench.serve.schemas import APIError
 from workbench.signals import Signal
 
-ENGINE_MAX_TOKENS = 512  # what `LLM.generate` writes when a request leaves max_tokens out
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 JOB_DONE = object()  # the job's thread finished
 _GONE = object()  # the client disconnected
@@ -173,12 +173,12 @@ class ServerState:
 
     def limit_tokens(self, max_tokens: int | None) -> int | None:
         """`max_tokens` under the server's `max_tokens_limit`; None (the engine's default,
-        512 tokens for an `LLM`) stays None unless the limit is lower."""
+        `GenerationOptions.max_tokens`) stays None unless the limit is lower."""
         limit = self.max_tokens_limit
         if limit is None:
             return max_tokens
         if max_tokens is None:
-            return limit if limit < ENGINE_MAX_TOKENS else None
+            return limit if limit < DEFAULTS.max_tokens else None
         return min(max_tokens, limit)
 
 

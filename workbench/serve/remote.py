@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from workbench.engine.llm import Alternative, Completion, TokenEvent, Usage
-from workbench.engine.whisper import Segment, Transcript
+from workbench.engine.lifecycle import Closeable
+from workbench.engine.results import Alternative, Completion, Segment, TokenEvent, Transcript, Usage
 from workbench.signals import BusyCounter, Signal
 
 # our names -> the request fields beyond OpenAI's that llama.cpp's and our server read
@@ -44,7 +44,7 @@ class RemoteCompletion(Completion):
         return Usage(0, sum(1 for ev in self._events if ev.piece))
 
 
-class RemoteEngine:
+class RemoteEngine(Closeable):
     """A model on an OpenAI-compatible server, with the local engines' methods.
 
     base_url: the API root, e.g. "http://127.0.0.1:11434/v1" (a `Server`'s `.base_url`).
@@ -69,12 +69,6 @@ class RemoteEngine:
 
     def close(self) -> None:
         self.client.close()
-
-    def __enter__(self) -> RemoteEngine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def models(self) -> list[str]:
         """The model ids the server offers."""
@@ -191,8 +185,13 @@ class RemoteEngine:
 
 
 def _request_options(options: dict, *, chat: bool = True) -> dict:
-    """The request fields for `LLM.chat`-style options; unknown options are a TypeError."""
+    """The request fields for `LLM.chat`-style options (`options=` a `GenerationOptions`,
+    whose fields off their defaults count as passed, and keywords, which win); unknown
+    options are a TypeError."""
     options = dict(options)
+    given = options.pop("options", None)
+    if given is not None:
+        options = {**given.changed(), **options}
     body: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for name in _OPENAI_OPTIONS:

@@ -10,11 +10,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from workbench.engine.lifecycle import Closeable
+
 DEFAULT_PORT = 11434
 _running: dict[tuple[str, int], Server] = {}  # background servers of this process, by address
 
 
-class Server:
+class Server(Closeable):
     """A server started by `serve`: `.url` (its root), `.base_url` (`.url` + "/v1", what
     OpenAI clients take), `.stop()`; a context manager that stops it on exit.
 
@@ -95,10 +97,8 @@ class Server:
         except BaseException as exc:  # noqa: BLE001 - reported by start()
             self._error = exc
 
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
+        """`stop()`, for `with serve(...) as server:`."""
         self.stop()
 
     def __repr__(self) -> str:

@@ -1,12 +1,16 @@
 """The OpenAI request bodies the server accepts, as pydantic models, and its error body.
 
 Fields a request leaves out are not passed to the engine, so an omitted
-`temperature` means the engine's own default (llama-cpp-python's: 0.8), not
-OpenAI's 1.0; a request that sets a field gets exactly that value. Fields we
+`temperature` means the engine's own default (`GenerationOptions`'), not
+OpenAI's 1.0; a request that sets a field gets exactly that value. The one
+default of our own is OpenAI's `max_tokens=16` for /v1/completions
+(`CompletionRequest`); chat completions leave it to the engine. Fields we
 do not know are ignored (clients such as LangChain send `user`, `metadata` ...);
 fields we know but cannot honour (`tools`, `suffix`) are refused with a 400.
 Beyond OpenAI's fields we accept llama.cpp server's `top_k`, `min_p`,
-`repeat_penalty` and `grammar` (GBNF).
+`repeat_penalty` and `grammar` (GBNF). A field named as a `GenerationOptions`
+field goes to the engine as it is; the fields declared here carry the HTTP API's
+bounds (OpenAI's where it has them).
 """
 
 from __future__ import annotations
@@ -15,7 +19,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workbench.engine.options import OPTION_NAMES
+
 MAX_CHOICES = 16  # n (times the number of prompts for /v1/completions) per request
+# options passed on as the request wrote them (max_tokens goes through the server's
+# limit, stop and logit_bias are converted, logprobs differs per route)
+_AS_WRITTEN = tuple(n for n in OPTION_NAMES
+                    if n not in ("max_tokens", "stop", "stop_tokens", "logit_bias", "logprobs"))
 
 
 class APIError(Exception):
@@ -107,8 +117,7 @@ class _Sampling(_Request):
 
     def sampling(self) -> dict[str, Any]:
         """Engine options for the fields this request set."""
-        options = self.options("temperature", "top_p", "seed", "presence_penalty",
-                               "frequency_penalty", "top_k", "min_p", "repeat_penalty")
+        options = self.options(*(n for n in _AS_WRITTEN if n in type(self).model_fields))
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if any(stops):  # "" would stop before the first character: dropped, as llama.cpp does
             options["stop"] = [s for s in stops if s]

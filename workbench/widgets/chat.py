@@ -27,6 +27,7 @@ import anywidget
 import traitlets
 from markdown_it import MarkdownIt
 
+from workbench.engine.options import DEFAULTS
 from workbench.widgets.worker import StoppableWorker
 
 if TYPE_CHECKING:
@@ -59,9 +60,10 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
     _css = STATIC / "widgets.css"
 
     system = traitlets.Unicode("").tag(sync=True)
-    temperature = traitlets.Float(0.7).tag(sync=True)
-    top_p = traitlets.Float(0.95).tag(sync=True)
-    max_tokens = traitlets.Int(256).tag(sync=True)
+    # sampling controls: their defaults are the engine's (`GenerationOptions`)
+    temperature = traitlets.Float(DEFAULTS.temperature).tag(sync=True)
+    top_p = traitlets.Float(DEFAULTS.top_p).tag(sync=True)
+    max_tokens = traitlets.Int(DEFAULTS.max_tokens).tag(sync=True)
     log = traitlets.List(traitlets.Dict()).tag(sync=True)
     generating = traitlets.Bool(False).tag(sync=True)
     busy = traitlets.Bool(False).tag(sync=True)
@@ -71,9 +73,10 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
 
 
     def __init__(self, model: LLM, system: str = "You are helpful and concise.",
-                 temperature: float = 0.7, top_p: float = 0.95, max_tokens: int = 256,
-                 **options: Any):
-        """`options` are passed on to `model.chat` (e.g. `seed`, `top_k`, `stop`)."""
+                 temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+                 max_tokens: int = DEFAULTS.max_tokens, **options: Any):
+        """`options` are passed on to `model.chat` (e.g. `seed`, `top_k`, `stop`, or
+        `options=` a `GenerationOptions`; the cell's controls override its fields)."""
         super().__init__(system=system, temperature=temperature, top_p=top_p,
                          max_tokens=max_tokens)
         self.model = model

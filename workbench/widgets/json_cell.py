@@ -26,6 +26,7 @@ import numpy as np
 import traitlets
 
 from workbench.engine.grammar import Grammar
+from workbench.engine.options import DEFAULTS
 from workbench.widgets.chat import STATIC, UPDATE_INTERVAL
 from workbench.widgets.worker import StoppableWorker
 
@@ -69,8 +70,8 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
     gbnf_text = traitlets.Unicode("").tag(sync=True)
     examples = traitlets.Dict().tag(sync=True)
     prompt = traitlets.Unicode("").tag(sync=True)
-    temperature = traitlets.Float(0.7).tag(sync=True)
-    max_tokens = traitlets.Int(512).tag(sync=True)
+    temperature = traitlets.Float(DEFAULTS.temperature).tag(sync=True)  # the engine's
+    max_tokens = traitlets.Int(DEFAULTS.max_tokens).tag(sync=True)
     text = traitlets.Unicode("").tag(sync=True)
     value_json = traitlets.Unicode("").tag(sync=True)
     validity = traitlets.Unicode("").tag(sync=True)
@@ -86,7 +87,8 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
 
     def __init__(self, model: LLM, schema: dict | str | type | None = None, *,
                  prompt: str = "Describe a person who likes the sea.", gbnf: str | None = None,
-                 temperature: float = 0.7, max_tokens: int = 512, **options: Any):
+                 temperature: float = DEFAULTS.temperature,
+                 max_tokens: int = DEFAULTS.max_tokens, **options: Any):
         """`schema`: a JSON Schema (dict or text) or a pydantic model class; `gbnf`:
         start in GBNF mode with this grammar. `options` go to `model.chat`."""
         pydantic_model = schema if isinstance(schema, type) else None

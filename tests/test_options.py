@@ -1,0 +1,114 @@
+"""`GenerationOptions`: one home for the generation defaults, read by the engine's
+signatures, the CLI, the server schema, the remote client and the widgets. No model
+file needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+from workbench import registry
+from workbench.engine.options import DEFAULTS, GenerationOptions, SamplingParams
+from workbench.engine.sampling import SamplingParams as SamplingParamsFromSampling
+
+
+def test_sampling_params_keep_their_home_and_old_import_path():
+    assert SamplingParamsFromSampling is SamplingParams
+    sampling = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert sampling <= {f.name for f in dataclasses.fields(GenerationOptions)}
+
+
+def test_of_applies_overrides_and_checks_them():
+    base = GenerationOptions(temperature=0, max_tokens=5)
+    assert GenerationOptions.of() is DEFAULTS
+    assert GenerationOptions.of(base) is base
+    assert GenerationOptions.of(base, max_tokens=7) == dataclasses.replace(base, max_tokens=7)
+    with pytest.raises(TypeError):
+        GenerationOptions.of(temprature=0)  # a typo is refused, as a keyword was before
+    with pytest.raises(ValueError, match="max_tokens"):
+        GenerationOptions.of(max_tokens=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        GenerationOptions(top_p=0)
+    with pytest.raises(TypeError, match="GenerationOptions"):
+        GenerationOptions.of({"temperature": 0})
+
+
+def test_sampling_part_stops_and_changed_fields():
+    opts = GenerationOptions(temperature=0, seed=3, logit_bias=None, stop=["", "\n"])
+    params = opts.sampling()
+    assert type(params) is SamplingParams and params.logit_bias == {} and params.seed == 3
+    assert opts.sampling(seed=9).seed == 9
+    assert opts.stop_strings() == ["\n"]
+    assert GenerationOptions(stop="END").stop_strings() == ["END"]
+    assert GenerationOptions(temperature=0, max_tokens=5).changed() == {"temperature": 0,
+                                                                          "max_tokens": 5}
+
+
+def test_the_generation_methods_show_every_option_with_its_default():
+    from workbench.engine.llm import LLM
+
+    for method in (LLM.generate, LLM.chat, LLM.generate_batch, LLM.chat_batch, LLM.chat_json):
+        params = inspect.signature(method).parameters
+        for f in dataclasses.fields(GenerationOptions):
+            assert params[f.name].default == getattr(DEFAULTS, f.name), (method, f.name)
+        assert params["options"].default is None and params["options"].kind is params[
+            "options"].KEYWORD_ONLY
+    assert "overrides" not in inspect.signature(LLM.generate).parameters
+    assert "generate_args" in inspect.signature(LLM.chat).parameters  # grammar=, prefix= ...
+
+
+def test_cli_flags_default_to_the_options():
+    from workbench import cli
+
+    args = cli._parser().parse_args(["generate", "hi"])
+    assert cli._options(args) == DEFAULTS
+    args = cli._parser().parse_args(["chat", "-t", "0", "-n", "5", "--stop", "x"])
+    assert cli._options(args) == GenerationOptions(temperature=0, max_tokens=5, stop=["x"])
+
+
+def test_server_schema_passes_the_option_fields_it_knows():
+    from workbench.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                 temperature=0, top_k=3, min_p=0.1, seed=1, stop="x")
+    assert body.sampling() == {"temperature": 0, "top_k": 3, "min_p": 0.1, "seed": 1,
+                               "stop": ["x"]}
+    assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]
+                                 ).sampling() == {}
+    assert CompletionRequest(model="m", prompt="hi").max_tokens == 16  # OpenAI's default
+
+
+def test_remote_requests_take_options_objects():
+    from workbench.serve.remote import _request_options
+
+    body = _request_options({"options": GenerationOptions(temperature=0, top_k=5),
+                             "max_tokens": 9})
+    assert body == {"temperature": 0, "max_tokens": 9, "extra_body": {"top_k": 5}}
+
+
+def test_widget_controls_default_to_the_engine():
+    from workbench.widgets.chat import ChatCell
+    from workbench.widgets.json_cell import JSONCell
+
+    for cell in (ChatCell, JSONCell):
+        assert cell.temperature.default_value == DEFAULTS.temperature
+        assert cell.max_tokens.default_value == DEFAULTS.max_tokens
+    assert ChatCell.top_p.default_value == DEFAULTS.top_p
+
+
+def test_the_remote_client_imports_no_engine():
+    code = ("import sys, workbench.serve.remote; print([m for m in sys.modules if m.startswith("
+            "('numba', 'llvmlite', 'workbench.kernels', 'workbench.engine.llm'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_registry_needs_a_converter_for_converted_aliases(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    with pytest.raises(registry.PullError, match="engine.sources"):
+        registry.pull("minilm-l6")

@@ -1,0 +1,132 @@
+"""Generation options: how tokens are picked (`SamplingParams`) and when a generation
+stops (`GenerationOptions`), each default written once, here.
+
+    >>> from workbench.engine.options import GenerationOptions
+    >>> greedy = GenerationOptions(temperature=0, max_tokens=64)
+    >>> m.generate("Once upon a time", options=greedy, stop="\\n")   # overrides win
+
+`LLM.generate`, `chat`, `generate_batch` and `chat_batch` take `options=` and any
+field as a keyword; the CLI's flags, the server's request schema and the notebook
+cells read their defaults and names from these classes. This module imports nothing
+heavy (no NumPy, no Numba), so HTTP clients and the CLI can read it cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. The defaults are llama-cpp-python's."""
+
+    temperature: float = 0.8  # 0 means greedy argmax
+    top_k: int = 40  # keep the k most likely tokens; 0 keeps all
+    top_p: float = 0.95  # keep the smallest set whose probability reaches p; 1.0 keeps all
+    min_p: float = 0.05  # drop tokens below min_p times the best token's probability
+    repeat_penalty: float = 1.0  # > 1 discourages tokens seen in the last repeat_last_n
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0  # subtracted from the logit of every token seen in the window
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the window
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added logit
+    seed: int | None = None  # same seed, same text
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class GenerationOptions(SamplingParams):
+    """Sampling plus the limits and stops of one generation.
+
+    `max_tokens`: the most tokens to generate. `stop`: strings that end the output
+    (not included in it). `stop_tokens`: token ids that end it besides the model's
+    end-of-turn tokens. `logprobs=k`: record each token's log-probability, its k best
+    alternatives and the entropy in the events. `seed`: for `generate_batch`, also a
+    list of one seed per prompt.
+    """
+
+    max_tokens: int = 512
+    stop: str | Sequence[str] | None = None
+    stop_tokens: Sequence[int] = ()
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+
+    @classmethod
+    def of(cls, options: GenerationOptions | None = None, **overrides: Any
+           ) -> GenerationOptions:
+        """`options` (default: the defaults) with `overrides` (field names) applied; an
+        unknown name is a TypeError, a value out of range a ValueError."""
+        base = DEFAULTS if options is None else options
+        if not isinstance(base, GenerationOptions):
+            raise TypeError(f"options must be a GenerationOptions, not {type(base).__name__}")
+        return dataclasses.replace(base, **overrides) if overrides else base
+
+    def sampling(self, seed: int | None = None) -> SamplingParams:
+        """The sampling part alone (`seed` given: that seed instead of `self.seed`)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)}
+        values["logit_bias"] = dict(self.logit_bias or {})
+        values["seed"] = self.seed if seed is None else seed
+        return SamplingParams(**values)
+
+    def changed(self) -> dict[str, Any]:
+        """The fields whose values differ from the defaults, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(DEFAULTS, f.name)}
+
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list, without empty strings (which would stop before any text)."""
+        stop = self.stop
+        return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
+
+
+DEFAULTS = GenerationOptions()
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GenerationOptions))
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def publishes_options(fn: F) -> F:
+    """Show every `GenerationOptions` field, with its default, in `fn`'s signature.
+
+    The generation methods take `options=None, **overrides` so that each default is
+    written only in the dataclass, yet `help()`, notebook tooltips and tab completion
+    should still list `temperature=0.8` and its siblings: this sets `__signature__`
+    to the written parameters plus `options` and one keyword-only parameter per field
+    (the values are read from `DEFAULTS`, not written again). A catch-all
+    named `overrides` is replaced by the fields; another (such as `chat`'s
+    `**generate_args`, passed on to `generate`) stays last.
+    """
+    sig = inspect.signature(fn)
+    written = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    rest = [p for p in sig.parameters.values()
+            if p.kind is p.VAR_KEYWORD and p.name != "overrides"]
+    fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                default=getattr(DEFAULTS, f.name), annotation=f.type)
+              for f in dataclasses.fields(GenerationOptions)
+              if f.name not in sig.parameters]
+    if "options" not in sig.parameters:  # passed on in the catch-all
+        fields.insert(0, inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY,
+                                           default=None, annotation="GenerationOptions | None"))
+    fn.__signature__ = sig.replace(parameters=written + fields + rest)  # type: ignore[attr-defined]
+    return fn

@@ -1,0 +1,99 @@
+"""`Prompting`: a decoder model's text side, from text and conversations to checked
+prompt token ids (the tokenizer, the chat template, the context's limits)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from workbench.engine.chat_template import render as render_chat
+from workbench.engine.tokenizers import Tokenizer
+
+
+class Prompting:
+    """Tokens and prompts for `LLM` (which sets `tokenizer`, `chat_template`,
+    `kv_cache_size` and `config`)."""
+
+    tokenizer: Tokenizer
+    chat_template: str
+    kv_cache_size: int
+    config: Any
+
+    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True
+                 ) -> list[int]:
+        """Token ids of `text`. BOS only when the model adds one (or `add_bos=True`);
+        special tokens such as `<|im_start|>` are parsed unless `special=False`."""
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(list(ids), skip_special=skip_special)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True, chat_template: str | None = None,
+                            **variables) -> str:
+        """The prompt text the model's own chat template (or `chat_template`, Jinja text)
+        makes of `messages`."""
+        tok = self.tokenizer
+        return render_chat(
+            chat_template or self.chat_template, list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
+            eos_token=tok.decode([tok.eos_id]) if tok.eos_id is not None else "",
+            **variables,
+        )
+
+    def is_stop_token(self, token: int) -> bool:
+        """True for the model's end-of-generation tokens (end of turn, EOS)."""
+        return int(token) in self.tokenizer.eot_ids
+
+    def _prompt_ids(self, prompt: str | Sequence[int], add_bos: bool | None,
+                    include_prompt: bool) -> tuple[list[int], str]:
+        """A prompt's checked token ids, and its text when `include_prompt` (else "")."""
+        if isinstance(prompt, str):
+            self._refuse_overlong(prompt, self.kv_cache_size, "prompt")
+            ids = self.tokenize(prompt, add_bos=add_bos)
+            text = prompt
+        else:
+            ids = [int(i) for i in prompt]
+            text = self.detokenize(ids) if include_prompt else ""
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens); pass text or token ids")
+        if max(ids) >= self.config.n_vocab or min(ids) < 0:
+            raise ValueError(f"prompt token ids must lie in [0, {self.config.n_vocab})")
+        if len(ids) >= self.kv_cache_size:
+            raise ValueError(f"the prompt has {len(ids)} tokens and the context holds "
+                             f"{self.kv_cache_size}; load with a larger kv_cache_size")
+        return ids, text if include_prompt else ""
+
+    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: list | None, *,
+                  add_generation_prompt: bool = True, chat_template: str | None = None
+                  ) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (BOS as the model wants)."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        variables = {"tools": tools} if tools else {}
+        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template, **variables)
+        self._refuse_overlong(prompt, self.kv_cache_size, "conversation")
+        ids = self.tokenize(prompt, add_bos=False)
+        tok = self.tokenizer
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids.insert(0, tok.bos_id)
+        return ids
+
+    @functools.cached_property
+    def _longest_token(self) -> int:
+        """The most characters one token of the vocabulary stands for."""
+        return max(map(len, self.tokenizer.tokens), default=1)
+
+    def _refuse_overlong(self, text: str, limit: int, what: str) -> None:
+        """Refuse `text` that cannot tokenize to fewer than `limit` tokens, before
+        tokenizing it: no token covers more characters than the vocabulary's longest
+        token, so a text longer than `limit` times that needs at least `limit` tokens
+        (this bounds the tokenizer's work to a few hundred kB per prompt)."""
+        if len(text) > limit * self._longest_token:
+            raise ValueError(f"the {what} has {len(text)} characters, far more than the "
+                             f"{self.kv_cache_size} tokens the context holds; shorten it or "
+                             "load with a larger kv_cache_size")
