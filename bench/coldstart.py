@@ -84,12 +84,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child)))
         return
-    from workbench import registry
+    from workbench.engine import sources
 
     if not JFK.is_file():
         raise SystemExit(f"missing {JFK}: the benchmark expects ../shared beside the repository")
     for alias in args.models:
-        registry.pull(alias)
+        sources.pull(alias)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "?") if os.path.exists("/proc/cpuinfo") else "?"
     print(f"{os.cpu_count()} CPUs ({cpu}); seconds from process start")

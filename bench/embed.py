@@ -41,12 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     from sentence_transformers import SentenceTransformer
 
     from workbench import Encoder, registry
+    from workbench.engine import sources
     from workbench.engine.convert import hf_bert_to_gguf
 
     torch.set_num_threads(args.threads)
     folder = registry.source_folder(args.model)
     if args.dtype == "f32":
-        path = registry.pull(args.model)
+        path = sources.pull(args.model)
     else:
         path = registry.cache_dir() / f"{args.model}.{args.dtype}.gguf"
         if not path.is_file():

@@ -37,7 +37,8 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from workbench import LLM, Grammar, registry
+from workbench import LLM, Grammar
+from workbench.engine import sources
 from workbench.engine.grammar import SchemaError
 
 GRAMMARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "grammar"
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--closing-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    path = str(registry.resolve(args.model))
+    path = str(sources.resolve(args.model))
     model = LLM.load(path)
     mask_times(model)
     decode_speed(model, args.rounds, args.tokens)

@@ -46,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     from pywhispercpp.model import Model as WhisperCpp
 
     from workbench import WhisperModel, registry
+    from workbench.engine import sources
     from workbench.engine.audio import load_audio
 
-    bin_path = registry.pull(args.model)
+    bin_path = sources.pull(args.model)
     folder = registry.source_folder(args.model)
     jfk = load_audio(SHARED / "data" / "whisper" / "jfk.wav")
     clips = {"jfk 11s": jfk, "mixed 60s": _sixty_seconds(jfk)}

@@ -31,7 +31,7 @@ def _gguf_template(alias: str) -> str:
     if alias not in _TEMPLATES:
         import gguf
 
-        from workbench.registry import pull
+        from workbench.engine.sources import pull
 
         field = gguf.GGUFReader(pull(alias)).fields["tokenizer.chat_template"]
         _TEMPLATES[alias] = field.contents()

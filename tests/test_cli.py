@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from workbench import registry
 from workbench.cli import main
+from workbench.engine import sources
 
 
 @pytest.mark.parametrize("command", [[], ["pull"], ["list"], ["chat"], ["generate"], ["serve"]])
@@ -68,7 +68,7 @@ def test_peak_memory_while_generating(alias):
     first after an install."""
     from workbench import LLM
 
-    path = registry.pull(alias)
+    path = sources.pull(alias)
     with LLM.load(path, kv_cache_size=600) as warm:  # compile and cache the kernels first:
         warm.generate("word " * 520, max_tokens=2, temperature=0).wait()  # not in the child
     out = subprocess.run([sys.executable, "-m", "workbench.bench", "--rss-child", "workbench",

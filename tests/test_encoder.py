@@ -250,11 +250,12 @@ def test_similarity_ranks_paraphrases_first(minilm):
 
 @pytest.mark.slow
 def test_decoder_gguf_is_refused_by_name():
-    from workbench import Encoder, registry
+    from workbench import Encoder
+    from workbench.engine import sources
     from workbench.engine.gguf import UnsupportedArchitectureError
 
     with pytest.raises(UnsupportedArchitectureError, match="'llama'.*load it with workbench.LLM"):
-        Encoder.load(registry.resolve("smollm2-135m"))
+        Encoder.load(sources.resolve("smollm2-135m"))
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from workbench import LLM
 from workbench.engine.gguf import GGUFError, UnsupportedArchitectureError, open_gguf
-from workbench.registry import ModelNotFoundError, pull
+from workbench.engine.sources import pull
+from workbench.registry import ModelNotFoundError
 
 
 @pytest.fixture(scope="module")

@@ -279,10 +279,10 @@ def test_load_check_passes_the_family_templates():
 @pytest.mark.slow
 @pytest.mark.parametrize("alias", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_load_check_passes_the_real_models_templates(alias):
-    from workbench import registry
+    from workbench.engine import sources
     from workbench.engine.gguf import open_gguf
 
-    template = open_gguf(registry.resolve(alias)).get("tokenizer.chat_template")
+    template = open_gguf(sources.resolve(alias)).get("tokenizer.chat_template")
     assert template
     check_template_limits(template)
 

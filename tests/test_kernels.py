@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from tests.support.quant_blocks import F16_FIELDS, assert_bits_equal, random_blocks
-from workbench import registry
+from workbench.engine import sources
 from workbench.kernels import cpu, loops
 from workbench.kernels.linear import QuantizedWeight
 from workbench.kernels.quants import SUPPORTED_TYPES, UnsupportedQuantError, dequantize
@@ -267,7 +267,7 @@ def test_real_tensors(alias, qtype):
     """Kernels on real weights (mmap views): SmolLM2 Q4_1/Q8_0, Qwen2.5 Q5_0/Q8_0/Q4_K/Q6_K."""
     from workbench.engine.gguf import open_gguf
 
-    tensors = open_gguf(registry.pull(alias)).tensors.values()
+    tensors = open_gguf(sources.pull(alias)).tensors.values()
     tensor = min((t for t in tensors if t.qtype.name == qtype and len(t.shape) == 2),
                  key=lambda t: t.shape[0])  # the smallest matrix of that type
     n, k = tensor.shape

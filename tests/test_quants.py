@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from tests.support.quant_blocks import F16_FIELDS, assert_bits_equal, random_blocks
-from workbench import registry
+from workbench.engine import sources
 from workbench.kernels.quants import (
     SUPPORTED_TYPES,
     UnsupportedQuantError,
@@ -115,7 +115,7 @@ def test_real_tensors(alias):
     """First rows of one tensor of every type in the real model files."""
     from workbench.engine.gguf import open_gguf
 
-    file = registry.pull(alias)
+    file = sources.pull(alias)
 
     seen = set()
     for t in open_gguf(file).tensors.values():

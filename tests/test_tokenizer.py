@@ -241,7 +241,7 @@ MODELS = {
 @functools.cache
 def metadata(alias: str) -> dict:
     from workbench.engine.gguf import open_gguf
-    from workbench.registry import pull
+    from workbench.engine.sources import pull
 
     return open_gguf(pull(alias)).metadata
 

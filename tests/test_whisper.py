@@ -205,7 +205,8 @@ def test_log_mel_matches_transformers_feature_extractor():
 @pytest.fixture(scope="module")
 def whisper():
     """`whisper(alias, device)`: the model, loaded once per alias and device in this module."""
-    from workbench import WhisperModel, registry
+    from workbench import WhisperModel
+    from workbench.engine import sources
     from workbench.engine.whisper_file import WhisperFile
 
     models = {}
@@ -213,7 +214,7 @@ def whisper():
     def get(alias: str, device: str = "cpu") -> WhisperModel:
         if (alias, device) not in models:
             if device == "cuda-on-numpy":
-                models[alias, device] = WhisperModel(WhisperFile(registry.resolve(alias)),
+                models[alias, device] = WhisperModel(WhisperFile(sources.resolve(alias)),
                                                      backend=_backend(device))
             else:
                 require_device(device)

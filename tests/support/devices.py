@@ -37,21 +37,23 @@ def cuda_on_numpy(graphs: bool = True):
 
 def open_llm(source, device: str, **options):
     """`LLM.load(source, device=...)`, with "cuda-on-numpy" for the stand-in backend."""
-    from workbench import LLM, registry
+    from workbench import LLM
+    from workbench.engine import sources
     from workbench.engine.gguf import open_gguf
 
     require_device(device)
     if device == "cuda-on-numpy":
-        return LLM(open_gguf(registry.resolve(source)), backend=cuda_on_numpy(), **options)
+        return LLM(open_gguf(sources.resolve(source)), backend=cuda_on_numpy(), **options)
     return LLM.load(source, device=device, **options)
 
 
 def open_encoder(source, device: str, **options):
     """`Encoder.load(source, device=...)`, with "cuda-on-numpy" for the stand-in backend."""
-    from workbench import Encoder, registry
+    from workbench import Encoder
+    from workbench.engine import sources
     from workbench.engine.gguf import open_gguf
 
     require_device(device)
     if device == "cuda-on-numpy":
-        return Encoder(open_gguf(registry.resolve(source)), backend=cuda_on_numpy(), **options)
+        return Encoder(open_gguf(sources.resolve(source)), backend=cuda_on_numpy(), **options)
     return Encoder.load(source, device=device, **options)
