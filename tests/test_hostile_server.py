@@ -275,7 +275,7 @@ def test_a_request_past_its_deadline_is_stopped(engines, no_eos):
 # -- the API key and what it guards -----------------------------------------------------------
 def test_a_key_no_client_can_send_is_refused(smollm2):
     import workbench
-    from workbench.serve import create_app
+    from workbench.server import create_app
 
     for key in ("clé", "", " padded ", "tab\there"):
         with pytest.raises(ValueError, match="printable ASCII"):

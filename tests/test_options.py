@@ -71,7 +71,7 @@ def test_cli_flags_default_to_the_options():
 
 
 def test_server_schema_passes_the_option_fields_it_knows():
-    from workbench.serve.schemas import ChatCompletionRequest, CompletionRequest
+    from workbench.server.schemas import ChatCompletionRequest, CompletionRequest
 
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                  temperature=0, top_k=3, min_p=0.1, seed=1, stop="x")
@@ -83,7 +83,7 @@ def test_server_schema_passes_the_option_fields_it_knows():
 
 
 def test_remote_requests_take_options_objects():
-    from workbench.serve.remote import _request_options
+    from workbench.server.remote import _request_options
 
     body = _request_options({"options": GenerationOptions(temperature=0, top_k=5),
                              "max_tokens": 9})
@@ -101,7 +101,7 @@ def test_widget_controls_default_to_the_engine():
 
 
 def test_the_remote_client_imports_no_engine():
-    code = ("import sys, workbench.serve.remote; print([m for m in sys.modules if m.startswith("
+    code = ("import sys, workbench.server.remote; print([m for m in sys.modules if m.startswith("
             "('numba', 'llvmlite', 'workbench.kernels', 'workbench.engine.llm'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -21,7 +21,7 @@ __all__ = ["LLM", "Completion", "TokenEvent", "GenerationOptions", "Encoder", "W
            "Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "Closing",
            "ClosedEarlyWarning", "GrammarBudgetError", "validate_chat_template",
            "ChatTemplateError", "PrefixCacheError", "GGUFError", "AudioError", "Cancelled",
-           "__version__"]
+           "pull", "__version__"]
 # name: the module that defines it, imported on first use: the engine imports NumPy and
 # Numba, and `import workbench` (and the CLI's `pull`/`list`) should stay light
 _LAZY = {
@@ -34,17 +34,17 @@ _LAZY = {
     "Branch": "engine.branch", "BranchStore": "engine.branch",
     "Closing": "engine.closing", "ClosedEarlyWarning": "engine.closing",
     "GrammarBudgetError": "engine.closing",
-    "PrefixCache": "engine.kv_cache", "PrefixCacheError": "engine.kv_cache",
+    "PrefixCache": "engine.prefix_cache", "PrefixCacheError": "engine.prefix_cache",
     "validate_chat_template": "engine.chat_template", "ChatTemplateError": "engine.chat_template",
     "Grammar": "engine.grammar", "parse_gbnf": "engine.grammar",
     "compile_schema": "engine.grammar", "UnsupportedSchemaError": "engine.grammar",
     "GGUFError": "engine.gguf", "AudioError": "engine.audio", "Cancelled": "engine.cancel",
-    "RemoteEngine": "serve.remote",
+    "RemoteEngine": "server.remote",
+    "pull": "engine.sources",
 }
 
-# `workbench.serve` is the function (the package `workbench/serve/` holds it): binding it
-# here, after the package is imported, keeps later submodule imports from rebinding it
-from workbench.serve.runner import serve  # noqa: E402  (light: no server packages yet)
+# the server's packages (FastAPI, uvicorn) load when `serve` is called, not here
+from workbench.server.runner import serve  # noqa: E402
 
 if TYPE_CHECKING:
     from workbench.engine.audio import AudioError
@@ -55,12 +55,13 @@ if TYPE_CHECKING:
     from workbench.engine.encoder import Encoder
     from workbench.engine.gguf import GGUFError
     from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
-    from workbench.engine.kv_cache import PrefixCache, PrefixCacheError
     from workbench.engine.llm import LLM
     from workbench.engine.options import GenerationOptions
+    from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError
     from workbench.engine.results import Completion, TokenEvent, Transcript
+    from workbench.engine.sources import pull
     from workbench.engine.whisper import WhisperModel
-    from workbench.serve.remote import RemoteEngine
+    from workbench.server.remote import RemoteEngine
 
 
 def __getattr__(name: str):

@@ -14,7 +14,7 @@ from pathlib import Path
 from workbench import registry
 from workbench.engine import sources
 from workbench.engine.options import DEFAULTS, GenerationOptions
-from workbench.serve import limits
+from workbench.server import limits
 
 DEFAULT_SYSTEM = "You are helpful and concise."
 LAB_NOTEBOOK = "00_tour.ipynb"
@@ -329,8 +329,8 @@ def load_engine(source: str, *, ctx: int = 4096):
 
 
 def _serve(args) -> int:
-    from workbench.serve import serve
-    from workbench.serve.jobs import check_api_key
+    from workbench.server import serve
+    from workbench.server.jobs import check_api_key
 
     check_api_key(args.api_key)  # before the models load
     engines = {}

@@ -2,7 +2,7 @@
 Whisper's `Transcript`.
 
 These types import nothing of the engine (no NumPy kernels, no Numba), so a client of
-a server (`workbench.serve.remote.RemoteEngine`) builds the same results as the local
+a server (`workbench.server.remote.RemoteEngine`) builds the same results as the local
 engines without loading them.
 """
 

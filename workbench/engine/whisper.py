@@ -148,7 +148,7 @@ class WhisperModel(LocalEngine):
         max_seconds: refuse longer audio with `AudioError`: from the header, before
             any decoding, when it tells the duration, else as soon as decoding passes
             it. None (the default) is no limit; the server passes its
-            `max_audio_seconds` (`workbench.serve.limits.MAX_AUDIO_SECONDS`).
+            `max_audio_seconds` (`workbench.server.limits.MAX_AUDIO_SECONDS`).
         cancel: a flag (`threading.Event`) looked at between blocks of decoded audio,
             30 s chunks and tokens; once it is set the call raises `Cancelled`.
 

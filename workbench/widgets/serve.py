@@ -16,7 +16,7 @@ from typing import Any
 
 import ipywidgets
 
-from workbench.serve.runner import Server, default_model_id, serve
+from workbench.server.runner import Server, default_model_id, serve
 from workbench.widgets.badges import BusyBadge
 
 

@@ -30,8 +30,8 @@ from fastapi import Request
 
 from workbench.engine.cancel import Cancelled
 from workbench.engine.options import DEFAULTS
-from workbench.serve import limits
-from workbench.serve.schemas import APIError
+from workbench.server import limits
+from workbench.server.schemas import APIError
 from workbench.signals import Signal
 
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})

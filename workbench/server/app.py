@@ -25,11 +25,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from workbench.engine.cancel import check_cancel
-from workbench.serve import limits
-from workbench.serve.gatekeeper import Gatekeeper
-from workbench.serve.generation import answer_chat, answer_completion
-from workbench.serve.jobs import ClientGone, ServerState, as_api_error, engine_accepts, start_job
-from workbench.serve.schemas import (
+from workbench.server import limits
+from workbench.server.gatekeeper import Gatekeeper
+from workbench.server.generation import answer_chat, answer_completion
+from workbench.server.jobs import ClientGone, ServerState, as_api_error, engine_accepts, start_job
+from workbench.server.schemas import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

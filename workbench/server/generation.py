@@ -21,8 +21,8 @@ from sse_starlette.sse import EventSourceResponse
 
 from workbench.engine.cancel import check_cancel
 from workbench.engine.results import TokenEvent
-from workbench.serve.jobs import JOB_DONE, ClientGone, Job, ServerState, engine_accepts, start_job
-from workbench.serve.schemas import (
+from workbench.server.jobs import JOB_DONE, ClientGone, Job, ServerState, engine_accepts, start_job
+from workbench.server.schemas import (
     MAX_CHOICES,
     APIError,
     ChatCompletionRequest,

@@ -12,8 +12,8 @@ import json
 
 from starlette.exceptions import HTTPException
 
-from workbench.serve.jobs import ServerState
-from workbench.serve.schemas import APIError
+from workbench.server.jobs import ServerState
+from workbench.server.schemas import APIError
 
 
 class Gatekeeper:

@@ -142,7 +142,7 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
         (default 600); past it the engine call is cancelled and the client gets a
         504 error (an error event in a stream).
     max_audio_seconds: the longest audio upload transcribed (default one hour;
-        longer gets 400). The defaults are in `workbench.serve.limits`.
+        longer gets 400). The defaults are in `workbench.server.limits`.
     None for any of the last four means no limit. A client that disconnects stops
     its engine call within a token, a batch of texts or an audio window.
     background: serve on a daemon thread and return the running `Server` (stop it
@@ -150,8 +150,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     A server this process started on the same host and port is stopped first, so
     re-running a notebook cell just restarts it.
     """
-    from workbench.serve import limits
-    from workbench.serve.app import create_app
+    from workbench.server import limits
+    from workbench.server.app import create_app
 
     engines = dict(engine) if isinstance(engine, Mapping) else {
         model_id or default_model_id(engine): engine}

@@ -9,18 +9,18 @@ The server's packages (FastAPI, uvicorn, sse-starlette) load on first use.
 
 from __future__ import annotations
 
-from workbench.serve.runner import Server, serve
+from workbench.server.runner import Server, serve
 
 __all__ = ["RemoteEngine", "Server", "create_app", "serve"]
 
 
 def __getattr__(name: str):
     if name == "create_app":
-        from workbench.serve.app import create_app
+        from workbench.server.app import create_app
 
         return create_app
     if name == "RemoteEngine":
-        from workbench.serve.remote import RemoteEngine
+        from workbench.server.remote import RemoteEngine
 
         return RemoteEngine
-    raise AttributeError(f"module 'workbench.serve' has no attribute {name!r}")
+    raise AttributeError(f"module 'workbench.server' has no attribute {name!r}")
