@@ -28,6 +28,13 @@ Sliding-window layers attend to their last `sliding_window` positions (the
 token itself included); their KV cache rotates when the context is longer than
 the window (`workbench.engine.kv_cache`). `workbench.engine.models.gemma3`
 builds on the classes here.
+
+Where the pieces live: the settings and the tensor checks in `llama_config`, RoPE in
+`rope`, the feed-forward in `feed_forward`, experts in `moe`, and the GPU twin of this
+model in `llama_device` (it calls the same `rms_norm`, `split_heads`, `masked_keys` and
+`rope.rotate` as the prefill here). Decoding on the CPU runs the Numba kernels of
+`workbench.kernels.layers` (layer by layer) or `workbench.kernels.decode` (the fused
+stack); the tests hold every path to transformers' logits.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from gguf import GGMLQuantizationType as Q
 
 from workbench.engine.gguf import GGUFFile
 from workbench.engine.kv_cache import KVCache, KVPool, LayerKVCache
+from workbench.engine.models.feed_forward import FeedForward
 from workbench.engine.models.llama_config import (  # noqa: F401  (importable from here)
     ARCHITECTURES,
     LlamaConfig,
@@ -65,6 +73,30 @@ def rms_norm(x, weight, eps: float, xp=np):
     """RMSNorm over the last axis, on NumPy arrays or, with `xp`, a device backend's
     (`workbench.engine.models.llama_device`): one formula for both."""
     return x * (1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)) * weight
+
+
+def split_heads(qkv, cfg: LlamaConfig, q_norm, k_norm, xp=np):
+    """qkv (T, (n_head + 2 n_kv) head_dim), Q, K and V side by side -> q (T, n_head, hd),
+    k and v (T, n_kv, hd); q and k RMS-normed per head where the family has those norms
+    (Qwen3, Gemma 3: `q_norm`, `k_norm` (hd,), else None). NumPy, or a backend's `xp`."""
+    n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    T = qkv.shape[0]
+    q = qkv[:, : n_head * hd].reshape(T, n_head, hd)
+    k = qkv[:, n_head * hd : (n_head + n_kv) * hd].reshape(T, n_kv, hd)
+    v = qkv[:, (n_head + n_kv) * hd :].reshape(T, n_kv, hd)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, cfg.norm_eps, xp)
+        k = rms_norm(k, k_norm, cfg.norm_eps, xp)
+    return q, k, v
+
+
+def masked_keys(key_pos, query_pos, window: int):
+    """True where a query at `query_pos` may not see the key at `key_pos` (arrays that
+    broadcast): a later position or, in a sliding window, one `window` or more back."""
+    hidden = key_pos > query_pos  # causal: a query sees the keys up to its own position
+    if window:
+        hidden = hidden | (key_pos <= query_pos - window)
+    return hidden
 
 
 class Attention:
@@ -106,13 +138,7 @@ class Attention:
         cfg = self.cfg
         T = x.shape[0]
         n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        qkv = self.qkv(x)
-        q = qkv[:, : n_head * hd].reshape(T, n_head, hd)
-        k = qkv[:, n_head * hd : (n_head + n_kv) * hd].reshape(T, n_kv, hd)
-        v = qkv[:, (n_head + n_kv) * hd :].reshape(T, n_kv, hd)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.norm_eps)
+        q, k, v = split_heads(self.qkv(x), cfg, self.q_norm, self.k_norm)
         q, k = self.rope(q, start), self.rope(k, start)
         if self.window:
             keys, values, lo = cache.update_and_fetch_window(
@@ -127,9 +153,7 @@ class Attention:
         scores *= np.float32(1.0 / np.sqrt(hd))
         key_pos = lo + np.arange(S)[None, :]  # (1, S)
         query_pos = (start + np.arange(T))[:, None]  # (T, 1)
-        hidden = key_pos > query_pos  # causal: query t sees keys up to start + t
-        if self.window:  # ... and not those `window` or more positions back
-            hidden |= key_pos <= query_pos - self.window
+        hidden = masked_keys(key_pos, query_pos, self.window)  # (T, S)
         if hidden.any():
             scores += np.where(hidden, np.float32(-np.inf), np.float32(0.0))
         rows = scores.reshape(-1, S)  # a view: (n_kv * group * T, S)
@@ -155,27 +179,6 @@ class Attention:
                       None if ring else src,  # a fork has its own copy of a ring
                       self.window, ring)
         return self.wo.matmul(out)
-
-
-class FeedForward:
-    """SwiGLU, down(silu(gate(x)) * up(x)), or GeGLU with `act="gelu"` (tanh GELU, Gemma);
-    gate and up fused when they share a format (phi3 stores them as one `ffn_up`)."""
-
-    def __init__(self, g: GGUFFile, i: int, act: str = "silu"):
-        p = f"blk.{i}."
-        if p + "ffn_gate.weight" in g.tensors:
-            self.gate_up = fused(g, [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        else:  # phi3: gate and up rows in one matrix
-            self.gate_up = linear(g, p + "ffn_up.weight")
-        self.down = linear(g, p + "ffn_down.weight")
-        self.gelu = act == "gelu"  # the family's activation: GeGLU (Gemma 3) or SwiGLU
-        self.act = layers.gelu_mul if self.gelu else layers.silu_mul
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        gu = self.gate_up.matmul(x)  # (T, 2 n_ff): gate, then up
-        h = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
-        self.act(gu, h)
-        return self.down.matmul(h)
 
 
 class Block:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.engine.gguf import GGUFError, GGUFFile
+from workbench.engine.models.sizes import TransformerSizes
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3")
 _NEOX = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma3")
@@ -28,12 +29,9 @@ MAX_NORM_EPS = 1.0  # an RMS-norm epsilon past this (real ones are ~1e-6) would 
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    arch: str
-    n_layer: int
-    n_embd: int  # model width
-    n_ff: int  # feed-forward width
-    n_head: int
+class LlamaConfig(TransformerSizes):
+    """A llama-family decoder's settings (`from_gguf`: from its `{arch}.*` metadata)."""
+
     n_head_kv: int
     head_dim: int
     n_vocab: int

@@ -16,7 +16,14 @@ from collections import OrderedDict
 import numpy as np
 
 from workbench.engine.models import llama
-from workbench.engine.models.llama import Block, FeedForward, LlamaModel, rms_norm
+from workbench.engine.models.feed_forward import FeedForward, device_glu
+from workbench.engine.models.llama import (
+    Block,
+    LlamaModel,
+    masked_keys,
+    rms_norm,
+    split_heads,
+)
 from workbench.engine.models.llama_config import LlamaConfig
 from workbench.engine.models.moe import DeviceMoEFeedForward, MoEFeedForward
 from workbench.engine.models.rope import rotate
@@ -136,22 +143,14 @@ class DeviceLlamaModel:
                 a = rms_norm(a, layer.post_attn_norm, cfg.norm_eps, be.xp)
             x = x + a
             h = rms_norm(x, layer.ffn_norm, cfg.norm_eps, be.xp)
-            f = layer.moe(h) if layer.moe is not None else self._feed_forward(layer, h)
+            if layer.moe is not None:
+                f = layer.moe(h)
+            else:
+                f = device_glu(be.xp, layer.gate_up, layer.down, h, self.gelu)
             if layer.post_ffn_norm is not None:
                 f = rms_norm(f, layer.post_ffn_norm, cfg.norm_eps, be.xp)
             x = x + f
         return rms_norm(x, self.norm, cfg.norm_eps, be.xp)
-
-    def _feed_forward(self, layer, h):
-        gu = layer.gate_up.matmul(h)  # (T, 2 n_ff): gate, then up
-        n_ff = gu.shape[1] // 2
-        gate, up = gu[:, :n_ff], gu[:, n_ff:]
-        if self.gelu:  # tanh GELU
-            act = 0.5 * gate * (1.0 + self.xp.tanh(0.7978845608028654 * (
-                gate + 0.044715 * gate * gate * gate)))
-        else:
-            act = gate / (1.0 + self.xp.exp(-gate))
-        return layer.down.matmul(act * up)
 
     # -- decoding one sequence, recorded ---------------------------------------------------
     def step_logits(self, token: int, cache, device_token):
@@ -306,18 +305,10 @@ class _DeviceLayer:
 
     def _qkv(self, be, cfg: LlamaConfig, h):
         """h (T, D) normed input -> q (T, n_head, hd), k and v (T, n_kv, hd), before RoPE."""
-        n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         qkv = self.wqkv.matmul(h)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
-        T = qkv.shape[0]
-        q = qkv[:, : n_head * hd].reshape(T, n_head, hd)
-        k = qkv[:, n_head * hd : (n_head + n_kv) * hd].reshape(T, n_kv, hd)
-        v = qkv[:, (n_head + n_kv) * hd :].reshape(T, n_kv, hd)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.norm_eps, be.xp)
-            k = rms_norm(k, self.k_norm, cfg.norm_eps, be.xp)
-        return q, k, v
+        return split_heads(qkv, cfg, self.q_norm, self.k_norm, be.xp)
 
     def _attend(self, be, cfg: LlamaConfig, q, kk, vv, hidden):
         """q (T, n_head, hd) over keys and values kk, vv (n_kv, S, hd), with `hidden`
@@ -360,9 +351,7 @@ class _DeviceLayer:
         if T > 1:  # query t at start + t sees keys up to it
             key_pos = xp.arange(lo, end)[None, :]
             query_pos = xp.arange(start, end)[:, None]
-            hidden = key_pos > query_pos
-            if self.window:
-                hidden = hidden | (key_pos <= query_pos - self.window)
+            hidden = masked_keys(key_pos, query_pos, self.window)
         return self._attend(be, cfg, q, keys[cache.slot, :, lo:end],
                             values[cache.slot, :, lo:end], hidden)
 
@@ -383,8 +372,6 @@ class _DeviceLayer:
                              1.0 / float(np.sqrt(cfg.head_dim)))
         if out is not None:
             return self.wo.matmul(out.reshape(1, -1))
-        hidden = key_pos > pos
-        if self.window:
-            hidden = hidden | (key_pos <= pos - self.window)
+        hidden = masked_keys(key_pos, pos, self.window)
         out = self._attend(be, cfg, q, keys[:, :S], values[:, :S], hidden)
         return self.wo.matmul(out)
