@@ -99,6 +99,28 @@ def masked_keys(key_pos, query_pos, window: int):
     return hidden
 
 
+def check_ids(ids, n_vocab: int) -> np.ndarray:
+    """Token ids as a flat int64 array; ValueError where one lies outside [0, n_vocab)."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_vocab):
+        raise ValueError(f"token ids must lie in [0, {n_vocab})")
+    return ids
+
+
+def check_batch(ids, caches: Sequence, n_vocab: int) -> np.ndarray:
+    """`check_ids`, and what decoding one token per sequence needs: one cache per token,
+    all of one pool, each in its own slot (ValueError otherwise)."""
+    ids = check_ids(ids, n_vocab)
+    if len(caches) != ids.size or not caches:
+        raise ValueError(f"decode needs one cache per token: {ids.size} ids, "
+                         f"{len(caches)} caches")
+    if any(c.pool is not caches[0].pool for c in caches):
+        raise ValueError("caches decoded together must come from one KVPool")
+    if len({c.slot for c in caches}) != len(caches):
+        raise ValueError("each sequence decoded together needs its own KV-pool slot")
+    return ids
+
+
 class Attention:
     """Grouped-query self-attention with RoPE (and Qwen's Q/K/V biases or Q/K norms),
     over all earlier positions or, in a local layer, over a sliding window.
@@ -258,16 +280,10 @@ class LlamaModel:
         """An empty KV cache for one sequence."""
         return self.new_pool(1, max_len).caches()[0]
 
-    def _check_ids(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.n_vocab):
-            raise ValueError(f"token ids must lie in [0, {self.config.n_vocab})")
-        return ids
-
     def hidden(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
         """Run tokens `ids` (T,) at the cache's next positions; return the final-normed
         hidden states (T, n_embd) and append the tokens' keys and values to the cache."""
-        ids = self._check_ids(ids)
+        ids = check_ids(ids, self.config.n_vocab)
         if ids.size == 1:
             return self.decode(ids, [cache])
         start = cache.offset  # layer 0 raises ContextFullError before any write if T won't fit
@@ -290,16 +306,9 @@ class LlamaModel:
         pool (distinct slots), each at its own position. Returns the
         final-normed hidden states (N, n_embd) and appends each token to its cache.
         """
-        ids = self._check_ids(ids)
-        if len(caches) != ids.size or not caches:
-            raise ValueError(f"decode needs one cache per token: {ids.size} ids, "
-                             f"{len(caches)} caches")
+        ids = check_batch(ids, caches, self.config.n_vocab)
         pool = caches[0].pool
-        if any(c.pool is not pool for c in caches):
-            raise ValueError("caches decoded together must come from one KVPool")
         slots = np.array([c.slot for c in caches], dtype=np.int64)
-        if len(set(slots.tolist())) != len(caches):
-            raise ValueError("each sequence decoded together needs its own KV-pool slot")
         pos = np.array([c.offset for c in caches], dtype=np.int64)
         for c in caches:
             c.check_room(1)

@@ -20,6 +20,8 @@ from workbench.engine.models.feed_forward import FeedForward, device_glu
 from workbench.engine.models.llama import (
     Block,
     LlamaModel,
+    check_batch,
+    check_ids,
     masked_keys,
     rms_norm,
     split_heads,
@@ -82,12 +84,6 @@ class DeviceLlamaModel:
         return self.new_pool(1, max_len).caches()[0]
 
     # -- forward ----------------------------------------------------------------------------
-    def _check_ids(self, ids) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.n_vocab):
-            raise ValueError(f"token ids must lie in [0, {self.config.n_vocab})")
-        return ids
-
     def _embed(self, ids) -> object:
         """ids: host ints or a device int array (a token sampled on the device) -> (T, D)."""
         if isinstance(ids, np.ndarray):
@@ -99,7 +95,7 @@ class DeviceLlamaModel:
         """Run tokens `ids` (T,) at the cache's next positions; return the final-normed
         hidden states (T, n_embd) on the device. `device_ids`: the same tokens already on
         the device (a sampled token), which saves uploading them."""
-        ids = self._check_ids(ids)
+        ids = check_ids(ids, self.config.n_vocab)
         if not ids.size:
             raise ValueError("hidden needs at least one token")
         cache.check_room(ids.size)
@@ -111,14 +107,7 @@ class DeviceLlamaModel:
     def decode(self, ids, caches, device_ids=None):
         """One token for each of N caches (of one pool): final-normed hidden states (N, D).
         `device_ids`: the same N tokens already on the device (sampled there)."""
-        ids = self._check_ids(ids)
-        if len(caches) != ids.size or not caches:
-            raise ValueError(f"decode needs one cache per token: {ids.size} ids, "
-                             f"{len(caches)} caches")
-        if len({id(c.pool) for c in caches}) > 1:
-            raise ValueError("caches decoded together must come from one pool")
-        if len({c.slot for c in caches}) != len(caches):
-            raise ValueError("each sequence decoded together needs its own KV-pool slot")
+        ids = check_batch(ids, caches, self.config.n_vocab)
         for c in caches:
             c.check_room(1)
         h = self._layers(self._embed(ids if device_ids is None else device_ids), caches,
@@ -164,7 +153,7 @@ class DeviceLlamaModel:
         then `device_logits`."""
         if not self._recording:
             return self._direct_step(token, cache, device_token)
-        self._check_ids([token])
+        check_ids([token], self.config.n_vocab)
         cache.check_room(1)
         pool = cache.pool
         recordings = pool.recordings.get(cache.slot)
