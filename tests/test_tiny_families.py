@@ -284,3 +284,33 @@ def test_prefix_cache_of_a_rotating_cache(built, engine, tmp_path):
     assert engine.generate(PROMPT[:510], prefix=prefix, **opts).token_ids == \
         engine.generate(PROMPT[:510], **opts).token_ids
 
+
+
+def test_each_family_declares_its_quirks(built, engine):
+    """The shared llama code reads a family's quirks from its blocks and config: Gemma 3's
+    post-norms and GeGLU (`Gemma3Block`), sliding windows on the local layers only."""
+    cfg, blocks = engine.config, engine.model.blocks
+    gemma = built.name.startswith("gemma3")
+    for b in blocks:
+        assert (b.post_attn_norm is not None) == (b.post_ffn_norm is not None) == gemma
+        assert getattr(b.ffn, "gelu", False) == gemma  # experts: SwiGLU
+    assert [b.attn.window for b in blocks] == \
+        [cfg.sliding_window if cfg.is_local(i) else 0 for i in range(cfg.n_layer)]
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_rotates_the_leading_pairs_of_each_head(neox):
+    """`rope.rotate`, shared by prefill, cache edits and the device twin, against complex
+    multiplication: pairs (x[i], x[i + d/2]) (NEOX) or (x[2i], x[2i+1]), the dims past
+    `dim` untouched."""
+    from workbench.engine.models.rope import rotate
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 2, 12)).astype(np.float32)  # (T, heads, head_dim)
+    angles = rng.standard_normal((3, 1, 4)).astype(np.float32)  # (T, 1, dim / 2)
+    out = rotate(np, x, np.cos(angles), np.sin(angles), 8, neox)
+    a, b = (np.arange(4), np.arange(4, 8)) if neox else (np.arange(0, 8, 2), np.arange(1, 8, 2))
+    z = (x[..., a] + 1j * x[..., b]) * np.exp(1j * angles.astype(np.float64))
+    np.testing.assert_allclose(out[..., a], z.real, atol=1e-5)
+    np.testing.assert_allclose(out[..., b], z.imag, atol=1e-5)
+    np.testing.assert_array_equal(out[..., 8:], x[..., 8:])

@@ -128,9 +128,9 @@ class StackWeights:
             bqkv=stacked([b.attn.bqkv for b in blocks], widths[0][QKV]),
             q_norm=stacked([b.attn.q_norm for b in blocks], attn.cfg.head_dim),
             k_norm=stacked([b.attn.k_norm for b in blocks], attn.cfg.head_dim),
-            post_attn_norm=stacked([getattr(b, "post_attn_norm", None) for b in blocks], D),
-            post_ffn_norm=stacked([getattr(b, "post_ffn_norm", None) for b in blocks], D),
-            gelu=blocks[0].ffn.act is layers.gelu_mul,
+            post_attn_norm=stacked([b.post_attn_norm for b in blocks], D),
+            post_ffn_norm=stacked([b.post_ffn_norm for b in blocks], D),
+            gelu=blocks[0].ffn.gelu,
             windows=np.array([b.attn.window for b in blocks], np.int64),
             rope=np.array([next(j for j, r in enumerate(ropes) if r is b.attn.rope)
                            for b in blocks], np.int64),

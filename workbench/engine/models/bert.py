@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.engine.gguf import GGUFError, GGUFFile
+from workbench.engine.models.sizes import TransformerSizes
 from workbench.engine.models.weights import fused, linear, vector
 from workbench.engine.warmup import KernelTask
 from workbench.kernels import layers
@@ -34,12 +35,9 @@ MAX_NORM_EPS = 1.0  # a LayerNorm epsilon past this (real ones are 1e-12 to 1e-5
 
 
 @dataclass(frozen=True)
-class BertConfig:
-    arch: str
-    n_layer: int
-    n_embd: int  # model width
-    n_ff: int  # feed-forward width
-    n_head: int
+class BertConfig(TransformerSizes):
+    """A BERT encoder's settings (`from_gguf`: from its `bert.*` metadata)."""
+
     n_vocab: int
     n_ctx_train: int  # longest input the model takes, in tokens, counting [CLS] and [SEP]
     max_seq_length: int  # where sentence-transformers truncates (<= n_ctx_train)

@@ -31,15 +31,10 @@ import numpy as np
 
 from workbench.engine.gguf import GGUFFile
 from workbench.engine.kv_cache import KVPool, LayerKVCache
-from workbench.engine.models.llama import (
-    Attention,
-    Block,
-    FeedForward,
-    LlamaConfig,
-    LlamaModel,
-    Rope,
-    rms_norm,
-)
+from workbench.engine.models.feed_forward import FeedForward
+from workbench.engine.models.llama import Attention, Block, LlamaModel, rms_norm
+from workbench.engine.models.llama_config import LlamaConfig
+from workbench.engine.models.rope import Rope
 from workbench.engine.models.weights import vector
 from workbench.kernels import layers
 

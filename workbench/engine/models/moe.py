@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from workbench.engine.gguf import GGUFError, GGUFFile
+from workbench.engine.models.feed_forward import device_glu, glu
 from workbench.engine.models.weights import Stacked, experts, fused, linear, vector
-from workbench.kernels import layers
 
 
 class MoEFeedForward:
@@ -60,22 +60,14 @@ class MoEFeedForward:
         out = np.zeros_like(x)
         for e in np.unique(chosen):
             rows, rank = np.nonzero(chosen == e)  # the tokens routed to expert e
-            out[rows] += weights[rows, rank, None] * _swiglu(self.gate_up[e], self.down[e],
-                                                             x[rows])
+            out[rows] += weights[rows, rank, None] * glu(self.gate_up[e], self.down[e], x[rows])
         if self.shared is not None:
             gate_up, down, gate = self.shared
-            y = _swiglu(gate_up, down, x)
+            y = glu(gate_up, down, x)
             if gate is not None:
                 y *= 1.0 / (1.0 + np.exp(-(x @ gate)))[:, None]
             out += y
         return out
-
-
-def _swiglu(gate_up, down, x: np.ndarray) -> np.ndarray:
-    gu = gate_up.matmul(x)  # (T, 2 F): gate, then up
-    h = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
-    layers.silu_mul(gu, h)
-    return down.matmul(h)
 
 
 class DeviceMoEFeedForward:
@@ -111,19 +103,12 @@ class DeviceMoEFeedForward:
         for e in np.unique(routes):
             rows, rank = np.nonzero(routes == e)  # the tokens routed to expert e (once each)
             r, k = be.asarray(rows.astype(np.int32)), be.asarray(rank.astype(np.int32))
-            y = _device_swiglu(xp, self.gate_up[e], self.down[e], x[r])
+            y = device_glu(xp, self.gate_up[e], self.down[e], x[r])
             out[r] = out[r] + weights[r, k][:, None] * y
         if self.shared is not None:
             gate_up, down, gate = self.shared
-            y = _device_swiglu(xp, gate_up, down, x)
+            y = device_glu(xp, gate_up, down, x)
             if gate is not None:
                 y = y * (1.0 / (1.0 + xp.exp(-(x @ gate))))[:, None]
             out = out + y
         return out
-
-
-def _device_swiglu(xp, gate_up, down, x):
-    gu = gate_up.matmul(x)  # (T, 2 F): gate, then up
-    n = gu.shape[1] // 2
-    gate = gu[:, :n]
-    return down.matmul(gate / (1.0 + xp.exp(-gate)) * gu[:, n:])

@@ -1,0 +1,58 @@
+"""The gated feed-forward of the llama family: down(act(gate(x)) * up(x)), with gate and
+up as one matrix (gate rows first), act SiLU (SwiGLU: llama, qwen, phi3, and every
+expert of the mixture-of-experts models) or tanh GELU (GeGLU: Gemma 3).
+
+`glu` runs it on the host through the Numba activation kernels
+(`workbench.kernels.layers.silu_mul`, `gelu_mul`), `device_glu` on a GPU backend's
+arrays with the formulas those kernels compute. `FeedForward` is a dense layer's;
+`workbench.engine.models.moe` sends each expert through the same two functions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from workbench.engine.gguf import GGUFFile
+from workbench.engine.models.weights import fused, linear
+from workbench.kernels import layers
+
+
+def glu(gate_up, down, x: np.ndarray, act=layers.silu_mul) -> np.ndarray:
+    """x (T, D) -> (T, D) on the host; `act` is the activation kernel (`layers.silu_mul`
+    or `layers.gelu_mul`)."""
+    gu = gate_up.matmul(x)  # (T, 2 F): gate, then up
+    h = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
+    act(gu, h)
+    return down.matmul(h)
+
+
+def device_glu(xp, gate_up, down, x, gelu: bool = False):
+    """x (T, D) -> (T, D) on a backend's arrays (`xp` its array module)."""
+    gu = gate_up.matmul(x)  # (T, 2 F): gate, then up
+    n_ff = gu.shape[1] // 2
+    gate, up = gu[:, :n_ff], gu[:, n_ff:]
+    if gelu:  # tanh GELU
+        act = 0.5 * gate * (1.0 + xp.tanh(0.7978845608028654 * (
+            gate + 0.044715 * gate * gate * gate)))
+    else:
+        act = gate / (1.0 + xp.exp(-gate))
+    return down.matmul(act * up)
+
+
+class FeedForward:
+    """SwiGLU, down(silu(gate(x)) * up(x)), or GeGLU with `act="gelu"` (tanh GELU, Gemma);
+    gate and up fused when they share a format (phi3 stores them as one `ffn_up`)."""
+
+    def __init__(self, g: GGUFFile, i: int, act: str = "silu"):
+        p = f"blk.{i}."
+        if p + "ffn_gate.weight" in g.tensors:
+            self.gate_up = fused(g, [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        else:  # phi3: gate and up rows in one matrix
+            self.gate_up = linear(g, p + "ffn_up.weight")
+        self.down = linear(g, p + "ffn_down.weight")
+        self.gelu = act == "gelu"  # the family's activation: GeGLU (Gemma 3) or SwiGLU
+        self.act = layers.gelu_mul if self.gelu else layers.silu_mul  # its host kernel
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x (T, n_embd) -> (T, n_embd)."""
+        return glu(self.gate_up, self.down, x, self.act)
