@@ -33,7 +33,7 @@ from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_g
 from workbench.engine.grammar import Grammar, resolve_grammar
 from workbench.engine.kv_cache import KVCache, PrefixCache
 from workbench.engine.local_engine import LocalEngine
-from workbench.engine.models import gemma3, llama
+from workbench.engine.models import gemma3, llama, llama_device
 from workbench.engine.options import GenerationOptions, publishes_options
 from workbench.engine.prompting import Prompting
 from workbench.engine.results import (  # noqa: F401  (importable from here, as before)
@@ -82,7 +82,7 @@ class LLM(Prompting, LocalEngine):
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
         self.model = _MODEL_CLASSES[arch](gguf, kv_cache_size)
         if self.backend is not None:  # weights uploaded once, the host copies dropped
-            self.model = llama.DeviceLlamaModel(self.model, self.backend)
+            self.model = llama_device.DeviceLlamaModel(self.model, self.backend)
         self.config = self.model.config
         self.chat_template: str = (gguf.get("tokenizer.chat_template")
                                    or chat_template.fallback_template(self.tokenizer.tokens))

@@ -466,13 +466,3 @@ def _run_matmuls(w: QuantizedWeight, rows: tuple[int, ...]) -> None:
 
 
 _NONE = np.zeros(0, np.float32)  # "no per-head norm" for `layers.attend`
-
-
-def __getattr__(name: str):
-    """`DeviceLlamaModel`, the device twin, lives in `llama_device` (which builds on this
-    module); it stays importable from here."""
-    if name == "DeviceLlamaModel":
-        from workbench.engine.models.llama_device import DeviceLlamaModel
-
-        return DeviceLlamaModel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
