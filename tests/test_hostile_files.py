@@ -34,7 +34,7 @@ from tests.support.mutations import (
     mutated_bytes,
 )
 from workbench.engine.gguf import GGUFError, open_gguf
-from workbench.engine.kv_cache import PrefixCache, PrefixCacheError
+from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError
 from workbench.engine.whisper_file import WhisperFile, WhisperFileError
 
 KV_CACHE_SIZE = 64

@@ -35,10 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError, common_prefix
-
-__all__ = ["RING_SLACK", "ContextFullError", "DeviceKVCache", "DeviceKVPool", "KVCache",
-           "KVPool", "LayerKVCache", "PrefixCache", "PrefixCacheError", "common_prefix"]
+from workbench.engine.prefix_cache import PrefixCache, common_prefix
 
 
 class ContextFullError(ValueError):

@@ -31,10 +31,11 @@ from workbench.engine.closing import Closing
 from workbench.engine.decoding import Decoding, LogitsProcessor, replay
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.grammar import Grammar, resolve_grammar
-from workbench.engine.kv_cache import KVCache, PrefixCache
+from workbench.engine.kv_cache import KVCache
 from workbench.engine.local_engine import LocalEngine
 from workbench.engine.models import gemma3, llama, llama_device
 from workbench.engine.options import GenerationOptions, publishes_options
+from workbench.engine.prefix_cache import PrefixCache
 from workbench.engine.prompting import Prompting
 from workbench.engine.results import (  # noqa: F401  (importable from here, as before)
     Alternative,
