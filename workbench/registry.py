@@ -166,7 +166,7 @@ def pull(alias: str, *, force: bool = False, progress: bool = True,
     if entry.convert:
         if convert is None:
             raise PullError(f"{alias} is converted from a checkpoint folder on pull; use "
-                            "workbench.engine.sources.pull (or pass convert=)")
+                            "workbench.pull (or pass convert=)")
         return convert(entry, source_folder(alias, force=force, progress=progress), target)
     with tempfile.TemporaryDirectory(prefix="workbench-pull-", dir=target.parent) as tmp:
         tmp_dir = Path(tmp)
