@@ -13,12 +13,11 @@ the fp32 transformers reference in tests/test_llamacpp_reference.py; here:
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 
-import numpy as np
 import pytest
 
+from tests.support.memory import resident_bytes
 from tests.support.shared import reference
 from workbench.engine.kv_cache import RING_SLACK
 
@@ -38,19 +37,6 @@ def test_greedy_matches_llamacpp_up_to_the_first_near_tie(gemma3):
         assert got[:near_tie] == want[:near_tie], (gen["prompt"], got, want)
 
 
-def _resident_bytes(rows: np.ndarray) -> int:
-    """Bytes of the pages under the contiguous array `rows` that are in memory."""
-    page = mmap.PAGESIZE
-    start = rows.ctypes.data - rows.ctypes.data % page
-    n_pages = -(-(rows.ctypes.data + rows.nbytes - start) // page)
-    vec = (ctypes.c_ubyte * n_pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    if libc.mincore(start, n_pages * page, vec) != 0:
-        raise OSError(ctypes.get_errno(), "mincore failed")
-    return sum(v & 1 for v in vec) * page
-
-
 def test_long_generation_keeps_local_layers_in_their_window(gemma3, record_property):
     cfg = gemma3.config
     no_end = {t: -100.0 for t in gemma3.tokenizer.eot_ids}  # write on for 2,000 tokens
@@ -66,8 +52,8 @@ def test_long_generation_keeps_local_layers_in_their_window(gemma3, record_prope
     assert len(local) == 15 and len(glob) == 3
 
     def resident(layer: int) -> int:
-        return (_resident_bytes(pool.keys[layer, cache.slot])
-                + _resident_bytes(pool.values[layer, cache.slot]))
+        return (resident_bytes(pool.keys[layer, cache.slot])
+                + resident_bytes(pool.values[layer, cache.slot]))
 
     page = mmap.PAGESIZE
     ring_bytes = pool.ring * per_position

@@ -196,11 +196,14 @@ def test_busy_false_after_an_exception_in_generation(smollm2, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("sampler exploded")
 
+    smollm2.reset()  # the prompt must be read, and reading it fails
     c = smollm2.generate(PROMPT, max_tokens=3, **GREEDY)
-    monkeypatch.setattr(smollm2, "_prefill", broken)
+    monkeypatch.setattr(smollm2, "_logits", broken)
     with pytest.raises(RuntimeError, match="exploded"):
         c.wait()
     assert not smollm2.busy.get()
+    monkeypatch.undo()  # the model still serves the next call
+    assert c.prompt_ids and smollm2.generate(PROMPT, max_tokens=3, **GREEDY).token_ids
 
 
 def test_busy_across_three_threads(smollm2):

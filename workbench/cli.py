@@ -132,8 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--open-docs", action="store_true",
                      help="with --api-key, leave /docs, /redoc, /openapi.json and /health's "
                           "details open")
-    srv.add_argument("--max-concurrent", type=int, default=1,
-                     help="engine calls at once (default: 1)")
+    srv.add_argument("--max-concurrent", type=int, default=limits.MAX_CONCURRENT,
+                     help="engine calls at once; a chat model decodes them together "
+                          f"(default: {limits.MAX_CONCURRENT})")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting for a slot before 429 (default: 64)")
     srv.add_argument("--ctx", type=int, default=4096,
@@ -308,9 +309,10 @@ def _convert(args) -> int:
     return 0
 
 
-def load_engine(source: str, *, ctx: int = 4096):
+def load_engine(source: str, *, ctx: int = 4096, max_batch: int | None = None):
     """The engine a model file calls for: `WhisperModel` for a whisper.cpp .bin, `Encoder`
-    for a BERT GGUF, `LLM` for a decoder GGUF."""
+    for a BERT GGUF, `LLM` for a decoder GGUF (decoding `max_batch` generations together;
+    default: the LLM's)."""
     path = sources.resolve(source)
     if path.suffix == ".bin":
         from workbench.engine.whisper import WhisperModel
@@ -325,7 +327,7 @@ def load_engine(source: str, *, ctx: int = 4096):
         return Encoder(g)
     from workbench.engine.llm import LLM
 
-    return LLM(g, kv_cache_size=ctx)
+    return LLM(g, kv_cache_size=ctx, **({} if max_batch is None else {"max_batch": max_batch}))
 
 
 def _serve(args) -> int:
@@ -340,7 +342,8 @@ def _serve(args) -> int:
             name, source = spec, spec
             if spec not in registry.MODELS:
                 name = Path(spec).stem
-        engines[name] = _prepared(load_engine(source, ctx=args.ctx))
+        engines[name] = _prepared(load_engine(source, ctx=args.ctx,
+                                              max_batch=args.max_concurrent))
     print(f"workbench: serving {', '.join(engines)} at http://{args.host}:{args.port}/v1 "
           "(Ctrl-C stops)", file=sys.stderr)
     serve(engines, host=args.host, port=args.port, api_key=args.api_key,

@@ -44,6 +44,12 @@ from workbench.engine.results import (  # noqa: F401  (importable from here, as 
     TokenEvent,
     Usage,
 )
+from workbench.engine.scheduler import (  # noqa: F401  (PREFILL_CHUNK: importable from here)
+    DEFAULT_MAX_BATCH,
+    PREFILL_CHUNK,
+    Request,
+    Scheduler,
+)
 from workbench.engine.structured import answer_json, with_schema_instruction  # noqa: F401
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
 from workbench.engine.warmup import KernelWarmup, helper_command
@@ -51,10 +57,6 @@ from workbench.engine.warmup import KernelWarmup, helper_command
 _MODEL_CLASSES = {**dict.fromkeys(llama.ARCHITECTURES, llama.LlamaModel),
                   **dict.fromkeys(gemma3.ARCHITECTURES, gemma3.Gemma3Model)}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
-PREFILL_CHUNK = 512  # prompt tokens per forward pass
-# After a prefix cache, tails up to this long run token by token on the decode path, which
-# beats one small prefill chunk (16 tokens after a 995-token prefix: 0.19 s against 0.40 s)
-STEPWISE_TAIL = 16
 
 
 class LLM(Prompting, LocalEngine):
@@ -62,13 +64,17 @@ class LLM(Prompting, LocalEngine):
     chat, complete and embed."""
 
     def __init__(self, gguf: GGUFFile, *, device: str = "auto", kv_cache_size: int = 4096,
-                 backend: Backend | None = None, prepare_kernels: bool = True):
+                 max_batch: int = DEFAULT_MAX_BATCH, backend: Backend | None = None,
+                 prepare_kernels: bool = True):
         """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx"
-        (MLX on any platform). `backend`: a `workbench.engine.backend.Backend` to run on
-        instead of the one `device` names (the tests run the CuPy backend's code with
-        NumPy standing in for CuPy). `prepare_kernels`: on the CPU, compile (or load from
-        the disk cache) the kernels this model runs in a background thread right away,
-        with progress in the `warming` signal; False compiles each on first use."""
+        (MLX on any platform). `max_batch`: how many generations (from any threads, the
+        server's included) decode together in one forward pass per token; more wait
+        for a free place (`workbench.engine.scheduler`). `backend`: a
+        `workbench.engine.backend.Backend` to run on instead of the one `device`
+        names (the tests run the CuPy backend's code with NumPy standing in for CuPy).
+        `prepare_kernels`: on the CPU, compile (or load from the disk cache) the kernels
+        this model runs in a background thread right away, with progress in the
+        `warming` signal; False compiles each on first use."""
         arch = gguf.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitectureError(
@@ -91,8 +97,8 @@ class LLM(Prompting, LocalEngine):
         self.kv_cache_size = kv_cache_size
         self._gguf = gguf
         self._forward_lock = threading.Lock()  # one forward pass at a time per model
-        self._cache = self.model.new_cache()  # kept between calls for prompt prefix reuse
-        self._cache_lock = threading.Lock()
+        # every generation runs through it; its slots keep prompts for prefix reuse
+        self._scheduler = Scheduler(self, max_batch)
         self._file_sha256: str | None = None
         self.prefilled_tokens = 0  # prompt tokens run through the model so far (all calls)
         tasks = self.model.kernel_tasks() if prepare_kernels and self.backend is None else []
@@ -101,22 +107,31 @@ class LLM(Prompting, LocalEngine):
 
     @classmethod
     def load(cls, source: str | os.PathLike = registry.DEFAULT_MODEL, *, device: str = "auto",
-             kv_cache_size: int = 4096, prepare_kernels: bool = True) -> LLM:
+             kv_cache_size: int = 4096, max_batch: int = DEFAULT_MAX_BATCH,
+             prepare_kernels: bool = True) -> LLM:
         """Load a model from an alias (see `workbench list`), a .gguf path or `hf://repo/file`.
 
         Aliases are downloaded on first use. `kv_cache_size` is the context length
-        (prompt plus output) in tokens. The CPU kernels the model needs start compiling
+        (prompt plus output) in tokens; `max_batch` how many generations decode
+        together (see `__init__`). The CPU kernels the model needs start compiling
         in the background at once (`prepare_kernels`; progress in `m.warming`,
         `m.warmup.wait()` blocks until they are ready).
         """
         return cls(open_gguf(sources.resolve(source)), device=device,
-                   kv_cache_size=kv_cache_size, prepare_kernels=prepare_kernels)
+                   kv_cache_size=kv_cache_size, max_batch=max_batch,
+                   prepare_kernels=prepare_kernels)
+
+    @property
+    def max_batch(self) -> int:
+        """How many generations decode together (the others wait for a place)."""
+        return self._scheduler.max_batch
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Drop the weights and caches (the file's memory map goes with them)."""
+        """Drop the weights and caches (the file's memory map goes with them); generations
+        still running get `RuntimeError`."""
+        self._scheduler.close()
         self.model = None
-        self._cache = None
         self._gguf = None
 
     def __repr__(self) -> str:
@@ -146,21 +161,34 @@ class LLM(Prompting, LocalEngine):
         (llama.cpp's context shift: cheap, but what they took from the removed tokens
         stays in them).
         """
-        with self._cache_lock, self._busy:
-            model, cache = self._require_model(), self._cache
+        with self._scheduler.paused(), self._busy:
+            model, cache = self._require_model(), self._kept()
             start, end = int(start), int(end)
+            cache.check_span(start, end)
+            self._scheduler.free_readers(cache, start)  # others' copies stay as they were
             if not recompute or end == cache.offset:
                 model.kv_remove(cache, start, end)
                 return
             self._prefill(cache.cut(start, end), cache)
 
     def reset(self) -> None:
-        """Forget the prompt kept in the KV cache: the next call prefills from scratch.
+        """Forget the prompts kept in the KV cache: the next call prefills from scratch.
 
-        (Each call reuses the longest prefix it shares with the previous one.)"""
-        with self._cache_lock:
-            self._require_model()
-            self._cache.reset()
+        (Each call reuses the longest prefix it shares with an earlier one.)"""
+        self._require_model()
+        with self._scheduler.paused():
+            self._scheduler.forget()
+
+    @property
+    def _cache(self) -> KVCache | None:
+        """The cache of the last generation that finished (None before the first)."""
+        return self._scheduler.kept
+
+    def _kept(self) -> KVCache:
+        cache = self._scheduler.kept
+        if cache is None or cache.offset == 0:
+            raise ValueError("no sequence is kept: generate first")
+        return cache
 
     # -- prefix caches -----------------------------------------------------------------------
     @property
@@ -298,11 +326,12 @@ class LLM(Prompting, LocalEngine):
                        cancel: CancelFlag | None = None, **overrides: Any) -> list[Completion]:
         """Continue several prompts at once; returns their finished `Completion`s, in order.
 
-        Each prompt is prefilled into its own rows of one KV pool; then every
-        step runs one forward pass for all unfinished sequences together
-        (matmuls with one row per sequence, which costs little more than one
-        sequence's), each with its own sampler, grammar matcher and stop
-        conditions. Options are those of `generate`. With `seed=s`, sequence i
+        The prompts join the model's batch (`workbench.engine.scheduler`, up to
+        `max_batch` at once, the rest as places come free): every step runs one
+        forward pass for all unfinished sequences together (matmuls with one row
+        per sequence, which costs little more than one sequence's), each with its
+        own sampler, grammar matcher and stop conditions; identical prompts read
+        their shared beginning once. Options are those of `generate`. With `seed=s`, sequence i
         samples with seed s + i (pass a list for explicit seeds); greedy results
         equal `generate`'s.
 
@@ -320,22 +349,22 @@ class LLM(Prompting, LocalEngine):
             seeds = [int(x) for x in seed]
             if len(seeds) != len(prompts):
                 raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        requests = []
+        prompt_texts = []
         for p in prompts:
             check_cancel(cancel)
-            requests.append(self._prompt_ids(p, add_bos, include_prompt))
+            prompt_texts.append(self._prompt_ids(p, add_bos, include_prompt))
         self._check_prefix(prefix)
         constraint = resolve_grammar(grammar, schema)
         seqs = [self._decoding(ids, constraint, replace(opts, seed=sd),
                                logits_processors=logits_processors, closing=closing)
-                for (ids, _), sd in zip(requests, seeds)]
-        events: list[list[TokenEvent]] = [[] for _ in prompts]
+                for (ids, _), sd in zip(prompt_texts, seeds)]
+        requests = [Request(ids, seq, prefix, cancel)
+                    for (ids, _), seq in zip(prompt_texts, seqs)]
         if opts.max_tokens > 0:
             with self._busy:
-                self._run_batch([ids for ids, _ in requests], seqs, events, opts.max_tokens,
-                                prefix, cancel)
-        return [Completion(replay(ev, seq.finish_reason or "length"), ids, text)
-                for ev, seq, (ids, text) in zip(events, seqs, requests)]
+                self._scheduler.run_all(requests)
+        return [Completion(replay(r.events, r.seq.finish_reason or "length"), r.ids, text)
+                for r, (_, text) in zip(requests, prompt_texts)]
 
     @publishes_options
     def chat_batch(self, conversations: Sequence[Sequence[Mapping[str, Any]]], *,
@@ -349,48 +378,6 @@ class LLM(Prompting, LocalEngine):
             check_cancel(cancel)
             prompts.append(self._chat_ids(messages, tools, chat_template=chat_template))
         return self.generate_batch(prompts, cancel=cancel, **generate_args)
-
-    def _run_batch(self, prompt_ids: list[list[int]], seqs: list[Decoding],
-                   events: list[list[TokenEvent]], max_tokens: int,
-                   prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
-                   ) -> None:
-        """Prefill each prompt into its slot of a new KV pool, then decode all unfinished
-        sequences together, one forward pass per step, until each is finished (or
-        `cancel` is set: `Cancelled`)."""
-        model = self._require_model()
-        longest = max(len(ids) for ids in prompt_ids)
-        caches = model.new_pool(len(prompt_ids), min(self.kv_cache_size,
-                                                     longest + max_tokens)).caches()
-        # one logits row per active sequence; on a GPU backend they stay on the device,
-        # where each sequence's sampler picks its token
-        rows = []
-        for ids, c in zip(prompt_ids, caches):
-            check_cancel(cancel)
-            rows.append(self._fill(c, ids, prefix, on_device=True, cancel=cancel))
-        active = list(range(len(seqs)))
-        while active:
-            check_cancel(cancel)
-            feed, still = [], []
-            for i, row in zip(active, rows):
-                token, evs = seqs[i].step(row, room=caches[i].max_len - caches[i].offset,
-                                          on_device=self.backend is not None)
-                events[i].extend(evs)
-                if token is not None:
-                    feed.append(token)
-                    still.append(i)
-            active = still
-            if not active:
-                break
-            with self._forward_lock:
-                live = [caches[i] for i in active]
-                if self.backend is None:
-                    rows = list(model.logits(model.decode(np.asarray(feed), live)))
-                    continue
-                on_device = [seqs[i].device_token for i in active]
-                device_ids = (None if any(t is None for t in on_device)
-                              else self.backend.xp.concatenate(on_device))
-                logits = model.device_logits(model.decode(np.asarray(feed), live, device_ids))
-                rows = [logits[j] for j in range(len(active))]
 
     def embed(self, text: str | Sequence[int], *, pool: str = "last", normalize: bool = True
               ) -> np.ndarray:
@@ -445,39 +432,6 @@ class LLM(Prompting, LocalEngine):
             raise RuntimeError("this LLM has been closed")
         return self.model
 
-    def _fill(self, cache: KVCache, ids: list[int], prefix: PrefixCache | None,
-              on_device: bool = False, cancel: CancelFlag | None = None) -> np.ndarray:
-        """Bring `cache` to hold `ids`, reusing what it already holds and what `prefix`
-        holds (copied, whichever covers more), prefilling the rest; return the logits
-        after the last token (at least one token always runs, for them; with `on_device`,
-        a device array when the model runs on a GPU backend)."""
-        reuse = cache.common_prefix(ids)
-        restored = False
-        if prefix is not None:
-            n = min(prefix.common_prefix(ids), len(ids) - 1)
-            if n > reuse:
-                cache.restore(prefix, n)
-                restored = cache.offset == n  # (not when a sliding window would lack keys)
-                reuse = cache.offset
-        cache.trim(min(reuse, len(ids) - 1))
-        reuse = cache.offset  # a rotating sliding-window cache may have had to start over
-        self.prefilled_tokens += len(ids) - reuse
-        tail = ids[reuse:]
-        if restored and len(tail) <= STEPWISE_TAIL:  # the question after a cached prompt
-            return self._prefill_stepwise(tail, cache, on_device)
-        return self._prefill(tail, cache, on_device, cancel)
-
-    def _prefill_stepwise(self, ids: list[int], cache: KVCache, on_device: bool = False
-                          ) -> np.ndarray:
-        """Feed a few tokens one at a time through the decode path (fused kernels, no
-        per-layer BLAS hand-off): measured 2x faster than one chunk for 16 tokens."""
-        model = self._require_model()
-        for token in ids:
-            with self._forward_lock:
-                hidden = model.hidden(np.asarray([token]), cache)
-        with self._forward_lock:
-            return self._logits(hidden[-1:], on_device)[0]
-
     def _prefill(self, ids: list[int], cache: KVCache, on_device: bool = False,
                  cancel: CancelFlag | None = None) -> np.ndarray:
         """Feed `ids` in chunks of PREFILL_CHUNK (bounding the attention scores' memory;
@@ -511,32 +465,9 @@ class LLM(Prompting, LocalEngine):
     def _generate_events(self, prompt_ids: list[int], seq: Decoding,
                          prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
                          ) -> Generator[TokenEvent, None, str]:
-        """Yield the events of one generation; return its finish reason."""
-        model = self._require_model()
-        # The shared cache keeps the last conversation so that a prompt sharing its
-        # beginning skips that part of the prefill; a concurrent call gets its own cache.
-        owns_shared = self._cache_lock.acquire(blocking=False)
-        cache = self._cache if owns_shared else model.new_cache()
-        self._busy.__enter__()
-        try:
-            if seq.max_tokens == 0:
-                return "length"
-            logits = self._fill(cache, prompt_ids, prefix, on_device=True, cancel=cancel)
-            while True:
-                check_cancel(cancel)
-                token, events = seq.step(logits, room=cache.max_len - cache.offset,
-                                         on_device=self.backend is not None)
-                yield from events
-                if token is None:
-                    return seq.finish_reason
-                with self._forward_lock:
-                    if self.backend is None:
-                        logits = model.logits(model.hidden(np.asarray([token]), cache))[0]
-                    else:  # the sampled id is already on the device: nothing to upload
-                        logits = model.step_logits(token, cache, seq.device_token)
-        finally:
-            self._busy.__exit__()
-            if owns_shared:
-                self._cache_lock.release()
-
-
+        """Yield the events of one generation (run by the scheduler, batched with whatever
+        else is generating); return its finish reason."""
+        if seq.max_tokens == 0:
+            return "length"
+        with self._busy:
+            return (yield from self._scheduler.events(Request(prompt_ids, seq, prefix, cancel)))

@@ -43,7 +43,7 @@ EMBED_BATCH = 8
 
 
 def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
-               max_concurrent: int = 1, max_queue: int = 64,
+               max_concurrent: int = limits.MAX_CONCURRENT, max_queue: int = 64,
                max_body_bytes: int = limits.MAX_BODY_BYTES,
                max_tokens_limit: int | None = limits.MAX_TOKENS_LIMIT,
                request_timeout: float | None = limits.REQUEST_TIMEOUT,
@@ -57,8 +57,8 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
     protect_docs: put `/docs`, `/redoc` and `/openapi.json` behind the key too, and
         answer `/health` without the key with `{"status": "ok"}` only (the model ids
         and the load need the key). Default: on when `api_key` is set.
-    max_concurrent: engine calls running at once; max_queue: requests waiting
-        for one (more get 429).
+    max_concurrent: engine calls running at once (default 8: an `LLM` decodes them
+        together in one batch); max_queue: requests waiting for one (more get 429).
     max_body_bytes: larger request bodies get 413 (the rest of the body is read and
         dropped by the HTTP layer, so the client reads the error).
     body_timeout: seconds a client has to send its whole body (else 408).

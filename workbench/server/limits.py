@@ -4,6 +4,9 @@
 None for a limit (0 on the command line) lifts it.
 """
 
+# engine calls at once: an LLM decodes these together, one forward pass per token (its
+# `max_batch`, 8 by default); further requests wait in the queue
+MAX_CONCURRENT = 8
 MAX_BODY_BYTES = 25 * 1024 * 1024  # OpenAI's limit for audio uploads; more gets 413
 # The longest answer a model loaded with the default context (kv_cache_size=4096) can
 # give at all, so the cap never cuts what such a model would say; it stops a request

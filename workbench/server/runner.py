@@ -111,7 +111,7 @@ _DEFAULT = object()  # "the app's default" for options whose None means "no limi
 
 def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
           host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str | None = None,
-          max_concurrent: int = 1, max_queue: int = 64, max_body_bytes: int | None = None,
+          max_concurrent: int | None = None, max_queue: int = 64, max_body_bytes: int | None = None,
           max_tokens_limit: int | None = _DEFAULT, request_timeout: float | None = _DEFAULT,
           body_timeout: float | None = _DEFAULT, max_audio_seconds: float | None = _DEFAULT,
           protect_docs: bool | None = None, background: bool = True,
@@ -132,8 +132,10 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
         (printable ASCII, else ValueError).
     protect_docs: also put `/docs`, `/redoc` and `/openapi.json` behind the key, and
         show `/health`'s model ids and load only with it (default: on with a key).
-    max_concurrent: engine calls at once; up to `max_queue` more requests wait in
-        order, beyond that they get 429.
+    max_concurrent: engine calls at once (default 8); an `LLM` decodes them together,
+        one forward pass per token for all (up to its `max_batch`), so concurrent
+        clients share the model instead of taking turns. Up to `max_queue` more
+        requests wait in order, beyond that they get 429.
     max_body_bytes: the largest request body (default 25 MiB; more gets 413).
     body_timeout: seconds a client has to send its body (default 120; slower: 408).
     max_tokens_limit: the most tokens one request may generate per choice (default
@@ -159,7 +161,9 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
         ("max_tokens_limit", max_tokens_limit), ("request_timeout", request_timeout),
         ("body_timeout", body_timeout), ("max_audio_seconds", max_audio_seconds))
         if value is not _DEFAULT}
-    app = create_app(engines, api_key=api_key, max_concurrent=max_concurrent,
+    app = create_app(engines, api_key=api_key,
+                     max_concurrent=(limits.MAX_CONCURRENT if max_concurrent is None
+                                     else max_concurrent),
                      max_queue=max_queue, max_body_bytes=max_body_bytes or limits.MAX_BODY_BYTES,
                      protect_docs=protect_docs, **chosen)
     old = _running.get((host, port))

@@ -1,0 +1,170 @@
+"""Continuous batching on the real SmolLM2 (`workbench.engine.scheduler`): generations from
+several threads decode together and give each the tokens it gets alone; a shared system
+prompt is read once and held once; cancelled and abandoned requests free their places.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.support.memory import resident_bytes
+from workbench import LLM
+from workbench.engine.cancel import Cancelled
+from workbench.engine.gguf import open_gguf
+from workbench.engine.prefix_cache import common_prefix
+from workbench.engine.scheduler import MIN_SHARED
+
+pytestmark = pytest.mark.slow
+
+GREEDY = {"temperature": 0, "max_tokens": 24}
+QUESTIONS = ["Name a fruit.", "What is 2 + 2?", "Write a haiku about the sea.",
+             "Who wrote Hamlet? Answer in one sentence, and say when it was written.",
+             "List three colours.", "Explain what a CPU does, briefly, for a child of "
+             "eight who has never seen a computer but likes trains and clocks.",
+             "Say hello in French.", "What is the capital of Japan?"]
+
+
+def _chat(question: str, system: str | None = None) -> list[dict]:
+    messages = [{"role": "user", "content": question}]
+    return [{"role": "system", "content": system}] + messages if system else messages
+
+
+def _alone(m: LLM, conversations: list[list[dict]], **options) -> list[list[int]]:
+    out = []
+    for messages in conversations:
+        m.reset()
+        out.append(m.chat(messages, **options).token_ids)
+    return out
+
+
+def _together(m: LLM, conversations: list[list[dict]], **options) -> list[list[int]]:
+    """Each conversation from its own thread, all released at once."""
+    results: list[list[int] | BaseException] = [[] for _ in conversations]
+    gate = threading.Barrier(len(conversations))
+
+    def run(i: int) -> None:
+        try:
+            gate.wait()
+            results[i] = m.chat(conversations[i], **options).token_ids
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(conversations))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def test_threads_decode_together_and_get_what_they_get_alone(smollm2):
+    conversations = [_chat(q) for q in QUESTIONS]
+    alone = _alone(smollm2, conversations, **GREEDY)
+    smollm2.reset()
+    steps = smollm2._scheduler.steps
+    together = _together(smollm2, conversations, **GREEDY)
+    assert together == alone
+    # one step per token of the longest answer, a few to read the prompts: far fewer
+    # than the tokens of all answers, which is what one-at-a-time would take
+    taken = smollm2._scheduler.steps - steps
+    assert taken < max(len(a) for a in alone) + 12 < sum(len(a) for a in alone), taken
+    assert not smollm2.busy.get()
+
+
+def test_generate_batch_wider_than_the_batch_waits_for_places(smollm2):
+    """More prompts than `max_batch`: the rest join as places come free, and sampled
+    sequences keep their own seeds (s + i)."""
+    m = smollm2
+    prompts = [f"Story {i}: once upon a time" for i in range(m.max_batch + 3)]
+    batch = m.generate_batch(prompts, temperature=0.8, seed=7, max_tokens=12)
+    alone = [m.generate(p, temperature=0.8, seed=7 + i, max_tokens=12).token_ids
+             for i, p in enumerate(prompts)]
+    assert [c.token_ids for c in batch] == alone
+
+
+def test_a_shared_system_prompt_is_read_once_and_held_once(smollm2):
+    system = " ".join(f"Rule {i}: answer politely, briefly and truthfully." for i in range(90))
+    with LLM(open_gguf(smollm2.path), kv_cache_size=2048) as m:
+        conversations = [_chat(q, system) for q in QUESTIONS]
+        prompts = [m._chat_ids(c, None) for c in conversations]
+        shared = min(common_prefix(prompts[0], p) for p in prompts[1:])
+        assert 900 < shared < 1400 and shared > MIN_SHARED
+        alone = _alone(m, conversations[:2], **GREEDY)
+        m.reset()
+        pool_before = sum(resident_bytes(a) for a in _pool_arrays(m))
+        read_before = m.prefilled_tokens
+        together = _together(m, conversations, **GREEDY)
+        read = m.prefilled_tokens - read_before
+        grown = sum(resident_bytes(a) for a in _pool_arrays(m)) - pool_before
+        cfg = m.config
+        per_position = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 4  # K and V, fp32
+    assert together[:2] == alone
+    own = sum(len(p) - shared for p in prompts)
+    assert read < shared + own + 8 * 16, (read, shared, own)  # the system prompt once
+    assert grown < 2 * shared * per_position, (grown, shared * per_position)
+
+
+def _pool_arrays(m: LLM) -> list:
+    pool = m._scheduler._pool
+    return [pool.keys, pool.values]
+
+
+def test_cancelled_and_abandoned_requests_free_their_places(smollm2):
+    m = smollm2
+    conversations = [_chat(q) for q in QUESTIONS[:6]]
+    alone = _alone(m, conversations, temperature=0, max_tokens=40)
+    m.reset()
+    flags = [threading.Event() for _ in conversations]
+    outcomes: list = [None] * len(conversations)
+    gate = threading.Barrier(len(conversations))
+
+    def run(i: int) -> None:
+        gate.wait()
+        completion = m.chat(conversations[i], temperature=0, max_tokens=40, cancel=flags[i])
+        try:
+            for n, _ in enumerate(completion.iter_events()):
+                if n == 3 and i in (1, 4):
+                    flags[i].set()  # cancelled: the next token raises
+                if n == 3 and i == 2:
+                    break  # abandoned: the place frees at the next step
+            outcomes[i] = completion.token_ids
+        except Cancelled:
+            outcomes[i] = "cancelled"
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(conversations))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert outcomes[1] == outcomes[4] == "cancelled"
+    assert outcomes[2] == alone[2][:4]
+    for i in (0, 3, 5):
+        assert outcomes[i] == alone[i], i
+    scheduler = m._scheduler
+    with scheduler.paused():
+        assert not scheduler._running and not scheduler._waiting
+        assert all(owner is None for owner in scheduler._owner)
+    assert not m.busy.get()
+
+
+def test_a_failing_request_leaves_the_others_running(smollm2):
+    def explode(ids, logits):
+        if len(ids) > 40:
+            raise RuntimeError("processor exploded")
+        return logits
+
+    m = smollm2
+    ok = m.chat(_chat(QUESTIONS[0]), **GREEDY)
+    bad = m.chat(_chat(QUESTIONS[1]), logits_processors=[explode], **GREEDY)
+    it_ok, it_bad = iter(ok), iter(bad)
+    next(it_ok)
+    with pytest.raises(RuntimeError, match="exploded"):
+        list(it_bad)
+    list(it_ok)
+    m.reset()
+    assert ok.token_ids == m.chat(_chat(QUESTIONS[0]), **GREEDY).token_ids
