@@ -155,10 +155,13 @@ class Branch:
                    logprobs=logprobs, logits_processors=logits_processors)
 
     # -- tree ---------------------------------------------------------------------------------
-    def fork(self) -> Branch:
+    def fork(self, seed: int | None = None) -> Branch:
         """A child that continues from here: it shares this branch's cached positions
-        (not copied), and copies its sampler (random state too), grammar state, logits
-        and perplexity."""
+        (not copied), and copies its sampler, grammar state, logits and perplexity.
+
+        The sampler's random state is copied too (the child draws what this branch
+        would), unless `seed` is given: then the child is `reseed`ed from it, so that
+        forks of one branch draw different continuations."""
         self._check_alive()
         store = self.store
         child = Branch(store, self.cache.fork(store._lease()), copy.deepcopy(self.sampler),
@@ -169,7 +172,27 @@ class Branch:
         child.perplexity_tracker = self.perplexity_tracker.clone()
         child.parent = self
         self.children.append(child)
+        if seed is not None:
+            child.reseed(seed)
         return child
+
+    def reseed(self, seed: int) -> None:
+        """Give this branch's sampler a fresh random state from `seed` (as if it had been
+        created with that seed); nothing else changes."""
+        self._check_alive()
+        self.sampler.reseed(seed)
+
+    @property
+    def is_leaf(self) -> bool:
+        """True when no live branch forked from this one (pruned children are gone from
+        `children`): nothing reads its cache, so it can be pruned on its own."""
+        return not self.children
+
+    @property
+    def is_active(self) -> bool:
+        """True until the branch is pruned (a pruned branch's slot is free: producing,
+        committing, prefilling or forking it raises RuntimeError)."""
+        return self.alive
 
     def prune(self) -> None:
         """Remove this branch and free its slot (it must have no live children)."""
