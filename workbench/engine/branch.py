@@ -30,6 +30,7 @@ from workbench.engine.grammar import Grammar, resolve_grammar
 from workbench.engine.kv_cache import KVCache
 from workbench.engine.llm import LLM, PREFILL_CHUNK
 from workbench.engine.metrics import Perplexity
+from workbench.engine.models.llama import check_ids
 from workbench.engine.results import Alternative, TokenEvent
 from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers.stream import StreamDecoder
@@ -85,9 +86,36 @@ class BranchStore:
             branch.logits = row
 
     def prefill(self, pairs: Sequence[tuple[Branch, Sequence[int]]]) -> None:
-        """Run tokens into each branch (one prompt pass per branch)."""
-        for branch, tokens in pairs:
-            branch.prefill(tokens)
+        """Run tokens (a prompt: context, no perplexity, no grammar) into each branch at
+        its next positions, all the branches together.
+
+        The prompts go in chunks of `PREFILL_CHUNK` tokens, round by round: round r runs
+        chunk r of every branch that has one in one forward pass (the model's
+        `hidden_batch`), so N prompts of up to PREFILL_CHUNK tokens cost one pass, not N.
+        Each branch's logits are then those after its last token. The branches must be
+        distinct; everything is checked before any branch changes."""
+        jobs = [(branch, check_ids([int(t) for t in tokens], self.model.config.n_vocab))
+                for branch, tokens in pairs]
+        if len({id(b) for b, _ in jobs}) != len(jobs):
+            raise ValueError("each branch may appear once in a prefill")
+        for branch, ids in jobs:
+            branch._check_alive()
+            if branch.store is not self:
+                raise ValueError("every branch must belong to this store")
+            branch.cache.check_room(ids.size)
+        jobs = [(b, ids) for b, ids in jobs if ids.size]
+        n_rounds = max((-(-ids.size // PREFILL_CHUNK) for _, ids in jobs), default=0)
+        net = self.model._require_model()
+        with self.model._busy:
+            for r in range(n_rounds):
+                start, end = r * PREFILL_CHUNK, (r + 1) * PREFILL_CHUNK
+                batch = [(b, ids) for b, ids in jobs if ids.size > start]
+                with self.model._forward_lock:
+                    hidden = net.hidden_batch([(ids[start:end], b.cache) for b, ids in batch])
+                    for (branch, ids), h in zip(batch, hidden):  # h: (T_i, n_embd)
+                        if ids.size <= end:  # its last chunk: the logits after it
+                            branch.logits = net.logits(h[-1:])[0]
+                self.forward_passes += 1
 
     def retain_only(self, winner: Branch) -> None:
         """Keep `winner` alone: it gets a copy of what it shared, every other branch is
