@@ -4,18 +4,21 @@
     >>> root = Branch.create(m, {"temperature": 0}, store=store)
     >>> root.prefill(m.tokenize("The capital of France is"))
     >>> child = root.fork()                  # shares root's keys and values: nothing copied
+    >>> other = root.fork(seed=7)            # and draws from its own random state
     >>> token, is_stop = child.produce()     # sample (does not change the branch)
     >>> child.commit(token)                  # accept it and run it through the model
     >>> store.commit([(root, a), (child, b)])  # several branches, one forward pass
+    >>> store.prefill([(child, ids), (other, ids2)])  # prompts too, one pass per chunk
     >>> for ev in child: ...                 # or let it run: one TokenEvent per token
 
 Every branch has a slot of its store's KV pool, its own sampler (random state
-included), grammar matcher, logits snapshot and perplexity. A fork reads its
-parent's positions from the parent's slot (the pool's pages for them are never
-written twice), so a fork of a long prefix costs only the positions it adds. A
-branch with live children cannot be pruned on its own (they read its slot):
-prune them first, or `prune_subtree()`; `store.retain_only(winner)` copies what
-the winner shares into its own slot and frees every other branch.
+included: a fork copies it, or `fork(seed=...)` / `reseed` gives it a fresh one),
+grammar matcher, logits snapshot and perplexity. A fork reads its parent's positions
+from the parent's slot (the pool's pages for them are never written twice), so a fork
+of a long prefix costs only the positions it adds. A branch with live children cannot
+be pruned on its own (they read its slot): prune them first, or `prune_subtree()`;
+`store.retain_only(winner)` copies what the winner shares into its own slot and frees
+every other branch.
 """
 
 from __future__ import annotations

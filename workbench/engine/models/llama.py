@@ -313,7 +313,7 @@ class LlamaModel:
 
     def hidden_batch(self, chunks: Sequence[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
         """Prefill several sequences in one forward pass: `chunks` holds (ids (T_i,), cache)
-        pairs, each cache of its own sequence (distinct slots of one pool). The embedding,
+        pairs, each cache of its own sequence (no two in one slot of a pool). The embedding,
         the norms and every matrix product run once over all sum(T_i) rows; attention
         runs per sequence on its own rows. Returns each chunk's final-normed hidden states
         (T_i, n_embd) and appends its tokens to its cache. Bound each T_i as `hidden`'s
