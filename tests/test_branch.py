@@ -1,5 +1,8 @@
 """Branches on the real SmolLM2: forks continue exactly like fresh runs on the same token
-history, share their prefix without copying it, and run together in one forward pass."""
+history, share their prefix without copying it, draw different continuations when
+reseeded, and run together in one forward pass (decode steps and prompts alike). The
+batched prefill under them (`hidden_batch`) is checked against `hidden` per chunk on tiny
+random-weight llama and Gemma 3 models (fast)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,7 @@ import numpy as np
 import pytest
 
 from workbench.engine.branch import Branch, BranchStore
-
-pytestmark = pytest.mark.slow
+from workbench.engine.llm import PREFILL_CHUNK
 
 PROMPT = "The capital of France is"
 
@@ -31,6 +33,7 @@ def _fresh(m, history: list[int], n: int) -> list[int]:
     return m.generate(history, temperature=0, max_tokens=n).token_ids
 
 
+@pytest.mark.slow
 def test_fork_continues_like_a_fresh_run(smollm2):
     store = BranchStore(smollm2, max_active=4)
     root = Branch.create(smollm2, {"temperature": 0}, store=store)
@@ -48,6 +51,7 @@ def test_fork_continues_like_a_fresh_run(smollm2):
     assert grandchild.tokens[: len(history[root])] == history[root]
 
 
+@pytest.mark.slow
 def test_store_commit_runs_all_branches_in_one_pass(smollm2):
     store = BranchStore(smollm2, max_active=4)
     root = Branch.create(smollm2, {"temperature": 0}, store=store)
@@ -70,6 +74,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+@pytest.mark.slow
 def test_a_fork_of_a_long_prefix_costs_far_less_than_a_copy(smollm2):
     cfg = smollm2.config
     store = BranchStore(smollm2, max_active=4, max_len=2048)
@@ -90,6 +95,7 @@ def test_a_fork_of_a_long_prefix_costs_far_less_than_a_copy(smollm2):
     assert child.generated == _fresh(smollm2, prefix, len(child.generated))
 
 
+@pytest.mark.slow
 def test_sampler_state_forks_too(smollm2):
     root = Branch.create(smollm2, {"temperature": 1.0, "seed": 3, "top_k": 0, "top_p": 1.0,
                                    "min_p": 0.0})
@@ -100,6 +106,7 @@ def test_sampler_state_forks_too(smollm2):
     assert len({a for a, _ in draws}) > 1  # and they really are random draws
 
 
+@pytest.mark.slow
 def test_prune_retain_only_and_leases(smollm2):
     store = BranchStore(smollm2, max_active=3)
     root = Branch.create(smollm2, {"temperature": 0}, store=store)
@@ -124,6 +131,7 @@ def test_prune_retain_only_and_leases(smollm2):
     assert _greedy(a, 6) == _fresh(smollm2, history, 6)
 
 
+@pytest.mark.slow
 def test_iteration_perplexity_and_grammar(smollm2):
     branch = Branch.create(smollm2, {"temperature": 0}, max_tokens=12, logprobs=3)
     branch.prefill(smollm2.tokenize(PROMPT))
@@ -144,6 +152,7 @@ def test_iteration_perplexity_and_grammar(smollm2):
     assert "city" in json.loads(text)
 
 
+@pytest.mark.slow
 def test_branch_hooks_logits_processors_and_kv_remove(smollm2):
     store = BranchStore(smollm2, max_active=3)
     root = Branch.create(smollm2, {"temperature": 0}, store=store)
@@ -172,3 +181,189 @@ def test_branch_hooks_logits_processors_and_kv_remove(smollm2):
     remaining = ids[:start] + ids[start + drop:]
     assert b.tokens == remaining
     assert _greedy(b, 6) == _fresh(smollm2, remaining, 6)
+
+
+# -- reseeding, tree state ----------------------------------------------------------------
+
+SAMPLED = {"temperature": 0.9, "seed": 5}
+STORY = "Once upon a time, in a small village by the sea, there lived"
+
+
+def _sample(branch: Branch, n: int) -> str:
+    for _ in range(n):
+        token, stop = branch.produce()
+        if stop:
+            break
+        branch.commit(token)
+    return branch.text
+
+
+@pytest.mark.slow
+def test_reseeded_forks_draw_different_continuations(smollm2):
+    store = BranchStore(smollm2, max_active=5, max_len=256)
+    root = Branch.create(smollm2, SAMPLED, store=store)
+    root.prefill(smollm2.tokenize(STORY))
+    forks = [root.fork(seed=s) for s in (11, 22, 33, 44)]
+    assert [f.sampler.params.seed for f in forks] == [11, 22, 33, 44]
+    for _ in range(24):  # all four in one forward pass per token
+        store.commit([(f, f.produce()[0]) for f in forks])
+    texts = [f.text for f in forks]
+    assert len(set(texts)) >= 3, texts
+
+
+@pytest.mark.slow
+def test_the_same_seed_draws_the_same_text(smollm2):
+    store = BranchStore(smollm2, max_active=4, max_len=256)
+    root = Branch.create(smollm2, SAMPLED, store=store)
+    root.prefill(smollm2.tokenize(STORY))
+    a, b = root.fork(seed=11), root.fork(seed=11)
+    c = root.fork()
+    c.reseed(11)  # reseeding after the fork is the same as fork(seed=11)
+    texts = [_sample(x, 24) for x in (a, b, c)]
+    assert texts[0] == texts[1] == texts[2] and texts[0]
+    assert root.sampler.params.seed == 5  # the parent keeps its own random state
+
+
+@pytest.mark.slow
+def test_is_leaf_and_is_active(smollm2):
+    store = BranchStore(smollm2, max_active=3, max_len=64)
+    root = Branch.create(smollm2, {"temperature": 0}, store=store)
+    assert root.is_leaf and root.is_active
+    root.prefill(smollm2.tokenize(PROMPT))
+    a = root.fork()
+    b = a.fork()
+    assert not root.is_leaf and not a.is_leaf and b.is_leaf
+    b.prune()
+    assert a.is_leaf and not b.is_active and a.is_active
+    root.prune_subtree()
+    assert not root.is_active and not a.is_active and store.available == 3
+    with pytest.raises(RuntimeError, match="pruned"):
+        a.reseed(1)
+
+
+# -- prompts of several branches in one pass ------------------------------------------------
+
+LONG = " ".join(f"Item {i} is on the list." for i in range(70))
+MEDIUM = "A recipe for bread: flour, water, salt and yeast. " * 8
+
+
+@pytest.mark.slow
+def test_store_prefill_runs_the_branches_together(smollm2):
+    prompts = [smollm2.tokenize(t) for t in (LONG, PROMPT, MEDIUM)]
+    assert len(prompts[0]) > PREFILL_CHUNK > len(prompts[2]) > len(prompts[1])
+    together = BranchStore(smollm2, max_active=3, max_len=1024)
+    batched = [Branch.create(smollm2, {"temperature": 0}, store=together) for _ in prompts]
+    together.prefill(list(zip(batched, prompts)))
+    assert together.forward_passes == 2  # round 1: all three; round 2: the long one's rest
+    alone = BranchStore(smollm2, max_active=3, max_len=1024)
+    singles = [Branch.create(smollm2, {"temperature": 0}, store=alone) for _ in prompts]
+    for branch, prompt in zip(singles, prompts):
+        branch.prefill(prompt)
+    assert alone.forward_passes == 4
+    diff = max(float(np.abs(a.logits - b.logits).max()) for a, b in zip(batched, singles))
+    print(f"max |batched - one by one| over the logits: {diff:.2e}")
+    for a, b, prompt in zip(batched, singles, prompts):
+        assert a.tokens == b.tokens == prompt
+        np.testing.assert_allclose(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+    for a, b in zip(batched, singles):
+        assert _greedy(a, 8) == _greedy(b, 8)
+
+
+@pytest.mark.slow
+def test_store_prefill_checks_before_it_runs(smollm2):
+    store = BranchStore(smollm2, max_active=2, max_len=64)
+    other = BranchStore(smollm2, max_active=1, max_len=64)
+    a = Branch.create(smollm2, {"temperature": 0}, store=store)
+    b = Branch.create(smollm2, {"temperature": 0}, store=store)
+    stranger = Branch.create(smollm2, {"temperature": 0}, store=other)
+    ids = smollm2.tokenize(PROMPT)
+    with pytest.raises(ValueError, match="once"):
+        store.prefill([(a, ids), (a, ids)])
+    with pytest.raises(ValueError, match="belong"):
+        store.prefill([(a, ids), (stranger, ids)])
+    with pytest.raises(ValueError, match="token ids"):
+        store.prefill([(a, ids), (b, [smollm2.config.n_vocab])])
+    with pytest.raises(ValueError, match="positions"):  # ContextFullError
+        store.prefill([(a, ids), (b, ids * 20)])
+    assert a.cache.offset == b.cache.offset == store.forward_passes == 0
+    store.prefill([(a, ids), (b, [])])  # an empty prompt leaves its branch as it is
+    assert store.forward_passes == 1 and b.logits is None and a.logits is not None
+
+
+# -- hidden_batch against hidden, on tiny models (fast) -------------------------------------
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(request, tmp_path_factory):
+    """A tiny random-weight model of the family (Gemma 3: 6 layers, 5 with a sliding
+    window of 8 and a rotating cache), as `LLM`."""
+    import transformers
+
+    from tests.support import tiny_llama
+    from workbench import LLM
+
+    tmp = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama":
+        path = tiny_llama.Built("llama", tmp).path
+    else:
+        vocab = tiny_llama.VOCAB
+        config = transformers.Gemma3TextConfig(**{
+            **tiny_llama.COMMON, "max_position_embeddings": 1024, "num_hidden_layers": 6,
+            "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+            "rms_norm_eps": 1e-6, "bos_token_id": vocab.eos_id, "eos_token_id": vocab.eos_id,
+            "pad_token_id": vocab.eos_id})
+        path = tmp / "gemma3.gguf"
+        tiny_llama.build_tiny(transformers.Gemma3ForCausalLM, config, 77, "gemma3",
+                              tiny_llama.F32, path, tiny_llama.PROMPT)
+    m = LLM.load(path, kv_cache_size=1024, prepare_kernels=False)
+    yield m
+    m.close()
+
+
+def _caches(net, rng):
+    """Four sequences of one pool: 300 positions (past a rotating cache's ring), empty,
+    20 positions, and a fork of the third."""
+    V = net.config.n_vocab
+    caches = net.new_pool(4, 512).caches()
+    net.hidden(rng.integers(0, V - 1, 300), caches[0])
+    net.hidden(rng.integers(0, V - 1, 20), caches[2])
+    caches[3] = caches[2].fork(3)
+    assert not caches[0].pool.ring or caches[0].pool.ring < 300  # Gemma 3's ring wrapped
+    return caches
+
+
+@pytest.mark.parametrize("lengths", [(17, 40, 1, 64), (5, 3, 9, 1)])
+def test_hidden_batch_equals_hidden_per_chunk(tiny, lengths):
+    net, V = tiny.model, tiny.config.n_vocab
+    batched, alone = _caches(net, np.random.default_rng(1)), _caches(net, np.random.default_rng(1))
+    rng = np.random.default_rng(2)
+    for step in range(2):  # twice: the second runs on what the first wrote
+        chunks = [rng.integers(0, V - 1, n) for n in lengths]
+        together = net.hidden_batch(list(zip(chunks, batched)))
+        for ids, h, cache in zip(chunks, together, alone):
+            np.testing.assert_allclose(h, net.hidden(ids, cache), rtol=1e-4, atol=1e-5,
+                                       err_msg=f"step {step}")
+        assert [c.tokens for c in batched] == [c.tokens for c in alone]
+
+
+def test_hidden_batch_checks_its_chunks(tiny):
+    net = tiny.model
+    a, b = net.new_pool(2, 16).caches()
+    with pytest.raises(ValueError, match="its own"):
+        net.hidden_batch([(np.array([1, 2]), a), (np.array([3]), a)])
+    with pytest.raises(ValueError, match="positions"):
+        net.hidden_batch([(np.array([1, 2]), a), (np.arange(17), b)])
+    assert a.offset == b.offset == 0 and net.hidden_batch([]) == []
+
+
+def test_device_twin_runs_hidden_per_chunk(tiny):
+    from tests.support.devices import open_llm
+
+    with open_llm(tiny.path, "cuda-on-numpy", kv_cache_size=64) as m:
+        net = m.model
+        chunks = [np.arange(5, 12), np.arange(3, 4)]
+        pool = net.new_pool(2)
+        together = net.hidden_batch(list(zip(chunks, pool.caches())))
+        for ids, h in zip(chunks, together):
+            expected = net.hidden(ids, net.new_cache())
+            np.testing.assert_allclose(m.backend.to_host(h), m.backend.to_host(expected),
+                                       rtol=1e-5, atol=1e-6)

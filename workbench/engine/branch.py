@@ -4,18 +4,21 @@
     >>> root = Branch.create(m, {"temperature": 0}, store=store)
     >>> root.prefill(m.tokenize("The capital of France is"))
     >>> child = root.fork()                  # shares root's keys and values: nothing copied
+    >>> other = root.fork(seed=7)            # and draws from its own random state
     >>> token, is_stop = child.produce()     # sample (does not change the branch)
     >>> child.commit(token)                  # accept it and run it through the model
     >>> store.commit([(root, a), (child, b)])  # several branches, one forward pass
+    >>> store.prefill([(child, ids), (other, ids2)])  # prompts too, one pass per chunk
     >>> for ev in child: ...                 # or let it run: one TokenEvent per token
 
 Every branch has a slot of its store's KV pool, its own sampler (random state
-included), grammar matcher, logits snapshot and perplexity. A fork reads its
-parent's positions from the parent's slot (the pool's pages for them are never
-written twice), so a fork of a long prefix costs only the positions it adds. A
-branch with live children cannot be pruned on its own (they read its slot):
-prune them first, or `prune_subtree()`; `store.retain_only(winner)` copies what
-the winner shares into its own slot and frees every other branch.
+included: a fork copies it, or `fork(seed=...)` / `reseed` gives it a fresh one),
+grammar matcher, logits snapshot and perplexity. A fork reads its parent's positions
+from the parent's slot (the pool's pages for them are never written twice), so a fork
+of a long prefix costs only the positions it adds. A branch with live children cannot
+be pruned on its own (they read its slot): prune them first, or `prune_subtree()`;
+`store.retain_only(winner)` copies what the winner shares into its own slot and frees
+every other branch.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from workbench.engine.grammar import Grammar, resolve_grammar
 from workbench.engine.kv_cache import KVCache
 from workbench.engine.llm import LLM, PREFILL_CHUNK
 from workbench.engine.metrics import Perplexity
+from workbench.engine.models.llama import check_ids
 from workbench.engine.results import Alternative, TokenEvent
 from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers.stream import StreamDecoder
@@ -85,9 +89,36 @@ class BranchStore:
             branch.logits = row
 
     def prefill(self, pairs: Sequence[tuple[Branch, Sequence[int]]]) -> None:
-        """Run tokens into each branch (one prompt pass per branch)."""
-        for branch, tokens in pairs:
-            branch.prefill(tokens)
+        """Run tokens (a prompt: context, no perplexity, no grammar) into each branch at
+        its next positions, all the branches together.
+
+        The prompts go in chunks of `PREFILL_CHUNK` tokens, round by round: round r runs
+        chunk r of every branch that has one in one forward pass (the model's
+        `hidden_batch`), so N prompts of up to PREFILL_CHUNK tokens cost one pass, not N.
+        Each branch's logits are then those after its last token. The branches must be
+        distinct; everything is checked before any branch changes."""
+        jobs = [(branch, check_ids([int(t) for t in tokens], self.model.config.n_vocab))
+                for branch, tokens in pairs]
+        if len({id(b) for b, _ in jobs}) != len(jobs):
+            raise ValueError("each branch may appear once in a prefill")
+        for branch, ids in jobs:
+            branch._check_alive()
+            if branch.store is not self:
+                raise ValueError("every branch must belong to this store")
+            branch.cache.check_room(ids.size)
+        jobs = [(b, ids) for b, ids in jobs if ids.size]
+        n_rounds = max((-(-ids.size // PREFILL_CHUNK) for _, ids in jobs), default=0)
+        net = self.model._require_model()
+        with self.model._busy:
+            for r in range(n_rounds):
+                start, end = r * PREFILL_CHUNK, (r + 1) * PREFILL_CHUNK
+                batch = [(b, ids) for b, ids in jobs if ids.size > start]
+                with self.model._forward_lock:
+                    hidden = net.hidden_batch([(ids[start:end], b.cache) for b, ids in batch])
+                    for (branch, ids), h in zip(batch, hidden):  # h: (T_i, n_embd)
+                        if ids.size <= end:  # its last chunk: the logits after it
+                            branch.logits = net.logits(h[-1:])[0]
+                self.forward_passes += 1
 
     def retain_only(self, winner: Branch) -> None:
         """Keep `winner` alone: it gets a copy of what it shared, every other branch is
@@ -155,10 +186,13 @@ class Branch:
                    logprobs=logprobs, logits_processors=logits_processors)
 
     # -- tree ---------------------------------------------------------------------------------
-    def fork(self) -> Branch:
+    def fork(self, seed: int | None = None) -> Branch:
         """A child that continues from here: it shares this branch's cached positions
-        (not copied), and copies its sampler (random state too), grammar state, logits
-        and perplexity."""
+        (not copied), and copies its sampler, grammar state, logits and perplexity.
+
+        The sampler's random state is copied too (the child draws what this branch
+        would), unless `seed` is given: then the child is `reseed`ed from it, so that
+        forks of one branch draw different continuations."""
         self._check_alive()
         store = self.store
         child = Branch(store, self.cache.fork(store._lease()), copy.deepcopy(self.sampler),
@@ -169,7 +203,27 @@ class Branch:
         child.perplexity_tracker = self.perplexity_tracker.clone()
         child.parent = self
         self.children.append(child)
+        if seed is not None:
+            child.reseed(seed)
         return child
+
+    def reseed(self, seed: int) -> None:
+        """Give this branch's sampler a fresh random state from `seed` (as if it had been
+        created with that seed); nothing else changes."""
+        self._check_alive()
+        self.sampler.reseed(seed)
+
+    @property
+    def is_leaf(self) -> bool:
+        """True when no live branch forked from this one (pruned children are gone from
+        `children`): nothing reads its cache, so it can be pruned on its own."""
+        return not self.children
+
+    @property
+    def is_active(self) -> bool:
+        """True until the branch is pruned (a pruned branch's slot is free: producing,
+        committing, prefilling or forking it raises RuntimeError)."""
+        return self.alive
 
     def prune(self) -> None:
         """Remove this branch and free its slot (it must have no live children)."""

@@ -9,6 +9,7 @@ the vocabulary, so sampling stays cheap with a 150k vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,6 +31,12 @@ class Sampler:
                                  f"[0, {n_vocab})")
             bias[tok] = b
         self._bias = bias if params.logit_bias else None
+
+    def reseed(self, seed: int) -> None:
+        """Start a fresh random state from `seed`, as a sampler made with
+        `SamplingParams(seed=seed)` would (`params.seed` says so from now on)."""
+        self.params = dataclasses.replace(self.params, seed=seed)
+        self.rng = np.random.default_rng(seed)
 
     def process(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """Apply logit bias and the repetition, presence and frequency penalties (over the

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -56,8 +57,10 @@ class Gemma3Block(Block):
         self.attn = Attention(cfg, g, i, rope)
         self.ffn = FeedForward(g, i, act="gelu")
 
-    def __call__(self, x: np.ndarray, cache: LayerKVCache, start: int) -> np.ndarray:
-        a = self.attn(rms_norm(x, self.attn_norm, self.eps), cache, start)
+    def __call__(self, x: np.ndarray, caches: Sequence[LayerKVCache],
+                 counts: Sequence[int]) -> np.ndarray:
+        """Prefill of one or more sequences, as `Block.__call__`, with the post-norms."""
+        a = self.attn(rms_norm(x, self.attn_norm, self.eps), caches, counts)
         h = x + rms_norm(a, self.post_attn_norm, self.eps)
         f = self.ffn(rms_norm(h, self.ffn_norm, self.eps))
         return h + rms_norm(f, self.post_ffn_norm, self.eps)

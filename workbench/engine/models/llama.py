@@ -155,12 +155,28 @@ class Attention:
             y += self.bqkv
         return y
 
-    def __call__(self, x: np.ndarray, cache: LayerKVCache, start: int) -> np.ndarray:
-        """Prefill: T tokens of one sequence at positions start .. start + T - 1."""
+    def __call__(self, x: np.ndarray, caches: Sequence[LayerKVCache],
+                 counts: Sequence[int]) -> np.ndarray:
+        """Prefill of one or more sequences in one pass: x (sum(counts), n_embd) holds
+        `counts[i]` tokens of the sequence of `caches[i]`, at its next positions ->
+        (sum(counts), n_embd). The projections run once over all the rows; attention runs
+        per sequence on its own rows (`attend`)."""
+        q, k, v = split_heads(self.qkv(x), self.cfg, self.q_norm, self.k_norm)
+        outs, row = [], 0
+        for cache, n in zip(caches, counts):
+            rows = slice(row, row + n)
+            outs.append(self.attend(q[rows], k[rows], v[rows], cache))
+            row += n
+        return self.wo.matmul(outs[0] if len(outs) == 1 else np.concatenate(outs))
+
+    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+               cache: LayerKVCache) -> np.ndarray:
+        """One sequence's attention, before the output projection: q (T, n_head, hd) and
+        k, v (T, n_kv, hd) of T tokens at the cache's next positions (start .. start + T
+        - 1) -> (T, n_head * hd). Rotates q and k, writes k and v into the cache."""
         cfg = self.cfg
-        T = x.shape[0]
+        T, start = q.shape[0], cache.seq.offset
         n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        q, k, v = split_heads(self.qkv(x), cfg, self.q_norm, self.k_norm)
         q, k = self.rope(q, start), self.rope(k, start)
         if self.window:
             keys, values, lo = cache.update_and_fetch_window(
@@ -181,8 +197,7 @@ class Attention:
         rows = scores.reshape(-1, S)  # a view: (n_kv * group * T, S)
         layers.softmax_rows(rows, rows.max(axis=1))  # in place
         out = np.matmul(scores, values[:, None])  # (n_kv, group, T, hd)
-        out = out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)
-        return self.wo.matmul(out)
+        return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)
 
     def decode(self, x: np.ndarray, pool: KVPool, layer: int, slots: np.ndarray,
                pos: np.ndarray, src: np.ndarray | None = None) -> np.ndarray:
@@ -223,8 +238,11 @@ class Block:
         else:
             self.ffn = FeedForward(g, i)
 
-    def __call__(self, x: np.ndarray, cache: LayerKVCache, start: int) -> np.ndarray:
-        h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), cache, start)
+    def __call__(self, x: np.ndarray, caches: Sequence[LayerKVCache],
+                 counts: Sequence[int]) -> np.ndarray:
+        """Prefill: x (sum(counts), n_embd), `counts[i]` tokens of the sequence of
+        `caches[i]` (one sequence, or several in one pass: see `Attention.__call__`)."""
+        h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), caches, counts)
         return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
 
     def decode(self, x: np.ndarray, h: np.ndarray, pool: KVPool, layer: int,
@@ -286,12 +304,41 @@ class LlamaModel:
         ids = check_ids(ids, self.config.n_vocab)
         if ids.size == 1:
             return self.decode(ids, [cache])
-        start = cache.offset  # layer 0 raises ContextFullError before any write if T won't fit
+        cache.check_room(ids.size)  # ContextFullError before any write if T won't fit
         x = self._embed(ids)  # (T, n_embd)
         for block, layer_cache in zip(self.blocks, cache.layers):
-            x = block(x, layer_cache, start)
+            x = block(x, [layer_cache], [ids.size])
         cache.advance(ids)
         return rms_norm(x, self.norm, self.config.norm_eps)
+
+    def hidden_batch(self, chunks: Sequence[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
+        """Prefill several sequences in one forward pass: `chunks` holds (ids (T_i,), cache)
+        pairs, each cache of its own sequence (no two in one slot of a pool). The embedding,
+        the norms and every matrix product run once over all sum(T_i) rows; attention
+        runs per sequence on its own rows. Returns each chunk's final-normed hidden states
+        (T_i, n_embd) and appends its tokens to its cache. Bound each T_i as `hidden`'s
+        callers do (`workbench.engine.llm.PREFILL_CHUNK`): attention's scores take
+        n_head * T_i * positions floats per sequence."""
+        if not chunks:
+            return []
+        n_vocab = self.config.n_vocab
+        ids = [check_ids(t, n_vocab) for t, _ in chunks]
+        caches = [c for _, c in chunks]
+        counts = [t.size for t in ids]
+        if min(counts) == 0:
+            raise ValueError("hidden_batch needs at least one token per chunk")
+        if len({(id(c.pool), c.slot) for c in caches}) != len(caches):
+            raise ValueError("each chunk of hidden_batch needs its own sequence's cache "
+                             "(its own KV-pool slot)")
+        for c, n in zip(caches, counts):  # ContextFullError before any cache is written
+            c.check_room(n)
+        x = self._embed(np.concatenate(ids))  # (sum T_i, n_embd)
+        for i, block in enumerate(self.blocks):
+            x = block(x, [c.layers[i] for c in caches], counts)
+        for c, t in zip(caches, ids):
+            c.advance(t)
+        h = rms_norm(x, self.norm, self.config.norm_eps)
+        return np.split(h, np.cumsum(counts)[:-1])  # [(T_i, n_embd)]
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
         x = self.embed.rows(ids)  # (T, n_embd)
@@ -422,7 +469,7 @@ class LlamaModel:
         n = min(16, self.max_len)
         if n > 1:
             x = self._embed(np.arange(n) % self.config.n_vocab)
-            self.blocks[0](x, self.new_cache(n).layers[0], 0)
+            self.blocks[0](x, [self.new_cache(n).layers[0]], [n])
 
     def _warm_decode(self) -> None:
         cfg, rope = self.config, self.blocks[0].attn.rope

@@ -104,6 +104,12 @@ class DeviceLlamaModel:
         cache.advance(ids)
         return h
 
+    def hidden_batch(self, chunks) -> list:
+        """`LlamaModel.hidden_batch`'s interface: (ids (T_i,), cache) pairs -> each chunk's
+        final-normed hidden states (T_i, n_embd) on the device. A fallback: it runs
+        `hidden` once per chunk (one forward pass each), not one pass for all."""
+        return [self.hidden(ids, cache) for ids, cache in chunks]
+
     def decode(self, ids, caches, device_ids=None):
         """One token for each of N caches (of one pool): final-normed hidden states (N, D).
         `device_ids`: the same N tokens already on the device (sampled there)."""
