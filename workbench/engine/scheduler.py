@@ -282,10 +282,7 @@ class Scheduler:
             del r.pending[:n]
             budget -= n
         with llm._forward_lock:
-            if hasattr(model, "hidden_batch"):
-                hidden = model.hidden_batch([(np.asarray(ids), r.cache) for r, ids in chunks])
-            else:
-                hidden = [model.hidden(np.asarray(ids), r.cache) for r, ids in chunks]
+            hidden = model.hidden_batch([(np.asarray(ids), r.cache) for r, ids in chunks])
             for (r, _), h in zip(chunks, hidden):
                 if not r.pending:
                     r.row = llm._logits(h[-1:], on_device=True)[0]
