@@ -93,7 +93,7 @@ class Scheduler:
         self._owner: list[Request | None] = []
         self._last_used: list[int] = []
         self._clock = 0
-        self.kept: KVCache | None = None  # the cache of the last request that finished
+        self._kept: KVCache | None = None  # the cache of the last request that finished
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._cond = threading.Condition()
@@ -103,6 +103,16 @@ class Scheduler:
         self.steps = 0  # steps run (each: at most one decode and one prefill pass)
 
     # -- the callers' side -------------------------------------------------------------------
+    @property
+    def kept(self) -> KVCache | None:
+        """The cache of the last request that finished, while its slot is idle (None
+        once another request has taken the slot, or before any finished)."""
+        cache = self._kept
+        if cache is None or self._owner[cache.slot] is not None \
+                or self._caches[cache.slot] is not cache:
+            return None
+        return cache
+
     def submit(self, request: Request) -> None:
         """Queue `request`; it is admitted at the next step boundary with a free slot."""
         if len(request.ids) > self.llm.kv_cache_size:
@@ -400,7 +410,7 @@ class Scheduler:
         self._owner[slot] = None
         self._clock += 1
         self._last_used[slot] = self._clock
-        self.kept = r.cache
+        self._kept = r.cache
         r.out.put(error if error is not None else _DONE)
 
     def _fail_all(self, error: BaseException) -> None:
