@@ -191,7 +191,7 @@ def shared_prefix(base_url: str, name: str, max_tokens: int, m=None) -> None:
         order = ttfts if phase == "sequential" else sorted(ttfts)
         label = "in order sent" if phase == "sequential" else "fastest first"
         print(f"{name:<10} {phase:<10} TTFT s ({label}): " + " ".join(f"{t:.3f}" for t in order)
-              + f"   first / median of later: {order[0] / statistics.median(order[1:]):.1f}x",
+              + f"   first / median of later: {order[0] / statistics.median(order[1:]):.2f}x",
               flush=True)
         if m is not None:
             print(f"{'':<10} {phase:<10} prefilled {m.prefilled_tokens - prefilled} tokens "
