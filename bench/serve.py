@@ -51,8 +51,7 @@ import time
 
 from thread_pools import pin_thread_pools
 
-# A pause before each run: an engine's worker threads keep spinning for a while after
-# a call, which would slow the other server's next run.
+# A pause before each run: an engine's threads spin a while after a call, slowing the next.
 SETTLE_S = 0.5
 INSTALL_HINT = ("llama-cpp-python[server] is not installed, so only our server is timed; for "
                 "the side-by-side run: pip install 'llama-cpp-python[server]' (~10 min build)")
@@ -353,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
     requests = {c: args.requests or max(8, 2 * c) for c in levels}
-    print(f"{os.path.basename(m.path)}, {args.threads} threads, max_tokens {args.max_tokens}, "
+    print(f"workbench from {os.path.dirname(os.path.dirname(workbench.__file__))}: "
+          f"{os.path.basename(m.path)}, {args.threads} threads, max_tokens {args.max_tokens}, "
           f"median of {args.repeats} run(s); requests per level: "
           + ", ".join(f"{c} clients: {n}" for c, n in requests.items())
           + f"; ours max_concurrent {args.max_concurrent or 'default'}; "
