@@ -34,7 +34,7 @@ not), then 8 at once under a fresh system prompt. Printed per server: each TTFT,
 first / median-of-later ratio; for ours the prompt tokens the engine prefilled
 (`LLM.prefilled_tokens`: the measure in the concurrent phase, where later requests
 also wait for earlier ones) and this process's RSS growth across our phases. The load
-average is printed before (flagged when other processes use the cores) and after.
+is printed before (flagged when other processes use the cores) and after the run.
 Without llama-cpp-python ours is timed alone, with a hint.
 """
 
@@ -188,25 +188,32 @@ def shared_prefix(base_url: str, name: str, max_tokens: int, m=None) -> None:
             results = _all_at_once(base_url, convs, max_tokens)
         ttfts = [r["ttft"] if r["ok"] else math.nan for r in results]
         order = ttfts if phase == "sequential" else sorted(ttfts)
-        label = "in order sent" if phase == "sequential" else "fastest first"
-        print(f"{name:<10} {phase:<10} TTFT s ({label}): " + " ".join(f"{t:.3f}" for t in order)
+        print(f"{name:<10} {phase:<10} TTFT s ("
+              + ("in order sent" if phase == "sequential" else "fastest first") + "): "
+              + " ".join(f"{t:.3f}" for t in order)
               + f"   first / median of later: {order[0] / statistics.median(order[1:]):.2f}x",
               flush=True)
         if m is not None:
             print(f"{'':<10} {phase:<10} prefilled {m.prefilled_tokens - prefilled} tokens "
                   f"for 8 prompts of {results[0].get('prompt_tokens')} tokens each", flush=True)
     if m is not None:
-        print(f"{'':<10} RSS growth across our two phases: {_rss_mib() - rss0:+.1f} MiB "
-              "(both servers share this process)", flush=True)
+        print(f"{'':<10} RSS growth across our phases: {_rss_mib() - rss0:+.1f} MiB", flush=True)
 
 
 def _load_line(when: str) -> str:
-    """The 1-minute load average; before the run, flagged when other work uses the cores
-    (after it, the bench's own load is in it)."""
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    busy = "  <- other processes are using the cores: numbers are not comparable" \
-        if when == "before" and load > 0.5 * cores else ""
-    return f"load average {when}: {load:.2f} on {cores} cores{busy}"
+    """The 1-minute load average; before the run also the cores' busy share over one
+    second (psutil), flagged above 50% (or a load above half the cores without psutil):
+    other processes then share the cores and the numbers are not comparable."""
+    load, cores, busy = os.getloadavg()[0], os.cpu_count() or 1, None
+    try:
+        import psutil
+        busy = psutil.cpu_percent(interval=1) / 100 if when == "before" else None
+    except ImportError:
+        pass
+    flag = when == "before" and (busy if busy is not None else load / cores) > 0.5
+    return (f"{when}: load average {load:.2f} on {cores} cores"
+            + (f", {busy:.0%} busy over 1 s" if busy is not None else "")
+            + ("  <- other processes use the cores: numbers not comparable" if flag else ""))
 
 
 def _all_at_once(base_url: str, convs: list[list[dict]], max_tokens: int) -> list[dict]:
@@ -277,7 +284,7 @@ class LlamaCppServer:
 
 def print_level(runs: dict, names: list[str], level: int) -> None:
     """One table block: per server, the medians over repeats at `level` clients."""
-    print(f"{'server':<10} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
+    print(f"\n{'server':<10} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
           f"{'tok/req':>8} {'errors':>6}")
     for name in names:
         rs = runs[name, level]
@@ -289,7 +296,7 @@ def print_level(runs: dict, names: list[str], level: int) -> None:
               f"{sum(r['errors'] for r in rs):>6}", flush=True)
 
 
-def print_summary(runs: dict, names: list[str]) -> None:
+def print_summary(runs: dict) -> None:
     """Issue 30's three target ratios, PASS or FAIL (n/a when a level was not run)."""
     def med(name: str, level: int, key: str) -> float | None:
         rs = runs.get((name, level))
@@ -307,11 +314,8 @@ def print_summary(runs: dict, names: list[str]) -> None:
     ours = "workbench"
     line("ours tok/s: 8 clients / 1 client", med(ours, 8, "tok_s"), med(ours, 1, "tok_s"),
          2.0, True)
-    if "llama.cpp" in names:
-        line("tok/s at 8 clients: ours / llama.cpp", med(ours, 8, "tok_s"),
-             med("llama.cpp", 8, "tok_s"), 1.5, True)
-    else:
-        print(f"  {'tok/s at 8 clients: ours / llama.cpp':<44} n/a (no llama-cpp-python)")
+    line("tok/s at 8 clients: ours / llama.cpp", med(ours, 8, "tok_s"),
+         med("llama.cpp", 8, "tok_s"), 1.5, True)
     line("ours TTFT: p95 at 8 clients / p50 at 1", med(ours, 8, "p95"), med(ours, 1, "p50"),
          3.0, False)
     p95 = (med(ours, 8, "p95"), med(ours, 1, "p95"))
@@ -340,9 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     import workbench
     from workbench import LLM
 
-    levels = list(dict.fromkeys(int(c) for c in args.concurrency.split(",")))
-    if args.shared_prefix == "only":
-        levels = []
+    levels = [] if args.shared_prefix == "only" else \
+        list(dict.fromkeys(int(c) for c in args.concurrency.split(",")))
     m = LLM.load(args.model)
     extra = {} if args.max_concurrent is None else {"max_concurrent": args.max_concurrent}
     servers = {"workbench": workbench.serve(m, model_id="m", port=0,
@@ -356,8 +359,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.path.basename(m.path)}, {args.threads} threads, max_tokens {args.max_tokens}, "
           f"median of {args.repeats} run(s); requests per level: "
           + ", ".join(f"{c} clients: {n}" for c, n in requests.items())
-          + f"; ours max_concurrent {args.max_concurrent or 'default'}; "
-          + _load_line("before"))
+          + f"; ours max_concurrent {args.max_concurrent or 'default'}\n" + _load_line("before"))
     runs: dict[tuple[str, int], list[dict]] = {}
     try:
         for name, server in servers.items():  # warm-up
@@ -373,14 +375,12 @@ def main(argv: list[str] | None = None) -> int:
                     run = run_level(servers[name].base_url, level, requests[level],
                                     args.max_tokens, f"c{level}r{rep}")
                     runs.setdefault((name, level), []).append(run)
-                    print(f"{name}, {level} clients, run {rep + 1}: {run['tok_s']:.1f} tok/s",
-                          file=sys.stderr, flush=True)
-            print()
+                    print(f"{name}, {level} clients: {run['tok_s']:.1f} tok/s", file=sys.stderr)
             print_level(runs, list(servers), level)
         if levels:
             if any(not r["usage"] for rs in runs.values() for r in rs):
                 print("* no usage chunk from this server: tokens are its content chunks")
-            print_summary(runs, list(servers))
+            print_summary(runs)
         if args.shared_prefix != "off":
             print(f"\nshared prefix: 8 requests with one ~1,000-token system prompt, "
                   f"max_tokens {min(args.max_tokens, 16)}")
