@@ -1,31 +1,47 @@
-"""Serving throughput: our OpenAI-compatible server against llama-cpp-python's, side by side.
+"""Serving under concurrent load: our OpenAI-compatible server against llama_cpp.server.
 
     pip install 'llama-cpp-python[server]'   # builds llama.cpp from source (~10 min on 2 cores)
-    python bench/serve.py [--model smollm2-135m] [--threads 2] [--concurrency 1,4,16]
-                          [--requests 16] [--max-tokens 32] [--repeats 1]
+    python bench/serve.py [--model smollm2-135m] [--threads 2] [--concurrency 1,4,8,16]
+                          [--requests N] [--max-tokens 32] [--repeats 1]
+                          [--max-concurrent K] [--shared-prefix after|only|off]
 
-Both servers run in this process, each on an ephemeral 127.0.0.1 port, over the
-same GGUF with the same thread count and one generation at a time (ours:
-`workbench.serve(max_concurrent=1)` with a queue longer than the most clients;
-llama_cpp.server serializes requests itself). After one warm-up request each,
-every concurrency level sends `--requests` non-streaming chat completions from
-that many client threads (one keep-alive connection each): a short user message
-that differs per request ("Name a fruit. (#i)"), greedy (temperature 0,
-repeat_penalty 1.0 since llama_cpp.server defaults to 1.1), `--max-tokens` each.
-Runs alternate between the two servers and are repeated `--repeats` times.
+Both servers run in this process, one at a time, each on an ephemeral 127.0.0.1 port,
+over the same GGUF with the same thread count. Ours is `workbench.serve(m)` with the
+server's default `max_concurrent` (`--max-concurrent` sets another); llama_cpp.server
+runs one generation at a time, started with `interrupt_requests=False` (its default
+ends a running stream with [DONE] as soon as another request waits).
 
-Printed, one block of rows as each level finishes: per server, the medians over
-repeats of requests/s, p50 and p99 request latency (p99 of a few requests is
-close to the slowest), generated tokens/s (completion tokens over wall time) and
-tokens per request (greedy answers can differ between the engines, and so can
-their lengths), the non-200 answers summed over all repeats (expected: 0), and
-ours / llama.cpp for requests/s; then how many requests got the same text from
-both servers. Without llama-cpp-python it prints why and times ours alone.
+Levels: for each client count, that many threads in a closed loop, each with its own
+`openai.OpenAI` client, send `--requests` streaming chat completions (default
+max(8, 2 x clients)): greedy, repeat_penalty 1.0 (llama_cpp.server defaults to 1.1),
+`--max-tokens` each, `stream_options={"include_usage": True}`. User messages mix
+lengths (a question alone, or after ~40, ~100 or ~200 tokens of a fixed text, by
+request index) and start with a tag unique to level, run and request, so none repeats
+or shares more than the template with the one before. TTFT: from sending to the first
+chunk with content. Completion tokens: the final usage chunk's; a server that sends
+none (llama_cpp.server ignores `stream_options`) is counted by content chunks, marked
+`*`. Runs alternate the servers' order across `--repeats`; per level the table shows
+medians over repeats of aggregate completion tokens/s (all tokens / wall time), TTFT
+p50 and p95 (nearest rank: with 8 or 16 requests p95 is the slowest), tokens per
+request, and failed requests summed over repeats (expected: 0). Then issue 30's
+targets, PASS or FAIL: ours@8 / ours@1 tok/s >= 2.0, ours@8 / llama.cpp@8 tok/s >= 1.5,
+ours p95 TTFT@8 / p50 TTFT@1 <= 3 (and p95@8 / p95@1 for reference).
+
+Shared prefix (`--shared-prefix after`, the default, runs it after the levels; `only`
+alone): a ~1,000-token system prompt of fixed text, 8 requests with it and different
+short questions, one after another (the first pays the prefill, later ones should
+not), then 8 at once under a fresh system prompt. Printed per server: each TTFT, the
+first / median-of-later ratio; for ours the prompt tokens the engine prefilled
+(`LLM.prefilled_tokens`: the measure in the concurrent phase, where later requests
+also wait for earlier ones) and this process's RSS growth across our phases. The load
+is printed before (flagged when other processes use the cores) and after the run.
+Without llama-cpp-python ours is timed alone, with a hint.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import statistics
@@ -35,134 +51,197 @@ import time
 
 from thread_pools import pin_thread_pools
 
-# A pause before each run: an engine's worker threads keep spinning for a while after
-# a call, which would slow the other server's next run.
+# A pause before each run: an engine's threads spin a while after a call, slowing the next.
 SETTLE_S = 0.5
-HEADER = (f"{'server':<10} {'clients':>7} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} "
-          f"{'tok/s':>7} {'tok/req':>7} {'non-200':>7} {'ratio':>6}")
-INSTALL_HINT = ("llama-cpp-python[server] is not installed, so only our server is timed; "
-                "for the side-by-side run:\n"
-                "    pip install 'llama-cpp-python[server]'\n"
-                "(it builds llama.cpp from source: about 10 minutes on 2 cores)")
+INSTALL_HINT = ("llama-cpp-python[server] is not installed, so only our server is timed; for "
+                "the side-by-side run: pip install 'llama-cpp-python[server]' (~10 min build)")
+TEXT = ("The harbour town woke early. Fishing boats slid out past the breakwater while "
+        "the bakery on the corner pulled the first trays of bread from its ovens, and the "
+        "smell drifted down to the quay where gulls argued over scraps. By seven the market "
+        "stalls were up: crates of mackerel on ice, bunches of carrots with soil still on "
+        "them, jars of honey from the hills behind the town, and a man selling rope and "
+        "hooks who had sold rope and hooks from the same spot for forty years. The "
+        "schoolchildren crossed the square in twos and threes, the church bell rang the "
+        "hour a minute late as it always did, and the ferry from the island sounded its "
+        "horn as it rounded the point, bringing the post, two tourists, and a crate of "
+        "chickens that nobody admitted to having ordered.").split()
+QUESTIONS = ("Name a fruit.", "What colour is the sky?", "Count to five.",
+             "Give a word that rhymes with boat.", "What is two plus three?",
+             "Name a large animal.", "Say hello in French.", "Name a month of the year.")
+CONTEXT_WORDS = (0, 30, 75, 150)  # ~0, 40, 100 and 200 tokens before the question
+RULES = ("Answer in one short sentence unless the user asks for more detail.",
+         "Prefer plain words to jargon, and explain any technical term you must use.",
+         "If a question is ambiguous, state the reading you chose before answering it.",
+         "Never invent facts: say that you do not know when you are not sure.",
+         "Quote numbers with their units, and round them to a sensible precision.",
+         "Keep lists to at most five items, each on its own line.")
+SYSTEM_RULES = 48  # numbered rules in the shared system prompt: about 1,000 tokens
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="alias or .gguf path")
-    p.add_argument("--threads", type=int, default=2, help="threads of both engines")
-    p.add_argument("--concurrency", default="1,4,16", help="client threads per level")
-    p.add_argument("--requests", type=int, default=16, help="requests per level and run")
-    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request")
-    p.add_argument("--repeats", type=int, default=1, help="runs per level (medians)")
-    p.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp's context size")
-    args = p.parse_args(argv)
-    pin_thread_pools(args.threads)  # before NumPy and Numba load
-
-    import workbench
-    from workbench import LLM
-
-    levels = list(dict.fromkeys(int(c) for c in args.concurrency.split(",")))
-    m = LLM.load(args.model)
-    servers = {"workbench": workbench.serve(m, model_id="m", port=0, max_concurrent=1,
-                                            max_queue=max(levels) + 1)}
-    try:
-        servers["llama.cpp"] = LlamaCppServer(str(m.path), args.threads, args.n_ctx)
-    except ImportError:
-        print(INSTALL_HINT, file=sys.stderr)
-    print(f"{os.path.basename(m.path)}, {args.threads} threads, {args.requests} requests "
-          f"per level, max_tokens {args.max_tokens}, median of {args.repeats} run(s)")
-    runs: dict[tuple[str, int], list[dict]] = {}
-    texts: dict[str, dict[int, str]] = {name: {} for name in servers}
-    try:
-        for name, server in servers.items():
-            status, _, _, _ = _request(server.base_url, None, 0, args.max_tokens)  # warm-up
-            if status != 200:
-                print(f"{name}: the warm-up request got {status}", file=sys.stderr)
-        print(HEADER, flush=True)
-        for level in levels:
-            for r in range(args.repeats):
-                order = list(servers) if r % 2 == 0 else list(reversed(servers))
-                for name in order:
-                    time.sleep(SETTLE_S)
-                    run = _run(servers[name].base_url, level, args.requests, args.max_tokens)
-                    runs.setdefault((name, level), []).append(run)
-                    texts[name].update(run.pop("texts"))
-                    print(f"{name}, {level} clients, run {r + 1}: {run['rps']:.2f} req/s",
-                          file=sys.stderr, flush=True)
-            _print_level(runs, list(servers), level)
-    finally:
-        for name, server in servers.items():
-            server.stop()
-            if server.is_running:
-                print(f"{name}: the server thread did not stop", file=sys.stderr)
-    if "llama.cpp" in servers:
-        print("ratio = workbench / llama.cpp requests/s (higher is better)")
-    if len(texts) == 2:
-        a, b = texts.values()
-        same = sum(a[i] == b.get(i) for i in a)
-        print(f"same text from both servers: {same} of {len(a)} requests")
-    return 0
+def user_message(tag: str, i: int) -> str:
+    """Request i's user message: a unique tag, 0-150 words of TEXT (by i), a question."""
+    words = CONTEXT_WORDS[i % len(CONTEXT_WORDS)]
+    context = " ".join(TEXT[(i + k) % len(TEXT)] for k in range(words))
+    question = QUESTIONS[(i // len(CONTEXT_WORDS)) % len(QUESTIONS)]
+    return f"[{tag}#{i}] " + (f"Read this: {context}\n\n" if context else "") + question
 
 
-def _request(base_url: str, client, i: int, max_tokens: int) -> tuple[int, float, int, str]:
-    """One chat completion: (HTTP status or 0 on a transport error, seconds, completion
-    tokens, text)."""
-    import httpx
+def system_prompt(tag: str) -> str:
+    """The shared-prefix test's long system prompt: a tag, then SYSTEM_RULES fixed rules."""
+    lines = [f"Rule {k + 1}: {RULES[k % len(RULES)]}" for k in range(SYSTEM_RULES)]
+    return f"Session {tag}. You are a careful assistant. Follow these rules.\n" + \
+        "\n".join(lines)
 
-    body = {"model": "m", "temperature": 0, "repeat_penalty": 1.0, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": f"Name a fruit. (#{i})"}]}
+
+def stream_chat(client, messages: list[dict], max_tokens: int) -> dict:
+    """One streaming chat completion. Returns ok, status (0: transport error), ttft (s),
+    tokens (usage's completion_tokens, else the count of content chunks), usage (whether
+    the server sent usage), prompt_tokens (usage's, else None) and seconds."""
+    import openai
+
     start = time.perf_counter()
+    ttft, chunks, usage, prompt = None, 0, None, None
     try:
-        if client is None:
-            r = httpx.post(f"{base_url}/chat/completions", json=body, timeout=600)
-        else:
-            r = client.post(f"{base_url}/chat/completions", json=body)
-    except httpx.HTTPError as exc:
-        print(f"request {i}: {exc!r}", file=sys.stderr)
-        return 0, time.perf_counter() - start, 0, ""
-    seconds = time.perf_counter() - start
-    if r.status_code != 200:
-        print(f"request {i}: {r.status_code} {r.text[:200]}", file=sys.stderr)
-        return r.status_code, seconds, 0, ""
-    data = r.json()
-    return 200, seconds, data["usage"]["completion_tokens"], \
-        data["choices"][0]["message"]["content"]
+        stream = client.chat.completions.create(
+            model="m", messages=messages, stream=True, stream_options={"include_usage": True},
+            temperature=0, max_tokens=max_tokens, extra_body={"repeat_penalty": 1.0})
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+            for choice in chunk.choices:
+                if choice.delta is not None and choice.delta.content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    chunks += 1
+    except openai.APIStatusError as exc:
+        print(f"  {exc.status_code}: {str(exc)[:200]}", file=sys.stderr)
+        return {"ok": False, "status": exc.status_code}
+    except openai.APIError as exc:
+        print(f"  transport error: {exc!r}", file=sys.stderr)
+        return {"ok": False, "status": 0}
+    return {"ok": True, "status": 200, "ttft": ttft if ttft is not None else math.nan,
+            "tokens": usage if usage is not None else chunks, "usage": usage is not None,
+            "prompt_tokens": prompt, "seconds": time.perf_counter() - start}
 
 
-def _run(base_url: str, clients: int, n: int, max_tokens: int) -> dict:
-    """`n` requests from `clients` threads, each taking the next request index in turn."""
-    import httpx
+def _client(base_url: str):
+    import openai
 
-    results: list[tuple[int, tuple[int, float, int, str]]] = []
+    return openai.OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
+
+
+def run_level(base_url: str, clients: int, n: int, max_tokens: int, tag: str) -> dict:
+    """`n` requests from `clients` threads in a closed loop, each taking the next request
+    index in turn; aggregate tok/s, TTFT p50/p95, tokens per request, failures."""
+    results: list[dict] = []
     lock = threading.Lock()
     todo = iter(range(n))
 
-    def client() -> None:
-        with httpx.Client(timeout=600) as http:
+    def worker() -> None:
+        with _client(base_url) as client:
             while True:
                 with lock:
                     i = next(todo, None)
                 if i is None:
                     return
-                result = _request(base_url, http, i, max_tokens)
+                msgs = [{"role": "user", "content": user_message(tag, i)}]
+                result = stream_chat(client, msgs, max_tokens)
                 with lock:
-                    results.append((i, result))
+                    results.append(result)
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    ok = sorted(seconds for _, (status, seconds, _, _) in results if status == 200)
-    return {"rps": n / wall,
-            "p50": statistics.median(ok) if ok else float("nan"),
-            "p99": ok[min(len(ok) - 1, round(0.99 * (len(ok) - 1)))] if ok else float("nan"),
-            "tok_s": sum(r[2] for _, r in results) / wall,
-            "tok_req": sum(r[2] for _, r in results) / max(1, len(ok)),
-            "errors": n - len(ok),
-            "texts": {i: r[3] for i, r in results if r[0] == 200}}
+    ok = [r for r in results if r["ok"]]
+    ttfts = sorted(r["ttft"] for r in ok)
+    tokens = sum(r["tokens"] for r in ok)
+    return {"tok_s": tokens / wall, "p50": _percentile(ttfts, 50), "p95": _percentile(ttfts, 95),
+            "tok_req": tokens / max(1, len(ok)), "errors": n - len(ok),
+            "usage": all(r["usage"] for r in ok)}
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (nan when empty)."""
+    if not sorted_values:
+        return math.nan
+    return sorted_values[max(0, math.ceil(q / 100 * len(sorted_values)) - 1)]
+
+
+def shared_prefix(base_url: str, name: str, max_tokens: int, m=None) -> None:
+    """The shared-prefix test against one server: 8 requests one after another, then 8
+    at once, each phase under its own ~1,000-token system prompt; `m` (ours) adds the
+    engine's prefilled-token count and this process's RSS growth."""
+    rss0 = _rss_mib()
+    for phase in ("sequential", "concurrent"):
+        system = {"role": "system", "content": system_prompt(f"{name}-{phase}")}
+        convs = [[system, {"role": "user", "content": q}] for q in QUESTIONS]
+        prefilled = m.prefilled_tokens if m is not None else 0
+        time.sleep(SETTLE_S)
+        if phase == "sequential":
+            with _client(base_url) as client:
+                results = [stream_chat(client, conv, max_tokens) for conv in convs]
+        else:
+            results = _all_at_once(base_url, convs, max_tokens)
+        ttfts = [r["ttft"] if r["ok"] else math.nan for r in results]
+        order = ttfts if phase == "sequential" else sorted(ttfts)
+        print(f"{name:<10} {phase:<10} TTFT s ("
+              + ("in order sent" if phase == "sequential" else "fastest first") + "): "
+              + " ".join(f"{t:.3f}" for t in order)
+              + f"   first / median of later: {order[0] / statistics.median(order[1:]):.2f}x",
+              flush=True)
+        if m is not None:
+            print(f"{'':<10} {phase:<10} prefilled {m.prefilled_tokens - prefilled} tokens "
+                  f"for 8 prompts of {results[0].get('prompt_tokens')} tokens each", flush=True)
+    if m is not None:
+        print(f"{'':<10} RSS growth across our phases: {_rss_mib() - rss0:+.1f} MiB", flush=True)
+
+
+def _load_line(when: str) -> str:
+    """The 1-minute load average; before the run also the cores' busy share over one
+    second (psutil), flagged above 50% (or a load above half the cores without psutil):
+    other processes then share the cores and the numbers are not comparable."""
+    load, cores, busy = os.getloadavg()[0], os.cpu_count() or 1, None
+    try:
+        import psutil
+        busy = psutil.cpu_percent(interval=1) / 100 if when == "before" else None
+    except ImportError:
+        pass
+    flag = when == "before" and (busy if busy is not None else load / cores) > 0.5
+    return (f"{when}: load average {load:.2f} on {cores} cores"
+            + (f", {busy:.0%} busy over 1 s" if busy is not None else "")
+            + ("  <- other processes use the cores: numbers not comparable" if flag else ""))
+
+
+def _all_at_once(base_url: str, convs: list[list[dict]], max_tokens: int) -> list[dict]:
+    """One request per conversation, each from its own thread, released together."""
+    results: list = [None] * len(convs)
+    barrier = threading.Barrier(len(convs))
+
+    def one(k: int) -> None:
+        with _client(base_url) as client:
+            barrier.wait()
+            results[k] = stream_chat(client, convs[k], max_tokens)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(convs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def _rss_mib() -> float:
+    """This process's resident memory in MiB (psutil, else /proc/self/statm)."""
+    try:
+        import psutil
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class LlamaCppServer:
@@ -176,7 +255,8 @@ class LlamaCppServer:
 
         model = ModelSettings(model=path, model_alias="m", n_ctx=n_ctx, n_threads=threads,
                               n_threads_batch=threads, verbose=False)
-        app = create_app(server_settings=ServerSettings(), model_settings=[model])
+        app = create_app(server_settings=ServerSettings(interrupt_requests=False),
+                         model_settings=[model])
         self._socket = socket.create_server(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{self._socket.getsockname()[1]}/v1"
         config = uvicorn.Config(app, log_level="warning", lifespan="off",
@@ -202,18 +282,118 @@ class LlamaCppServer:
         self._socket.close()
 
 
-def _print_level(runs: dict[tuple[str, int], list[dict]], names: list[str], level: int) -> None:
-    def med(name: str, key: str) -> float:
-        return statistics.median(run[key] for run in runs[name, level])
-
+def print_level(runs: dict, names: list[str], level: int) -> None:
+    """One table block: per server, the medians over repeats at `level` clients."""
+    print(f"\n{'server':<10} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
+          f"{'tok/req':>8} {'errors':>6}")
     for name in names:
-        ratio = ""
-        if name == "workbench" and "llama.cpp" in names:
-            ratio = f"{med(name, 'rps') / med('llama.cpp', 'rps'):6.2f}"
-        errors = sum(run["errors"] for run in runs[name, level])
-        print(f"{name:<10} {level:>7} {med(name, 'rps'):>7.2f} {med(name, 'p50'):>7.2f} "
-              f"{med(name, 'p99'):>7.2f} {med(name, 'tok_s'):>7.1f} {med(name, 'tok_req'):>7.1f} "
-              f"{errors:>7} {ratio:>6}", flush=True)
+        rs = runs[name, level]
+        med = {k: statistics.median(r[k] for r in rs)
+               for k in ("tok_s", "p50", "p95", "tok_req")}
+        mark = "" if all(r["usage"] for r in rs) else "*"
+        print(f"{name:<10} {level:>7} {med['tok_s']:>8.1f} {med['p50']:>8.3f}s "
+              f"{med['p95']:>8.3f}s {med['tok_req']:>7.1f}{mark:1} "
+              f"{sum(r['errors'] for r in rs):>6}", flush=True)
+
+
+def print_summary(runs: dict) -> None:
+    """Issue 30's three target ratios, PASS or FAIL (n/a when a level was not run)."""
+    def med(name: str, level: int, key: str) -> float | None:
+        rs = runs.get((name, level))
+        return statistics.median(r[key] for r in rs) if rs else None
+
+    def line(text: str, a: float | None, b: float | None, target: float, at_least: bool) -> None:
+        if a is None or b is None or not b:
+            print(f"  {text:<44} n/a")
+            return
+        ok = a / b >= target if at_least else a / b <= target
+        print(f"  {text:<44} {a / b:6.2f}  (target {'>=' if at_least else '<='} {target})  "
+              f"{'PASS' if ok else 'FAIL'}")
+
+    print("\nsummary (issue 30 targets)")
+    ours = "workbench"
+    line("ours tok/s: 8 clients / 1 client", med(ours, 8, "tok_s"), med(ours, 1, "tok_s"),
+         2.0, True)
+    line("tok/s at 8 clients: ours / llama.cpp", med(ours, 8, "tok_s"),
+         med("llama.cpp", 8, "tok_s"), 1.5, True)
+    line("ours TTFT: p95 at 8 clients / p50 at 1", med(ours, 8, "p95"), med(ours, 1, "p50"),
+         3.0, False)
+    p95 = (med(ours, 8, "p95"), med(ours, 1, "p95"))
+    if None not in p95 and p95[1]:
+        print(f"  {'ours TTFT: p95 at 8 clients / p95 at 1':<44} {p95[0] / p95[1]:6.2f}"
+              "  (for reference)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="alias or .gguf path")
+    p.add_argument("--threads", type=int, default=2, help="threads of both engines")
+    p.add_argument("--concurrency", default="1,4,8,16", help="client threads per level")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per level and run (default max(8, 2 x clients))")
+    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request")
+    p.add_argument("--repeats", type=int, default=1, help="runs per level (medians)")
+    p.add_argument("--max-concurrent", type=int, default=None,
+                   help="our server's max_concurrent (default: the server's default)")
+    p.add_argument("--shared-prefix", choices=("after", "only", "off"), default="after",
+                   help="the shared-prefix test: after the levels, alone, or not at all")
+    p.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp's context size")
+    args = p.parse_args(argv)
+    pin_thread_pools(args.threads)  # before NumPy and Numba load
+
+    import workbench
+    from workbench import LLM
+
+    levels = [] if args.shared_prefix == "only" else \
+        list(dict.fromkeys(int(c) for c in args.concurrency.split(",")))
+    m = LLM.load(args.model)
+    extra = {} if args.max_concurrent is None else {"max_concurrent": args.max_concurrent}
+    servers = {"workbench": workbench.serve(m, model_id="m", port=0,
+                                            max_queue=max(levels + [8]) + 1, **extra)}
+    try:
+        servers["llama.cpp"] = LlamaCppServer(str(m.path), args.threads, args.n_ctx)
+    except ImportError:
+        print(INSTALL_HINT, file=sys.stderr)
+    requests = {c: args.requests or max(8, 2 * c) for c in levels}
+    print(f"workbench from {os.path.dirname(os.path.dirname(workbench.__file__))}: "
+          f"{os.path.basename(m.path)}, {args.threads} threads, max_tokens {args.max_tokens}, "
+          f"median of {args.repeats} run(s); requests per level: "
+          + ", ".join(f"{c} clients: {n}" for c, n in requests.items())
+          + f"; ours max_concurrent {args.max_concurrent or 'default'}\n" + _load_line("before"))
+    runs: dict[tuple[str, int], list[dict]] = {}
+    try:
+        for name, server in servers.items():  # warm-up
+            with _client(server.base_url) as client:
+                r = stream_chat(client, [{"role": "user", "content": "Hi."}], args.max_tokens)
+            if not r["ok"]:
+                print(f"{name}: the warm-up request failed ({r['status']})", file=sys.stderr)
+        for level in levels:
+            for rep in range(args.repeats):
+                order = list(servers) if rep % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    time.sleep(SETTLE_S)
+                    run = run_level(servers[name].base_url, level, requests[level],
+                                    args.max_tokens, f"c{level}r{rep}")
+                    runs.setdefault((name, level), []).append(run)
+                    print(f"{name}, {level} clients: {run['tok_s']:.1f} tok/s", file=sys.stderr)
+            print_level(runs, list(servers), level)
+        if levels:
+            if any(not r["usage"] for rs in runs.values() for r in rs):
+                print("* no usage chunk from this server: tokens are its content chunks")
+            print_summary(runs)
+        if args.shared_prefix != "off":
+            print(f"\nshared prefix: 8 requests with one ~1,000-token system prompt, "
+                  f"max_tokens {min(args.max_tokens, 16)}")
+            for name, server in servers.items():
+                shared_prefix(server.base_url, name, min(args.max_tokens, 16),
+                              m if name == "workbench" else None)
+    finally:
+        print(_load_line("after"))
+        for name, server in servers.items():
+            server.stop()
+            if server.is_running:
+                print(f"{name}: the server thread did not stop", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
