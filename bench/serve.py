@@ -2,7 +2,7 @@
 
     pip install 'llama-cpp-python[server]'   # builds llama.cpp from source (~10 min on 2 cores)
     python bench/serve.py [--model smollm2-135m] [--threads 2] [--concurrency 1,4,8,16]
-                          [--requests N] [--max-tokens 32] [--repeats 1]
+                          [--requests N] [--max-tokens 128] [--repeats 1]
                           [--max-concurrent K] [--shared-prefix after|only|off]
 
 Both servers run in this process, one at a time, each on an ephemeral 127.0.0.1 port,
@@ -14,7 +14,9 @@ ends a running stream with [DONE] as soon as another request waits).
 Levels: for each client count, that many threads in a closed loop, each with its own
 `openai.OpenAI` client, send `--requests` streaming chat completions (default
 max(8, 2 x clients)): greedy, repeat_penalty 1.0 (llama_cpp.server defaults to 1.1),
-`--max-tokens` each, `stream_options={"include_usage": True}`. User messages mix
+`--max-tokens` each (128: greedy SmolLM2 answers these in ~35 tokens on average, so
+few are cut; a cap of 32 cuts most and leaves the run mostly prompt reading),
+`stream_options={"include_usage": True}`. User messages mix
 lengths (a question alone, or after ~40, ~100 or ~200 tokens of a fixed text, by
 request index) and start with a tag unique to level, run and request, so none repeats
 or shares more than the template with the one before. TTFT: from sending to the first
@@ -331,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4,8,16", help="client threads per level")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per level and run (default max(8, 2 x clients))")
-    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request")
     p.add_argument("--repeats", type=int, default=1, help="runs per level (medians)")
     p.add_argument("--max-concurrent", type=int, default=None,
                    help="our server's max_concurrent (default: the server's default)")

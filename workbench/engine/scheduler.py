@@ -266,8 +266,10 @@ class Scheduler:
                 rows = model.logits(model.decode(tokens, caches))
             else:
                 device_ids = [r.seq.device_token for r, _ in feed]
-                if len(feed) == 1 and device_ids[0] is not None:  # a recorded step
-                    rows = [model.step_logits(int(tokens[0]), caches[0], device_ids[0])]
+                if model.records_steps and all(d is not None for d in device_ids):
+                    # one recorded step per sequence beats one batch launched op by op
+                    rows = [model.step_logits(int(t), c, d)
+                            for t, c, d in zip(tokens, caches, device_ids)]
                 else:
                     on_device = (None if any(d is None for d in device_ids)
                                  else llm.backend.xp.concatenate(device_ids))

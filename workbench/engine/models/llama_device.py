@@ -148,6 +148,14 @@ class DeviceLlamaModel:
         return rms_norm(x, self.norm, cfg.norm_eps, be.xp)
 
     # -- decoding one sequence, recorded ---------------------------------------------------
+    @property
+    def records_steps(self) -> bool:
+        """Whether `step_logits` replays a recording (one launch per token). A batched
+        `decode` is not recorded: it launches every kernel from Python, so on such a
+        backend one recorded step per sequence is faster than one batched step for
+        all (measured on an H100: 2.5 ms against 38 ms)."""
+        return self._recording
+
     def step_logits(self, token: int, cache, device_token):
         """Feed one sampled token (`token` on the host, `device_token` the same id still
         on the device, shape (1,)) at the cache's next position; return the logits
