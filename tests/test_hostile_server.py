@@ -284,6 +284,19 @@ def test_a_key_no_client_can_send_is_refused(smollm2):
             workbench.serve(smollm2, port=0, api_key=key)
 
 
+def test_a_mapping_of_options_is_refused(smollm2):
+    """A seed-style `serve({...})` of options is refused, naming the keyword arguments,
+    instead of serving models called "port" and "modelId"; a real mapping serves."""
+    import workbench
+
+    for options in ({"engine": smollm2, "port": 8080, "modelId": "m"},
+                    {"m": smollm2, "port": 0}, {1: smollm2}):
+        with pytest.raises(TypeError, match=r"keyword arguments: serve\(engine, model_id="):
+            workbench.serve(options, port=0)
+    with workbench.serve({"a": smollm2, "b": smollm2}, port=0) as s:
+        assert s.models == ["a", "b"]
+
+
 def test_docs_and_health_details_need_the_key(server, smollm2):
     import workbench
 

@@ -53,6 +53,29 @@ def test_perplexity_tracker():
         ppl.add(0.5)
 
 
+def test_perplexity_from_surprisals_and_reset():
+    """lloyal's tracker: surprisals in, the same perplexity as from log-probabilities;
+    `reset` starts over."""
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((5, 50)).astype(np.float32)
+    tokens = rng.integers(0, 50, 5)
+    by_surprisal, by_logprob = Perplexity(), Perplexity()
+    for row, token in zip(logits, tokens):
+        s = model_surprisal(int(token), row)
+        by_surprisal.add_surprisal(s)
+        by_logprob.add(-s)
+    assert by_surprisal.get() == pytest.approx(by_logprob.get())
+    assert by_surprisal.get() > 1.0
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="surprisal"):
+            by_surprisal.add_surprisal(bad)
+    assert by_surprisal.count == 5
+    by_surprisal.reset()
+    assert by_surprisal.count == 0 and by_surprisal.get() == 1.0
+    by_surprisal.add_surprisal(math.log(4.0))
+    assert by_surprisal.get() == pytest.approx(4.0)
+
+
 @pytest.mark.slow
 def test_event_entropy_matches_model_entropy(smollm2):
     ids = smollm2.tokenize("The capital of France is")

@@ -53,8 +53,10 @@ class Perplexity:
     """Running perplexity of a sequence: exp(mean surprisal in nats) of the tokens added.
 
     `add(logprob)` takes a token's log-probability (natural log, as
-    `TokenEvent.logprob`); `get()` is 1.0 for a certain sequence and grows as
-    the model is surprised; `clone()` copies it (for a branch).
+    `TokenEvent.logprob`), `add_surprisal(s)` its surprisal instead (-log p in
+    nats, as `model_surprisal` gives: lloyal's `addSurprisal`); `get()` is 1.0
+    for a certain sequence and grows as the model is surprised; `clone()` copies
+    it (for a branch) and `reset()` starts it over.
     """
 
     def __init__(self) -> None:
@@ -62,10 +64,23 @@ class Perplexity:
         self.count = 0
 
     def add(self, logprob: float) -> None:
+        """Count a token by its log-probability (natural log, <= 0)."""
         if not logprob <= 0.0:  # also refuses NaN
             raise ValueError(f"a log-probability must be <= 0, got {logprob}")
         self.total -= float(logprob)
         self.count += 1
+
+    def add_surprisal(self, surprisal: float) -> None:
+        """Count a token by its surprisal, -log p in nats (>= 0; `model_surprisal(...,
+        base="bits")` values must be multiplied by ln 2 first)."""
+        if not surprisal >= 0.0 or math.isinf(surprisal):  # also refuses NaN
+            raise ValueError(f"a surprisal must be a finite number >= 0, got {surprisal}")
+        self.total += float(surprisal)
+        self.count += 1
+
+    def reset(self) -> None:
+        """Forget every token counted so far (`get()` is 1.0 again)."""
+        self.total, self.count = 0.0, 0
 
     def get(self) -> float:
         """The perplexity so far (1.0 before any token)."""

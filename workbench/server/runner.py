@@ -124,7 +124,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
 
     engine: an `LLM`, `Encoder`, `WhisperModel` or `RemoteEngine` (anything with
         `.chat`, `.generate`, `.embed` or `.transcribe`), or a mapping
-        {model id: engine} to serve several.
+        {model id: engine} to serve several (a mapping whose values are not engines,
+        such as options written as a dict, raises TypeError: options are keywords).
     model_id: the id clients name in `model` (one engine); default: the registry
         alias of its file, or the file name without extension.
     host, port: where to listen (port 0 picks a free one; see `.url`).
@@ -155,7 +156,7 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     from workbench.server import limits
     from workbench.server.app import create_app
 
-    engines = dict(engine) if isinstance(engine, Mapping) else {
+    engines = _engines(engine) if isinstance(engine, Mapping) else {
         model_id or default_model_id(engine): engine}
     chosen = {name: value for name, value in (
         ("max_tokens_limit", max_tokens_limit), ("request_timeout", request_timeout),
@@ -180,6 +181,24 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
         server.serve_forever()
         return server
     return server.start()
+
+
+_ENGINE_METHODS = ("chat", "generate", "embed", "embed_batch", "transcribe")
+
+
+def _engines(mapping: Mapping[Any, Any]) -> dict[str, Any]:
+    """{model id: engine} from `serve`'s mapping; a TypeError for a mapping of options (a
+    seed-style `serve({"port": 8080, ...})`), which would otherwise serve models named
+    after its keys."""
+    for key, value in mapping.items():
+        if not isinstance(key, str) or not any(callable(getattr(value, name, None))
+                                               for name in _ENGINE_METHODS):
+            raise TypeError(
+                f"serve() takes an engine or a mapping {{model id: engine}}; the value of "
+                f"{key!r} is a {type(value).__name__}, not an engine. Options are keyword "
+                "arguments: serve(engine, model_id=..., host=..., port=..., api_key=..., "
+                "max_concurrent=..., ...)")
+    return dict(mapping)
 
 
 def default_model_id(engine: Any) -> str:
