@@ -136,19 +136,13 @@ class Scheduler:
         `Cancelled` (its flag set) and any error of its own are raised here."""
         self.submit(request)
         try:
-            while True:
-                item = request.out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is _DONE:
-                    return request.seq.finish_reason
+            while (event := self._next_event(request)) is not None:
                 if request.cancel is not None and request.cancel.is_set():
                     raise Cancelled("cancelled")
-                yield item
+                yield event
+            return request.seq.finish_reason
         finally:
-            request.gone = True
-            with self._cond:
-                self._cond.notify()
+            self._let_go([request])
 
     def run_all(self, requests: list[Request]) -> None:
         """Submit every request and wait until all have finished, their events in
@@ -158,15 +152,27 @@ class Scheduler:
             for r in requests:
                 self.submit(r)
             for r in requests:
-                while (item := r.out.get()) is not _DONE:
-                    if isinstance(item, BaseException):
-                        raise item
-                    r.events.append(item)
+                while (event := self._next_event(r)) is not None:
+                    r.events.append(event)
         finally:
-            for r in requests:
-                r.gone = True
-            with self._cond:
-                self._cond.notify()
+            self._let_go(requests)
+
+    @staticmethod
+    def _next_event(request: Request) -> TokenEvent | None:
+        """The request's next event as the thread hands it over (waiting for it); None
+        once it has finished; its error, raised."""
+        item = request.out.get()
+        if isinstance(item, BaseException):
+            raise item
+        return None if item is _DONE else item
+
+    def _let_go(self, requests: list[Request]) -> None:
+        """The callers stopped reading: whatever of these is still running leaves at the
+        next step."""
+        for r in requests:
+            r.gone = True
+        with self._cond:
+            self._cond.notify()
 
     @contextmanager
     def paused(self) -> Generator[None, None, None]:
@@ -346,35 +352,38 @@ class Scheduler:
             self._waiting.extendleft(reversed(deferred))
 
     def _shares_with_reading(self, ids: list[int]) -> bool:
+        """Whether a prompt still being read shares at least MIN_SHARED tokens with `ids`
+        beyond what it has read so far (then `ids` waits, to fork it once read)."""
         for r in self._running:
-            if r.reading and r.cache.offset < min(common_prefix(r.ids, ids), len(ids) - 1) \
-                    and common_prefix(r.ids, ids) >= MIN_SHARED:
-                return True
+            if r.reading:
+                n = common_prefix(r.ids, ids)
+                if n >= MIN_SHARED and r.cache.offset < min(n, len(ids) - 1):
+                    return True
         return False
 
     def _place(self, r: Request) -> bool:
         """Give `r` a slot and a cache holding as much of its prompt as can be reused;
         False when no slot is free."""
         ids, limit = r.ids, len(r.ids) - 1  # at least one token is read, for its logits
+        match = [min(c.common_prefix(ids), limit) for c in self._caches]  # per slot
         idle = [s for s, o in enumerate(self._owner) if o is None]
+        pinned = {s: self._pinned(s) for s in idle}
         # continue an idle slot in place, as far as it matches and no one reads beyond
         # (of equal matches: an empty slot, else the least recently used)
         in_place, reuse, best = None, 0, None
         for s in idle:
-            n = min(self._caches[s].common_prefix(ids), limit)
-            key = (n, self._caches[s].offset == 0, -self._last_used[s])
-            if n >= self._pinned(s) and (best is None or key > best):
-                in_place, reuse, best = s, n, key
+            key = (match[s], self._caches[s].offset == 0, -self._last_used[s])
+            if match[s] >= pinned[s] and (best is None or key > best):
+                in_place, reuse, best = s, match[s], key
         # or fork the slot that shares the most
-        fork_from, shared = None, 0
-        for s, cache in enumerate(self._caches):
-            n = min(cache.common_prefix(ids), limit)
-            if n > shared:
-                fork_from, shared = s, n
+        fork_from = max(range(len(match)), key=match.__getitem__)  # (the first of equals)
+        shared = match[fork_from]
+        if not shared:
+            fork_from = None
         restore = 0
         if r.prefix is not None:
             restore = min(r.prefix.common_prefix(ids), limit)
-        free = [s for s in idle if self._pinned(s) == 0 and s != fork_from]
+        free = [s for s in idle if pinned[s] == 0 and s != fork_from]
         free.sort(key=lambda s: (self._caches[s].offset > 0, self._last_used[s]))
         if restore > max(reuse, shared) and free:
             slot = free[0]
@@ -389,12 +398,9 @@ class Scheduler:
             cache = self._caches[fork_from].fork(slot)
             cache.trim(shared)
             self._caches[slot] = cache
-        elif in_place is not None:
+        elif in_place is not None:  # (every unpinned idle slot is a candidate, at worst 0)
             slot, cache = in_place, self._caches[in_place]
             cache.trim(reuse)
-        elif free:
-            slot, cache = free[0], self._caches[free[0]]
-            cache.trim(0)
         else:
             return False
         self._owner[slot] = r
