@@ -54,6 +54,48 @@ def test_include_prompt_streams_prompt_first(smollm2):
     assert pieces[0] == PROMPT
 
 
+def test_chat_include_prompt_echoes_the_rendered_prompt(smollm2):
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    rendered = smollm2.apply_chat_template(messages, add_generation_prompt=True)
+    assert "<|im_start|>assistant" in rendered
+    c = smollm2.chat(messages, max_tokens=4, include_prompt=True)
+    pieces = list(c)
+    assert pieces[0] == rendered and c.text == rendered + smollm2.chat(messages, max_tokens=4).text
+    batch = smollm2.chat_batch([messages], max_tokens=4, include_prompt=True)
+    assert batch[0].text == c.text
+
+
+def test_default_is_greedy(smollm2):
+    """temperature=0 by default: the output is the argmax path, whatever the seed."""
+    default = smollm2.generate(PROMPT, max_tokens=12)
+    assert default.token_ids == smollm2.generate(PROMPT, max_tokens=12, seed=3).token_ids
+    model = smollm2.model
+    ids = smollm2.tokenize(PROMPT) + default.token_ids
+    logits = model.forward(np.array(ids[:-1]), model.new_cache())  # (T - 1, n_vocab)
+    n = len(smollm2.tokenize(PROMPT))
+    assert list(logits[n - 1:].argmax(-1)) == default.token_ids
+
+
+def test_empty_stop_tokens_turn_the_end_tokens_off(smollm2):
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    ended = smollm2.chat(messages)
+    assert ended.finish_reason == "stop"
+    n = len(ended.token_ids)
+    on = smollm2.chat(messages, stop_tokens=[], max_tokens=n + 6)
+    assert on.finish_reason == "length" and len(on.token_ids) == n + 6
+    assert on.token_ids[:n] == ended.token_ids and on.token_ids[n] in smollm2.tokenizer.eot_ids
+    # a list replaces the end tokens: the end of turn no longer ends the answer, the
+    # listed tokens do
+    unused = next(t for t in range(100, 1000) if t not in on.token_ids)
+    assert smollm2.chat(messages, stop_tokens=[unused], max_tokens=n + 6).token_ids \
+        == on.token_ids
+    second = ended.token_ids[1]
+    cut = smollm2.chat(messages, stop_tokens=[second])
+    assert cut.finish_reason == "stop" and cut.token_ids == ended.token_ids[:1]
+    with pytest.raises(ValueError, match="stop_tokens"):
+        smollm2.generate(PROMPT, stop_tokens=[], grammar='root ::= "yes" | "no"')
+
+
 def test_seed_reproduces_sampled_text(smollm2):
     opts = dict(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     a = smollm2.generate(PROMPT, seed=7, **opts).text
@@ -136,13 +178,18 @@ def test_tokenize_detokenize(smollm2):
 
 
 def test_embed_is_the_last_hidden_state(smollm2):
-    e = smollm2.embed("Hello world")
-    assert e.shape == (576,) and e.dtype == np.float32
-    assert np.linalg.norm(e) == pytest.approx(1.0, abs=1e-5)
-    raw = smollm2.embed("Hello world", normalize=False)
+    """By default the raw last hidden state (parabun's `embed`); `normalize=True` scales
+    it to unit length."""
+    raw = smollm2.embed("Hello world")
+    assert raw.shape == (576,) and raw.dtype == np.float32
     model = smollm2.model
     hidden = model.hidden(np.array(smollm2.tokenize("Hello world")), model.new_cache())[-1]
     assert np.allclose(raw, hidden, atol=1e-5)
+    assert abs(np.linalg.norm(raw) - 1.0) > 0.1
+    unit = smollm2.embed("Hello world", normalize=True)
+    assert np.linalg.norm(unit) == pytest.approx(1.0, abs=1e-5)
+    assert np.allclose(unit, raw / np.linalg.norm(raw), atol=1e-6)
+    assert np.allclose(smollm2.embed_batch(["Hello world"])[0], raw, atol=1e-6)
 
 
 def test_bad_requests(smollm2):

@@ -44,8 +44,19 @@ def test_sampling_part_stops_and_changed_fields():
     assert opts.sampling(seed=9).seed == 9
     assert opts.stop_strings() == ["\n"]
     assert GenerationOptions(stop="END").stop_strings() == ["END"]
-    assert GenerationOptions(temperature=0, max_tokens=5).changed() == {"temperature": 0,
-                                                                          "max_tokens": 5}
+    assert GenerationOptions(temperature=0.5, max_tokens=5).changed() == {
+        "temperature": 0.5, "max_tokens": 5}
+
+
+def test_python_defaults_follow_the_seed_table():
+    """parabun's `chat`/`generate` table: greedy, 512 tokens, the model's end tokens, no
+    echo; the filters (llama-cpp-python's) act once temperature > 0."""
+    from workbench.engine.llm import LLM
+
+    assert (DEFAULTS.temperature, DEFAULTS.max_tokens, DEFAULTS.stop_tokens) == (0, 512, None)
+    assert (DEFAULTS.top_k, DEFAULTS.top_p, DEFAULTS.min_p) == (40, 0.95, 0.05)
+    assert inspect.signature(LLM.generate).parameters["include_prompt"].default is False
+    assert inspect.signature(LLM.embed).parameters["normalize"].default is False
 
 
 def test_the_generation_methods_show_every_option_with_its_default():
@@ -75,10 +86,12 @@ def test_server_schema_passes_the_option_fields_it_knows():
 
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                  temperature=0, top_k=3, min_p=0.1, seed=1, stop="x")
-    assert body.sampling() == {"temperature": 0, "top_k": 3, "min_p": 0.1, "seed": 1,
-                               "stop": ["x"]}
+    assert body.sampling() == {"temperature": 0, "top_p": 1.0, "top_k": 3, "min_p": 0.1,
+                               "seed": 1, "stop": ["x"]}
+    # omitted fields take OpenAI's defaults (sampling at temperature 1, no filter)
     assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]
-                                 ).sampling() == {}
+                                 ).sampling() == {"temperature": 1.0, "top_p": 1.0,
+                                                  "top_k": 0, "min_p": 0.0}
     assert CompletionRequest(model="m", prompt="hi").max_tokens == 16  # OpenAI's default
 
 
@@ -88,14 +101,17 @@ def test_remote_requests_take_options_objects():
     body = _request_options({"options": GenerationOptions(temperature=0, top_k=5),
                              "max_tokens": 9})
     assert body == {"temperature": 0, "max_tokens": 9, "extra_body": {"top_k": 5}}
+    # the Python API's defaults travel, so a remote model is greedy like a local one
+    assert _request_options({}) == {"temperature": 0, "max_tokens": 512}
 
 
-def test_widget_controls_default_to_the_engine():
-    from workbench.widgets.chat import ChatCell
+def test_widget_controls_keep_their_own_defaults():
+    from workbench.widgets.chat import CHAT_TEMPERATURE, ChatCell
     from workbench.widgets.json_cell import JSONCell
 
+    assert ChatCell.temperature.default_value == CHAT_TEMPERATURE == 0.8  # a chat cell samples
+    assert JSONCell.temperature.default_value == DEFAULTS.temperature == 0
     for cell in (ChatCell, JSONCell):
-        assert cell.temperature.default_value == DEFAULTS.temperature
         assert cell.max_tokens.default_value == DEFAULTS.max_tokens
     assert ChatCell.top_p.default_value == DEFAULTS.top_p
 

@@ -26,6 +26,14 @@ KEY = "test-key-123"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+def served(**options):
+    """The engine options a request with these fields runs with: OpenAI's sampling
+    defaults for the fields it leaves out."""
+    from workbench.server.schemas import OPENAI_SAMPLING
+
+    return {**OPENAI_SAMPLING, **options}
+
+
 @pytest.fixture(scope="module")
 def server(engines):
     import workbench
@@ -79,7 +87,7 @@ def test_models_and_health(server, client):
 def test_chat_equals_llm_chat(client, smollm2, options):
     r = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=24,
                                        **options)
-    expected = smollm2.chat(QUESTION, max_tokens=24, **options)
+    expected = smollm2.chat(QUESTION, **served(max_tokens=24, **options))
     assert r.choices[0].message.content == expected.text
     assert r.choices[0].finish_reason == expected.finish_reason
     assert r.usage.prompt_tokens == expected.usage.prompt_tokens
@@ -87,11 +95,26 @@ def test_chat_equals_llm_chat(client, smollm2, options):
     assert r.object == "chat.completion" and r.model == "smollm2-135m"
 
 
+def test_omitted_fields_take_openai_defaults(client, smollm2):
+    """The Python API is greedy by default; the HTTP API follows OpenAI: an omitted
+    temperature samples at 1 from the whole distribution, an omitted max_tokens lets the
+    answer run to its end."""
+    r = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=24,
+                                       seed=5)
+    expected = smollm2.chat(QUESTION, max_tokens=24, seed=5, temperature=1.0, top_p=1.0,
+                            top_k=0, min_p=0.0)  # written out: OPENAI_SAMPLING
+    assert r.choices[0].message.content == expected.text
+    assert expected.text != smollm2.chat(QUESTION, max_tokens=24, seed=5, temperature=1.0).text
+    r = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0)
+    expected = smollm2.chat(QUESTION, max_tokens=smollm2.kv_cache_size)
+    assert r.choices[0].message.content == expected.text and expected.finish_reason == "stop"
+
+
 def test_chat_streaming_equals_llm_chat(client, smollm2):
     chunks = list(client.chat.completions.create(
         model="smollm2-135m", messages=QUESTION, max_tokens=30, seed=11, temperature=0.8,
         stream=True, stream_options={"include_usage": True}))
-    expected = smollm2.chat(QUESTION, max_tokens=30, seed=11, temperature=0.8)
+    expected = smollm2.chat(QUESTION, **served(max_tokens=30, seed=11, temperature=0.8))
     pieces = [c.choices[0].delta.content for c in chunks if c.choices
               and c.choices[0].delta.content]
     assert len(pieces) > 3  # it streamed, not one blob
@@ -130,7 +153,7 @@ def test_stop_logit_bias_and_n(client, smollm2):
     assert r.choices[0].finish_reason == "stop"
     r = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, n=3, seed=5,
                                        max_tokens=12)
-    batch = smollm2.chat_batch([QUESTION] * 3, seed=5, max_tokens=12)
+    batch = smollm2.chat_batch([QUESTION] * 3, **served(seed=5, max_tokens=12))
     assert [c.message.content for c in r.choices] == [c.text for c in batch]
     assert [c.index for c in r.choices] == [0, 1, 2]
 
@@ -139,7 +162,8 @@ def test_completions_equal_llm_generate(client, smollm2):
     prompt = "The capital of France is"
     r = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=12,
                                   temperature=0.8, seed=2, logprobs=2)
-    expected = smollm2.generate(prompt, max_tokens=12, temperature=0.8, seed=2, logprobs=2)
+    expected = smollm2.generate(prompt, **served(max_tokens=12, temperature=0.8, seed=2,
+                                                 logprobs=2))
     assert r.choices[0].text == expected.text
     assert r.choices[0].logprobs.tokens == [ev.piece for ev in expected.events if ev.id]
     r = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=5,
@@ -198,10 +222,10 @@ def test_embeddings_equal_encoder(server, client, engines):
                 json={"model": "minilm-l6", "input": texts[0], "encoding_format": "base64"})
     vec = np.frombuffer(base64.b64decode(raw.json()["data"][0]["embedding"]), "<f4")
     np.testing.assert_allclose(vec, enc.embed(texts[0]), atol=1e-6)
-    # a decoder embeds too (its last hidden state), as LLM.embed
+    # a decoder embeds too (its last hidden state, at unit length as OpenAI's are)
     r = client.embeddings.create(model="smollm2-135m", input="Hello", encoding_format="float")
-    np.testing.assert_allclose(r.data[0].embedding, engines["smollm2-135m"].embed("Hello"),
-                               atol=1e-5)
+    np.testing.assert_allclose(r.data[0].embedding,
+                               engines["smollm2-135m"].embed("Hello", normalize=True), atol=1e-5)
 
 
 def test_transcription_equals_whisper_model(client, engines):

@@ -319,6 +319,10 @@ def test_cuda_backend_on_numpy_transcribes_like_cpu(whisper):
     assert words(t)[:4] == ["and", "so", "my", "fellow"]
 
 
+FRENCH = ("Bonjour, je voudrais réserver une table pour deux personnes ce soir. "
+          "Le train pour Paris part à huit heures.")
+
+
 def _espeak(text: str, voice: str, tmp_path) -> np.ndarray:
     """Speech from espeak-ng, as 16 kHz mono (the reference's recipe)."""
     if not shutil.which("espeak-ng") or not shutil.which("sox"):
@@ -345,8 +349,7 @@ def test_espeak_sentences_beam5(whisper, tmp_path, device):
     assert wer(t, text) <= 0.15, str(t)
     language, p = base.detect_language(pcm)
     assert language == "en" and p > 0.5
-    french = _espeak("Bonjour, je voudrais réserver une table pour deux personnes ce soir. "
-                     "Le train pour Paris part à huit heures.", "fr", tmp_path)
+    french = _espeak(FRENCH, "fr", tmp_path)
     language, p = base.detect_language(french)
     assert language == "fr" and p > 0.5
     t = transcribe(whisper, "whisper-base", device, "espeak-fr", french, language="auto",
@@ -354,6 +357,53 @@ def test_espeak_sentences_beam5(whisper, tmp_path, device):
     assert t.language == "fr" and "paris" in words(t)
     with pytest.raises(ValueError, match="unknown language 'xx'"):
         base.transcribe(french, language="xx")
+
+
+def _ctranslate2_greedy(model, alias: str, mel: np.ndarray, prompt: list[int]
+                        ) -> tuple[list[int], np.ndarray]:
+    """The peer's greedy tokens after `prompt` and its logits (steps, n_vocab) along them:
+    CTranslate2 (faster-whisper's engine) on the folder `alias` is converted from, fed
+    our spectrogram (the same input), float32, with whisper.cpp's rules (no blank or end
+    first, nothing else suppressed)."""
+    import ctranslate2
+
+    from workbench import registry
+
+    peer = ctranslate2.models.Whisper(str(registry.source_folder(alias)), device="cpu",
+                                      compute_type="float32", intra_threads=2)
+    features = ctranslate2.StorageView.from_array(np.ascontiguousarray(mel[None], np.float32))
+    r = peer.generate(features, [prompt], beam_size=1, suppress_blank=True, suppress_tokens=[],
+                      return_logits_vocab=True, max_length=model.config.n_text_ctx // 2)[0]
+    return r.sequences_ids[0], np.stack([np.asarray(x).reshape(-1) for x in r.logits[0]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", REAL_DEVICES)
+def test_translate_french_speech_to_english(whisper, tmp_path, device):
+    """whisper-base translates French espeak speech into English token for token as
+    CTranslate2 does (greedy, same spectrogram), its logits along the way within float32
+    rounding; the language may be given or detected."""
+    base = whisper("whisper-base")
+    french = _espeak(FRENCH, "fr", tmp_path)
+    mel = base.log_mel(french)[:, :3000]  # (n_mels, 3000): one 30 s window
+    prompt = base.tokenizer.sot_sequence("fr", "translate", False)
+    tokens, peer = _ctranslate2_greedy(base, "whisper-base", mel, prompt)
+    t = transcribe(whisper, "whisper-base", device, "espeak-fr-translate", french,
+                   task="translate", language="fr", exact=False)
+    if device == "cpu":
+        assert t.tokens == prompt + tokens + [base.tokenizer.eot], (str(t),
+                                                                   base.tokenizer.decode(tokens))
+        net = base.net
+        ours = net.decode(np.array([prompt + tokens]), net.new_cache(net.encode(mel)),
+                          all_logits=True)[0][len(prompt) - 1:]  # (steps, n_vocab)
+        kept = np.abs(peer) < 1e30  # the peer writes -FLT_MAX where it suppressed a token
+        assert np.abs(ours - peer)[kept].max() <= RTOL * np.abs(peer[kept]).max()
+    assert t.language == "fr"
+    heard = base.transcribe(french, language="fr")  # the same speech, not translated
+    assert "bonjour" in words(heard) and "bonjour" not in words(t), (str(heard), str(t))
+    auto = transcribe(whisper, "whisper-base", device, "espeak-fr-translate-auto", french,
+                      task="translate", language="auto", exact=False)
+    assert auto.language == "fr" and str(auto) == str(t)
 
 
 @pytest.mark.slow
@@ -407,6 +457,8 @@ def test_bad_audio(tiny_en, tmp_path):
         WhisperFile(tmp_path / "cut.bin")
     with pytest.raises(ValueError, match="English-only model; it cannot transcribe .*'fr'"):
         tiny_en.transcribe(pcm, language="fr")
+    with pytest.raises(ValueError, match="English-only model; it cannot translate"):
+        tiny_en.transcribe(pcm, task="translate")
 
 
 @pytest.mark.slow

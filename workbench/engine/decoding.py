@@ -27,7 +27,7 @@ class Decoding:
     events (sampling, logprobs, end tokens, stop strings, streamed UTF-8 text)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], sampler: Sampler, *,
-                 max_tokens: int, stop: list[str], stop_tokens: frozenset[int],
+                 max_tokens: int, stop: list[str], end_ids: frozenset[int],
                  logprobs: int | None, matcher: GrammarMatcher | None = None,
                  processors: list[LogitsProcessor] | None = None,
                  closing: Closing | None = None):
@@ -39,7 +39,7 @@ class Decoding:
         self.matcher = matcher
         self.max_tokens = max_tokens
         self.stop = stop
-        self.end_ids = tokenizer.eot_ids | stop_tokens
+        self.end_ids = end_ids  # the tokens that end the sequence (not emitted)
         self._end_array = np.fromiter(self.end_ids, dtype=np.int64)
         self.closer = (Closer(matcher, closing, max_tokens, self._end_array)
                        if matcher is not None and closing is not None and max_tokens > 0
@@ -59,15 +59,21 @@ class Decoding:
               closing: Closing | bool = True) -> Decoding:
         """The checked state of a sequence about to follow `prompt_ids`, sampled on
         `backend`'s device (None: the host) and constrained by `grammar`."""
-        stop_ids = frozenset(int(t) for t in options.stop_tokens)
-        if any(not 0 <= t < n_vocab for t in stop_ids):
-            raise ValueError(f"stop_tokens must lie in [0, {n_vocab})")
+        if options.stop_tokens is None:
+            end_ids = tokenizer.eot_ids
+        else:
+            end_ids = frozenset(int(t) for t in options.stop_tokens)
+            if any(not 0 <= t < n_vocab for t in end_ids):
+                raise ValueError(f"stop_tokens must lie in [0, {n_vocab})")
+            if not end_ids and grammar is not None:
+                raise ValueError("stop_tokens=[] turns the end tokens off, but a grammar's "
+                                 "output ends with one; leave stop_tokens unset")
         params = options.sampling()
         matcher = grammar.matcher(tokenizer, n_vocab) if grammar is not None else None
         sampler = (Sampler(params, n_vocab) if backend is None
                    else DeviceSampler(params, n_vocab, backend))
         return cls(tokenizer, prompt_ids, sampler, max_tokens=options.max_tokens,
-                   stop=options.stop_strings(), stop_tokens=stop_ids,
+                   stop=options.stop_strings(), end_ids=end_ids,
                    logprobs=options.logprobs, matcher=matcher,
                    processors=list(logits_processors), closing=Closing.of(closing))
 

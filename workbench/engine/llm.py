@@ -284,9 +284,9 @@ class LLM(Prompting, LocalEngine):
 
         `messages` are dicts with `role` and `content`. The other arguments are
         those of `generate` (`options`, `max_tokens`, `temperature`, `stop`,
-        `logprobs`, `seed`, `grammar` ...).
+        `logprobs`, `seed`, `grammar` ...); `include_prompt` puts the rendered
+        prompt (the template's text) in front of the answer.
         """
-        generate_args.pop("include_prompt", None)
         ids = self._chat_ids(messages, tools, chat_template=chat_template)
         return self.generate(ids, cancel=cancel, **generate_args)
 
@@ -373,21 +373,23 @@ class LLM(Prompting, LocalEngine):
                    cancel: CancelFlag | None = None, **generate_args: Any) -> list[Completion]:
         """Answer several conversations at once (see `chat` and `generate_batch`;
         `cancel=` is looked at between conversations too)."""
-        generate_args.pop("include_prompt", None)
         prompts = []
         for messages in conversations:
             check_cancel(cancel)
             prompts.append(self._chat_ids(messages, tools, chat_template=chat_template))
         return self.generate_batch(prompts, cancel=cancel, **generate_args)
 
-    def embed(self, text: str | Sequence[int], *, pool: str = "last", normalize: bool = True
+    def embed(self, text: str | Sequence[int], *, pool: str = "last", normalize: bool = False
               ) -> np.ndarray:
         """One vector for `text`: float32 of shape (n_embd,), from the final hidden states
         (after the output norm).
 
         pool: "last" (the last token's state, the default) or "mean" (the average over
-        all tokens). normalize: scale to unit length (the default). The same signature
-        as `Encoder.embed`, so either model can feed the similarity cell and the server.
+        all tokens). normalize: scale to unit length; off by default, so the vector is
+        the model's own hidden state (parabun's `embed`; an `Encoder`, made for
+        sentence embeddings, normalizes by default). The same signature as
+        `Encoder.embed`, so either model can feed the similarity cell and the server,
+        which ask for unit vectors.
         """
         if pool not in ("last", "mean"):
             raise ValueError(f"pool must be 'last' or 'mean' for a decoder, not {pool!r}")
@@ -410,7 +412,7 @@ class LLM(Prompting, LocalEngine):
         return h.astype(np.float32)
 
     def embed_batch(self, texts: Sequence[str], *, batch_size: int = 32, pool: str = "last",
-                    normalize: bool = True, cancel: CancelFlag | None = None) -> np.ndarray:
+                    normalize: bool = False, cancel: CancelFlag | None = None) -> np.ndarray:
         """`embed` for each text: float32 of shape (len(texts), n_embd), in input order.
 
         (`batch_size` is accepted for the `Encoder` signature; a decoder embeds one text

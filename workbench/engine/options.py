@@ -22,9 +22,11 @@ from typing import Any, TypeVar
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. The defaults are llama-cpp-python's."""
+    """How to pick tokens. Greedy by default (parabun's `temperature: 0`: the same call
+    gives the same text); the filters' defaults are llama-cpp-python's and apply once
+    `temperature` > 0."""
 
-    temperature: float = 0.8  # 0 means greedy argmax
+    temperature: float = 0.0  # 0 means greedy argmax; > 0 samples
     top_k: int = 40  # keep the k most likely tokens; 0 keeps all
     top_p: float = 0.95  # keep the smallest set whose probability reaches p; 1.0 keeps all
     min_p: float = 0.05  # drop tokens below min_p times the best token's probability
@@ -56,15 +58,16 @@ class GenerationOptions(SamplingParams):
     """Sampling plus the limits and stops of one generation.
 
     `max_tokens`: the most tokens to generate. `stop`: strings that end the output
-    (not included in it). `stop_tokens`: token ids that end it besides the model's
-    end-of-turn tokens. `logprobs=k`: record each token's log-probability, its k best
+    (not included in it). `stop_tokens`: the token ids that end it; None (the default)
+    means the model's end-of-generation tokens (EOS and the chat template's end of
+    turn), a list replaces them, and `[]` turns them off. `logprobs=k`: record each token's log-probability, its k best
     alternatives and the entropy in the events. `seed`: for `generate_batch`, also a
     list of one seed per prompt.
     """
 
     max_tokens: int = 512
     stop: str | Sequence[str] | None = None
-    stop_tokens: Sequence[int] = ()
+    stop_tokens: Sequence[int] | None = None
     logprobs: int | None = None
 
     def __post_init__(self):

@@ -36,18 +36,24 @@ class BestOfN:
         return self.candidates[0]
 
 
+BEST_OF_N_TEMPERATURE = 0.8  # best_of_n samples its candidates unless told otherwise
+
+
 def best_of_n(model: LLM, prompt: str | Sequence[int] | Sequence[Mapping[str, Any]], n: int = 4,
               **options) -> BestOfN:
     """Sample `n` continuations of `prompt` (text, token ids, or chat messages) in one
     batch and rank them by perplexity (lowest first: the answer the model is surest of).
 
     Options are `generate_batch`'s (`cancel=` a flag included: once it is set the batch
-    raises `Cancelled`); the temperature is `GenerationOptions`'s default and `seed=s`
-    gives candidate i the seed s + i.
+    raises `Cancelled`); `seed=s` gives candidate i the seed s + i. The temperature
+    defaults to BEST_OF_N_TEMPERATURE (0.8), not the API's greedy 0, at which every
+    candidate would be the same.
     """
     if n < 1:
         raise ValueError("n must be >= 1")
     options.setdefault("logprobs", 0)
+    if "options" not in options:
+        options.setdefault("temperature", BEST_OF_N_TEMPERATURE)
     if _is_chat(prompt):
         completions = model.chat_batch([prompt] * n, **options)
     else:

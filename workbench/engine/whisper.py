@@ -238,6 +238,9 @@ class WhisperModel(LocalEngine):
         if task not in ("transcribe", "translate"):
             raise ValueError(f"task must be 'transcribe' or 'translate', not {task!r}")
         if not self.multilingual:
+            if task == "translate":
+                raise ValueError(f"{self.path.name} is an English-only model; it cannot "
+                                 "translate (use a multilingual model such as whisper-base)")
             if language not in (None, "auto", "en"):
                 raise ValueError(f"{self.path.name} is an English-only model; it cannot "
                                  f"transcribe language {language!r} (use whisper-base)")

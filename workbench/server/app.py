@@ -221,7 +221,9 @@ async def _embed(state: ServerState, engine: Any, body: EmbeddingRequest,
         put((vectors, n_tokens))
 
     job = await start_job(state, request, produce)
-    vectors, n_tokens = await job.next()
+    vectors, n_tokens = await job.next()  # (n_texts, dim)
+    # OpenAI's embeddings have unit length; an LLM's (raw hidden states) do not
+    vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:
         raise APIError(400, f"this model's embeddings have {vectors.shape[1]} dimensions; "
                        "it cannot shorten them", param="dimensions")

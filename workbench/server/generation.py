@@ -132,6 +132,8 @@ async def answer_chat(state: ServerState, engine: Any, body: ChatCompletionReque
     options = body.sampling()
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
+    if max_tokens is None:  # OpenAI's default: until the context is full
+        max_tokens = getattr(engine, "kv_cache_size", None)
     max_tokens = state.limit_tokens(max_tokens)
     if max_tokens is not None:
         options["max_tokens"] = max_tokens

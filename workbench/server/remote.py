@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from workbench.engine.lifecycle import Closeable
+from workbench.engine.options import DEFAULTS
 from workbench.engine.results import Alternative, Completion, Segment, TokenEvent, Transcript, Usage
 from workbench.signals import BusyCounter, Signal
 
@@ -187,11 +188,15 @@ class RemoteEngine(Closeable):
 def _request_options(options: dict, *, chat: bool = True) -> dict:
     """The request fields for `LLM.chat`-style options (`options=` a `GenerationOptions`,
     whose fields off their defaults count as passed, and keywords, which win); unknown
-    options are a TypeError."""
+    options are a TypeError. The Python API's `temperature` and `max_tokens` defaults
+    are always sent, so a remote model is greedy by default like a local one (a server
+    fills in OpenAI's defaults, which sample)."""
     options = dict(options)
     given = options.pop("options", None)
     if given is not None:
         options = {**given.changed(), **options}
+    options = {"temperature": DEFAULTS.temperature, "max_tokens": DEFAULTS.max_tokens,
+               **options}
     body: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for name in _OPENAI_OPTIONS:
@@ -222,7 +227,7 @@ def _request_options(options: dict, *, chat: bool = True) -> dict:
         extra["grammar"] = getattr(grammar, "source", grammar)
         if getattr(grammar, "kind", "gbnf") != "gbnf":
             raise ValueError("a remote server takes GBNF grammars; use schema= for JSON")
-    if options.pop("stop_tokens", None):
+    if options.pop("stop_tokens", None) is not None:
         raise TypeError("stop_tokens (token ids) are not part of the OpenAI API; use stop")
     if options:
         raise TypeError(f"unsupported option(s) for a remote model: {', '.join(options)}")

@@ -1,10 +1,11 @@
 """The OpenAI request bodies the server accepts, as pydantic models, and its error body.
 
-Fields a request leaves out are not passed to the engine, so an omitted
-`temperature` means the engine's own default (`GenerationOptions`'), not
-OpenAI's 1.0; a request that sets a field gets exactly that value. The one
-default of our own is OpenAI's `max_tokens=16` for /v1/completions
-(`CompletionRequest`); chat completions leave it to the engine. Fields we
+Fields a request leaves out take OpenAI's documented defaults, not the Python
+API's (which is greedy): `temperature` 1 and `top_p` 1 (`OPENAI_SAMPLING`; the
+llama.cpp extensions `top_k` and `min_p` are off unless set, so an omitted field
+samples from the model's own distribution as OpenAI does), `max_tokens` 16 for
+/v1/completions and, for chat, as many as the context holds (under the server's
+`max_tokens_limit`). A request that sets a field gets exactly that value. Fields we
 do not know are ignored (clients such as LangChain send `user`, `metadata` ...);
 fields we know but cannot honour (`tools`, `suffix`) are refused with a 400.
 Beyond OpenAI's fields we accept llama.cpp server's `top_k`, `min_p`,
@@ -22,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from workbench.engine.options import OPTION_NAMES
 
 MAX_CHOICES = 16  # n (times the number of prompts for /v1/completions) per request
+# the sampling of a request that leaves these fields out: OpenAI's defaults
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 # options passed on as the request wrote them (max_tokens goes through the server's
 # limit, stop and logit_bias are converted, logprobs differs per route)
 _AS_WRITTEN = tuple(n for n in OPTION_NAMES
@@ -116,8 +119,9 @@ class _Sampling(_Request):
     grammar: str | None = None
 
     def sampling(self) -> dict[str, Any]:
-        """Engine options for the fields this request set."""
-        options = self.options(*(n for n in _AS_WRITTEN if n in type(self).model_fields))
+        """Engine options: OpenAI's sampling defaults, then the fields this request set."""
+        options = {**OPENAI_SAMPLING,
+                   **self.options(*(n for n in _AS_WRITTEN if n in type(self).model_fields))}
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if any(stops):  # "" would stop before the first character: dropped, as llama.cpp does
             options["stop"] = [s for s in stops if s]

@@ -70,7 +70,7 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
     gbnf_text = traitlets.Unicode("").tag(sync=True)
     examples = traitlets.Dict().tag(sync=True)
     prompt = traitlets.Unicode("").tag(sync=True)
-    temperature = traitlets.Float(DEFAULTS.temperature).tag(sync=True)  # the engine's
+    temperature = traitlets.Float(DEFAULTS.temperature).tag(sync=True)  # the engine's: greedy
     max_tokens = traitlets.Int(DEFAULTS.max_tokens).tag(sync=True)
     text = traitlets.Unicode("").tag(sync=True)
     value_json = traitlets.Unicode("").tag(sync=True)
