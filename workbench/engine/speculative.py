@@ -69,12 +69,10 @@ def check_draft(target: LLM, draft: Any, draft_tokens: Any, prompt_ids: list[int
                          "generate without a draft to use them")
     _check_vocabulary(target, draft)
     room = min(target.kv_cache_size, draft.kv_cache_size)
-    if len(prompt_ids) > room:
+    if len(prompt_ids) >= room:
         raise ContextFullError(
-            f"the prompt has {len(prompt_ids)} tokens and the target and draft KV caches "
-            f"hold {room} positions together; load both with a larger kv_cache_size")
-    if not prompt_ids:
-        raise ValueError("speculative decoding needs a prompt of at least one token")
+            f"the prompt has {len(prompt_ids)} tokens and the smaller context of the target "
+            f"and the draft holds {room}; load both with a larger kv_cache_size")
 
 
 def speculative_events(target: LLM, draft: LLM, prompt_ids: list[int], seq: Decoding,
