@@ -75,3 +75,28 @@ def test_log_softmax_and_entropy():
     assert np.allclose(np.exp(lp), 1 / 8)
     assert entropy(lp) == pytest.approx(np.log(8), rel=1e-6)
     assert entropy(log_softmax(np.array([0.0, -1e9], dtype=np.float32))) == pytest.approx(0.0)
+
+
+def test_probabilities_are_what_sample_draws_from():
+    """`probabilities` (which speculative decoding compares) is the distribution `sample`
+    draws from: the filters' survivors, renormalized at the temperature, penalties
+    applied; a chi-square test over many draws accepts it."""
+    from tests.support.chi_square import chi_square_p
+
+    logits = np.log(np.array([0.3, 0.25, 0.2, 0.1, 0.08, 0.05, 0.02], dtype=np.float32))
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1,
+                            repeat_penalty=1.3, seed=11)
+    history = [1, 1, 4]
+    s = Sampler(params, len(logits))
+    probs = s.probabilities(logits, history)
+    assert probs.dtype == np.float64 and abs(probs.sum() - 1.0) < 1e-12
+    assert probs[5] == probs[6] == 0.0  # cut by top_k
+    # token 1 penalized by the repetition: less likely than token 2 now
+    assert probs[1] < probs[2]
+    counts = np.bincount([s.sample(logits, history) for _ in range(4000)],
+                         minlength=len(logits))
+    assert chi_square_p(counts, probs) > 1e-3
+    uniform = np.where(probs > 0, 1.0, 0.0) / (probs > 0).sum()
+    assert chi_square_p(counts, uniform) < 1e-6  # the test can tell them apart
+    greedy = Sampler(SamplingParams(temperature=0), len(logits))
+    assert greedy.probabilities(logits).tolist() == [1.0] + [0.0] * 6

@@ -86,8 +86,8 @@ class Decoding:
         `on_device`: `logits` is a GPU backend's array; the device sampler then picks the
         token there, unless log-probabilities or Python logits processors need every
         logit on the host."""
-        tok, logprobs, matcher, closer = self.tok, self.logprobs, self.matcher, self.closer
-        lp = top = ent = allowed = mask_ms = closed = closing_ms = None
+        logprobs, matcher, closer = self.logprobs, self.matcher, self.closer
+        logp = ent = allowed = mask_ms = closed = closing_ms = None
         self.device_token = None
         if on_device and (logprobs is not None or self.processors):
             logits, on_device = self.sampler.backend.to_host(logits), False
@@ -116,6 +116,27 @@ class Decoding:
                 allowed, closed = closer.forced(), closer.reason
                 token = self._sample(logits, allowed, on_device)
             closing_ms = closer.times[-1] * 1e3
+        return self._emit(token, room, logp, ent, mask_ms, closed, closing_ms)
+
+    def push(self, token: int, logits: np.ndarray, room: int
+             ) -> tuple[int | None, list[TokenEvent]]:
+        """Take `token`, chosen elsewhere from the model's `logits` (n_vocab,) at this
+        position (speculative decoding draws it); returns what `step` does. The
+        logprobs, when asked for, describe `logits`. Grammar matchers and logits
+        processors are not applied: the caller refuses them."""
+        logp = ent = None
+        if self.logprobs is not None:
+            logp = log_softmax(logits)
+            ent = entropy(logp)
+        return self._emit(int(token), room, logp, ent)
+
+    def _emit(self, token: int, room: int, logp: np.ndarray | None, ent: float | None,
+              mask_ms: float | None = None, closed: str | None = None,
+              closing_ms: float | None = None) -> tuple[int | None, list[TokenEvent]]:
+        """Record the chosen `token` (logprobs from `logp`, when asked for): the events it
+        releases, and the token to feed back or None once the sequence is finished."""
+        tok, logprobs, matcher, closer = self.tok, self.logprobs, self.matcher, self.closer
+        lp = top = None
         if logprobs is not None:
             lp = float(logp[token])
             k = min(int(logprobs), len(logp))

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from workbench import registry
-from workbench.engine import chat_template, sources
+from workbench.engine import chat_template, sources, speculative
 from workbench.engine.backend import Backend
 from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.closing import Closing
@@ -40,6 +40,7 @@ from workbench.engine.prompting import Prompting
 from workbench.engine.results import (  # noqa: F401  (importable from here, as before)
     Alternative,
     Completion,
+    DraftCounts,
     IncompleteOutputError,
     TokenEvent,
     Usage,
@@ -232,7 +233,8 @@ class LLM(Prompting, LocalEngine):
                  grammar: Grammar | str | None = None, schema: Any = None,
                  closing: Closing | bool = True, prefix: PrefixCache | None = None,
                  logits_processors: Sequence[LogitsProcessor] = (),
-                 cancel: CancelFlag | None = None, **overrides: Any) -> Completion:
+                 cancel: CancelFlag | None = None, draft: LLM | None = None,
+                 draft_tokens: int = speculative.DRAFT_TOKENS, **overrides: Any) -> Completion:
         """Continue `prompt` (text, or token ids) without a chat template.
 
         `options` (a `GenerationOptions`) and keywords naming its fields
@@ -266,13 +268,32 @@ class LLM(Prompting, LocalEngine):
 
         `cancel`: a flag (`threading.Event`) looked at between prefill chunks
         and before each token; once it is set, iterating raises `Cancelled`.
+
+        `draft`: a smaller `LLM` with the same vocabulary for speculative
+        decoding (`workbench.engine.speculative`): each round it proposes up to
+        `draft_tokens` tokens, this model checks them in one forward pass and
+        keeps what its own sampler would have drawn, so the output follows this
+        model's distribution exactly (greedy: its very tokens); `usage` then
+        reports `drafted_tokens`, `accepted_tokens` and `acceptance_rate`. It
+        runs on caches of its own, outside the batch, and refuses `grammar`,
+        `schema` and `logits_processors` (ValueError).
         """
         opts = GenerationOptions.of(options, **overrides)
         ids, prompt_text = self._prompt_ids(prompt, add_bos, include_prompt)
         self._check_prefix(prefix)
-        seq = self._decoding(ids, resolve_grammar(grammar, schema), opts,
+        constraint = resolve_grammar(grammar, schema)
+        if draft is not None:
+            speculative.check_draft(self, draft, draft_tokens, ids, grammar=constraint,
+                                    logits_processors=logits_processors)
+        seq = self._decoding(ids, constraint, opts,
                              logits_processors=logits_processors, closing=closing)
-        return Completion(self._generate_events(ids, seq, prefix, cancel), ids, prompt_text)
+        if draft is None:
+            return Completion(self._generate_events(ids, seq, prefix, cancel), ids,
+                              prompt_text)
+        counts = DraftCounts()
+        events = speculative.speculative_events(self, draft, ids, seq, draft_tokens, counts,
+                                                prefix=prefix, cancel=cancel)
+        return Completion(events, ids, prompt_text, draft_counts=counts)
 
     @publishes_options
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
@@ -284,8 +305,8 @@ class LLM(Prompting, LocalEngine):
 
         `messages` are dicts with `role` and `content`. The other arguments are
         those of `generate` (`options`, `max_tokens`, `temperature`, `stop`,
-        `logprobs`, `seed`, `grammar` ...); `include_prompt` puts the rendered
-        prompt (the template's text) in front of the answer.
+        `logprobs`, `seed`, `grammar`, `draft` ...); `include_prompt` puts the
+        rendered prompt (the template's text) in front of the answer.
         """
         ids = self._chat_ids(messages, tools, chat_template=chat_template)
         return self.generate(ids, cancel=cancel, **generate_args)

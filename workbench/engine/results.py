@@ -53,19 +53,43 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class Usage:
+    """Token counts of a generation. With a draft model (`generate(..., draft=)`),
+    `drafted_tokens` is how many tokens the draft proposed and `accepted_tokens` how many
+    of them the target kept; both are None otherwise."""
+
     prompt_tokens: int
     completion_tokens: int
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted tokens (None without a draft, or before it proposed any)."""
+        if not self.drafted_tokens:
+            return None
+        return self.accepted_tokens / self.drafted_tokens
+
+
+@dataclass
+class DraftCounts:
+    """What a speculative generation's draft did so far (updated as it runs)."""
+
+    drafted: int = 0  # tokens the draft proposed
+    accepted: int = 0  # of those, the ones the target kept
+    target_passes: int = 0  # forward passes of the target after the prompt
+
 
 class Completion:
     """A running or finished generation; iterate it for text pieces."""
 
-    def __init__(self, events: Iterator[TokenEvent], prompt_ids: list[int], prefix_text: str = ""):
+    def __init__(self, events: Iterator[TokenEvent], prompt_ids: list[int], prefix_text: str = "",
+                 draft_counts: DraftCounts | None = None):
         self.prompt_ids = prompt_ids
+        self.draft_counts = draft_counts  # set when a draft model drafted (speculative)
         self._events: list[TokenEvent] = []
         self._finish_reason: str | None = None
         self._source = events
@@ -151,8 +175,13 @@ class Completion:
 
     @property
     def usage(self) -> Usage:
+        """Prompt and completion tokens; with a draft model, also the drafted and accepted
+        tokens (`Usage.acceptance_rate`)."""
         self.wait()
-        return Usage(len(self.prompt_ids), len(self.token_ids))
+        d = self.draft_counts
+        if d is None:
+            return Usage(len(self.prompt_ids), len(self.token_ids))
+        return Usage(len(self.prompt_ids), len(self.token_ids), d.drafted, d.accepted)
 
     def close(self) -> None:
         """Stop the generation early (frees the model for other calls)."""

@@ -66,6 +66,26 @@ class Sampler:
         after the bias and penalty and before top-k, so every filter and the
         temperature act on the allowed tokens only.
         """
+        ids, probs = self._candidates(logits, history, allowed)
+        if self.params.temperature == 0:
+            return int(ids[0])
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+    def probabilities(self, logits: np.ndarray, history: Sequence[int] = (),
+                      allowed: np.ndarray | None = None) -> np.ndarray:
+        """The distribution `sample` draws from, after every transform (bias, penalties,
+        mask, top-k, top-p, min-p, temperature): float64 (n_vocab,), summing to 1;
+        one-hot on the argmax at temperature 0. Speculative decoding compares the
+        target's and the draft's with it."""
+        ids, probs = self._candidates(logits, history, allowed)
+        out = np.zeros(logits.shape[0], dtype=np.float64)
+        out[ids] = probs
+        return out
+
+    def _candidates(self, logits: np.ndarray, history: Sequence[int],
+                    allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens that may be drawn, most likely first, and their probabilities (one
+        token with probability 1 at temperature 0)."""
         p = self.params
         logits = self.process(logits, history)
         if allowed is not None:
@@ -76,7 +96,7 @@ class Sampler:
             best = int(np.argmax(logits))
             if logits[best] == -np.inf:
                 raise ValueError(_nothing_left(allowed))
-            return best
+            return np.array([best]), np.ones(1)
         # candidates: top-k (or all), sorted by descending logit
         n = logits.shape[0]
         if 0 < p.top_k < n:
@@ -95,8 +115,7 @@ class Sampler:
         if p.min_p > 0.0:
             keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
         ids, vals = ids[:keep], vals[:keep]
-        probs = _softmax(vals / p.temperature)
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+        return ids, _softmax(vals / p.temperature)
 
 
 def _nothing_left(allowed: np.ndarray | None) -> str:

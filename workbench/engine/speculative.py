@@ -1,113 +1,189 @@
-"""Speculative decoding: a small draft model proposes tokens, the target model checks them
-all in one forward pass, and every token the target would not have chosen is replaced
-by its own choice. Greedy output is exactly the target's alone; what changes is how
-many target passes it takes.
+"""Speculative decoding: a small draft model proposes a few tokens, the target model scores
+them all in one forward pass, and an acceptance rule keeps as many as it can while the
+output follows the target's own distribution exactly.
 
-    >>> r = speculative_generate(big, small, "The capital of France is", max_tokens=64)
-    >>> r.text, r.acceptance_rate, r.target_passes
+    >>> c = big.generate("The capital of France is", draft=small, temperature=0)
+    >>> c.text, c.usage.acceptance_rate
+
+Each round, with `last` the newest token and `k` the number of proposals:
+
+    draft:   x_1 ~ q_1, x_2 ~ q_2, ..., x_k ~ q_k      (one small pass each)
+    target:  p_1 .. p_{k+1} = its logits after last, x_1, ..., x_k   (one pass)
+    keep x_j with probability min(1, p_j(x_j) / q_j(x_j)), in order; at the first
+    rejected x_j emit a token from norm(max(0, p_j - q_j)) and end the round;
+    if all k are kept, emit a bonus token from p_{k+1}.
+
+p and q are the target's and the draft's *processed* distributions (the one sampler
+chain, `Sampler.probabilities`: bias, penalties, top-k/p, min-p, temperature), so the
+emitted tokens are distributed exactly as the target's sampler would draw them
+(Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"). At
+temperature 0 both are one-hot and the rule reduces to: keep proposals up to the first
+one the target's argmax disagrees with, then emit the target's argmax. Greedy output is
+the target's own token for token; sampled output with a seed is repeatable.
+
+The generation runs in the caller's thread on two KV caches of its own (not the
+scheduler's slots), taking each model's forward lock per pass, so it interleaves with
+the scheduler's batches of either model without touching their caches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workbench.engine.kv_cache import KVCache
+from workbench.engine.cancel import CancelFlag, check_cancel
+from workbench.engine.decoding import Decoding
+from workbench.engine.kv_cache import ContextFullError, KVCache
+from workbench.engine.prefix_cache import PrefixCache
+from workbench.engine.results import DraftCounts, TokenEvent
+from workbench.engine.sampling import Sampler
+
+if TYPE_CHECKING:
+    from workbench.engine.llm import LLM
+
+DRAFT_TOKENS = 4  # proposals per round: the default of `generate(..., draft_tokens=)`
 
 
-@dataclass(frozen=True)
-class SpeculativeResult:
-    """What `speculative_generate` produced and how well the draft guessed."""
+def check_draft(target: LLM, draft: Any, draft_tokens: Any, prompt_ids: list[int], *,
+                grammar: Any = None, logits_processors: Sequence[Any] = ()) -> None:
+    """Refuse, with a `ValueError` naming the fix, what speculative decoding with `draft`
+    cannot do: another kind of draft, another vocabulary, `draft_tokens` < 1, a grammar
+    or schema, logits processors; a prompt longer than either context is a
+    `ContextFullError`."""
+    from workbench.engine.llm import LLM
 
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (an end token) or "length"
-    drafted: int  # tokens the draft proposed
-    accepted: int  # of those, the ones the target agreed with
-    target_passes: int  # forward passes of the target after the prompt
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-
-def speculative_generate(target, draft, prompt: str | Sequence[int], *, max_tokens: int = 256,
-                         draft_tokens: int = 4) -> SpeculativeResult:
-    """Greedy decoding of `target` (an `LLM`) sped up by `draft` (a smaller `LLM` with the
-    same vocabulary): each round the draft proposes `draft_tokens` tokens greedily, the
-    target scores the last token and all proposals in one pass, keeps the proposals up
-    to the first it disagrees with and adds its own next token. The output equals
-    `target.generate(prompt, temperature=0, max_tokens=max_tokens)`'s tokens.
-    """
-    if draft_tokens < 1 or max_tokens < 0:
-        raise ValueError("draft_tokens must be >= 1 and max_tokens >= 0")
+    if not isinstance(draft, LLM):
+        raise TypeError(f"draft must be an LLM (a smaller model with the same vocabulary), "
+                        f"not {type(draft).__name__}")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
+    if grammar is not None:
+        raise ValueError("speculative decoding (draft=) does not support grammar= or schema=; "
+                         "generate without a draft for constrained output")
+    if logits_processors:
+        raise ValueError("speculative decoding (draft=) does not support logits_processors; "
+                         "generate without a draft to use them")
     _check_vocabulary(target, draft)
-    ids, _ = target._prompt_ids(prompt, None, False)
-    t_model, d_model = target._require_model(), draft._require_model()
     room = min(target.kv_cache_size, draft.kv_cache_size)
-    t_cache, d_cache = t_model.new_cache(room), d_model.new_cache(room)
+    if len(prompt_ids) >= room:
+        raise ContextFullError(
+            f"the prompt has {len(prompt_ids)} tokens and the smaller context of the target "
+            f"and the draft holds {room}; load both with a larger kv_cache_size")
+
+
+def speculative_events(target: LLM, draft: LLM, prompt_ids: list[int], seq: Decoding,
+                       draft_tokens: int, counts: DraftCounts, *,
+                       prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
+                       ) -> Generator[TokenEvent, None, str]:
+    """Yield the events of `seq` (a `Decoding` of `target`, checked by `check_draft`)
+    generated speculatively with `draft` proposing up to `draft_tokens` tokens per
+    round; `counts` is updated after every round. Returns the finish reason.
+
+    `prefix` (the target's `PrefixCache`) spares the target's prefill of the prompt
+    tokens it holds. `cancel` is looked at between prefill chunks and rounds."""
+    if seq.max_tokens == 0:
+        return "length"
+    t_model, d_model = target._require_model(), draft._require_model()
+    limit = min(target.kv_cache_size, draft.kv_cache_size)  # the context of the pair
+    size = min(limit, len(prompt_ids) + seq.max_tokens)  # the most positions ever fed
+    t_cache, d_cache = t_model.new_cache(size), d_model.new_cache(size)
+    sampler = seq.sampler  # the target's: its transforms and its random generator
+    d_sampler = Sampler(sampler.params, draft.config.n_vocab)  # the same transforms
     with target._busy, draft._busy:
-        for model, llm, cache in ((t_model, target, t_cache), (d_model, draft, d_cache)):
-            if len(ids) > 1:
-                with llm._forward_lock:
-                    model.hidden(np.asarray(ids[:-1]), cache)
-        last = ids[-1]  # emitted (or prompt) token that neither model has seen yet
-        out: list[int] = []
-        drafted = accepted = passes = 0
-        reason = "length"
-        while len(out) < max_tokens:
-            k = min(draft_tokens, max_tokens - len(out), room - t_cache.offset - 1)
-            if k < 1:
-                break
-            proposal = _draft(draft, d_model, d_cache, last, k)
-            base = t_cache.offset
-            with target._forward_lock:  # (k + 1, n_vocab): after `last`, then each proposal
-                logits = t_model.forward(np.asarray([last] + proposal), t_cache)
-            passes += 1
-            choices = logits.argmax(axis=-1)
-            n = 0
-            while n < k and proposal[n] == choices[n]:
-                n += 1
-            drafted += k
-            accepted += n
-            new = proposal[:n] + [int(choices[n])]
-            t_cache.trim(base + 1 + n)  # keep `last` and the accepted proposals
-            d_cache.trim(base + 1 + n)
-            for token in new:
-                if target.is_stop_token(token):
-                    return _result(target, out, "stop", drafted, accepted, passes)
-                out.append(token)
-                if len(out) == max_tokens:
-                    break
-            last = new[-1]
-        return _result(target, out, reason, drafted, accepted, passes)
+        if prefix is not None:
+            t_cache.restore(prefix, min(prefix.common_prefix(prompt_ids),
+                                        len(prompt_ids) - 1))
+        for llm, cache in ((target, t_cache), (draft, d_cache)):
+            rest = prompt_ids[cache.offset : -1]  # the last one is fed with the proposals
+            if rest:
+                llm._prefill(rest, cache, cancel=cancel)
+            llm.prefilled_tokens += len(rest) + 1
+        while True:
+            check_cancel(cancel)
+            history = list(seq.history)  # prompt and output: the caches hold a prefix
+            k = min(draft_tokens, seq.max_tokens - seq.n_generated - 1,
+                    size - len(history))
+            proposal, q = _propose(draft, d_model, d_cache, history, k, d_sampler,
+                                   sampler.rng)
+            feed = history[t_cache.offset :] + proposal
+            with target._forward_lock:  # (k + 1, n_vocab): after `last`, each proposal
+                logits = t_model.forward(np.asarray(feed), t_cache)[-(k + 1) :]
+            chosen = _verify(sampler, logits, history, proposal, q, sampler.rng)
+            counts.target_passes += 1
+            counts.drafted += k
+            counts.accepted += len(chosen) - 1
+            keep = len(history) + len(chosen) - 1  # the prompt, output, kept proposals
+            t_cache.trim(keep)
+            d_cache.trim(min(d_cache.offset, keep))
+            for row, token in zip(logits, chosen):
+                position = len(seq.history)
+                token, events = seq.push(token, row, room=limit - position)
+                yield from events
+                if token is None:
+                    return seq.finish_reason or "stop"
 
 
-def _draft(draft, model, cache: KVCache, last: int, k: int) -> list[int]:
-    """`k` greedy tokens of the draft after `last` (all fed, so its cache holds them)."""
-    tokens = []
-    token = last
+def _propose(draft: LLM, model: Any, cache: KVCache, history: list[int], k: int,
+             sampler: Sampler, rng: np.random.Generator
+             ) -> tuple[list[int], list[np.ndarray]]:
+    """`k` tokens the draft samples after `history` (whose first `cache.offset` tokens its
+    cache holds) and the distributions q (n_vocab,) they were drawn from. The cache then
+    holds everything but the last proposal."""
+    proposal: list[int] = []
+    dists: list[np.ndarray] = []
+    feed = history[cache.offset :]
     for _ in range(k):
         with draft._forward_lock:
-            logits = model.logits(model.hidden(np.asarray([token]), cache))[0]
-        token = int(np.argmax(logits))
-        tokens.append(token)
-    with draft._forward_lock:  # the last proposal too, in case the target accepts it
-        model.hidden(np.asarray([token]), cache)
-    return tokens
+            logits = model.logits(model.hidden(np.asarray(feed), cache)[-1:])[0]
+        q = sampler.probabilities(logits, history + proposal)
+        token = _draw(q, rng)
+        proposal.append(token)
+        dists.append(q)
+        feed = [token]
+    return proposal, dists
 
 
-def _check_vocabulary(target, draft) -> None:
+def _verify(sampler: Sampler, logits: np.ndarray, history: list[int], proposal: list[int],
+            q: list[np.ndarray], rng: np.random.Generator) -> list[int]:
+    """The tokens of one round: the proposals the target keeps, then its correction (at
+    the first rejection) or a bonus token (all kept). `logits` (k + 1, n_vocab) are the
+    target's after `history` and each proposal."""
+    out: list[int] = []
+    for j, x in enumerate(proposal):
+        p = sampler.probabilities(logits[j], history + out)
+        if rng.random() * q[j][x] < p[x]:  # kept with probability min(1, p(x) / q(x))
+            out.append(x)
+            continue
+        residual = np.maximum(p - q[j], 0.0)
+        out.append(_draw(residual if residual.sum() > 0 else p, rng))
+        return out
+    out.append(_draw(sampler.probabilities(logits[len(proposal)], history + out), rng))
+    return out
+
+
+def _draw(weights: np.ndarray, rng: np.random.Generator) -> int:
+    """A token id drawn in proportion to `weights` (n_vocab,), non-negative, not all 0."""
+    ids = np.flatnonzero(weights)
+    cdf = np.cumsum(weights[ids])
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(ids[min(i, len(ids) - 1)])
+
+
+def _check_vocabulary(target: LLM, draft: LLM) -> None:
+    if draft in _SAME_VOCABULARY.get(target, ()):
+        return
     t, d = target.tokenizer, draft.tokenizer
     same = (target.config.n_vocab == draft.config.n_vocab
             and all(t.token_bytes(i) == d.token_bytes(i) for i in range(target.config.n_vocab)))
     if not same:
         raise ValueError(f"the draft model {draft.path.name} has another vocabulary than "
                          f"{target.path.name}; speculative decoding needs the same tokens")
+    _SAME_VOCABULARY.setdefault(target, weakref.WeakSet()).add(draft)
 
 
-def _result(target, out: list[int], reason: str, drafted: int, accepted: int,
-            passes: int) -> SpeculativeResult:
-    return SpeculativeResult(target.detokenize(out), out, reason, drafted, accepted, passes)
+# target -> the drafts whose vocabulary was found the same (compared once per pair)
+_SAME_VOCABULARY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -6,7 +6,8 @@
 - `entropy_branching`: decode greedily, and where the model is unsure (high entropy)
   try the top alternatives a few tokens ahead on forked branches; keep the surest.
 
-(`speculative_generate`, drafting with a small model, is in `speculative.py`.)
+(Speculative decoding, drafting with a small model, is `generate(..., draft=)`: see
+`speculative.py`.)
 """
 
 from __future__ import annotations
