@@ -21,8 +21,6 @@ model must stay within 1e-4 relative of the cpu's.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import warnings
 import wave
 
@@ -31,7 +29,7 @@ import pytest
 
 from tests.support.devices import DEVICES, cuda_on_numpy, require_device
 from tests.support.shared import reference, shared_file
-from tests.support.speech import JFK, jfk_pcm, wer, words
+from tests.support.speech import FRENCH, JFK, espeak_wav, jfk_pcm, wer, words
 from tests.support.tiny_encoders import tiny_whisper
 
 RTOL = 1e-4
@@ -319,24 +317,11 @@ def test_cuda_backend_on_numpy_transcribes_like_cpu(whisper):
     assert words(t)[:4] == ["and", "so", "my", "fellow"]
 
 
-FRENCH = ("Bonjour, je voudrais réserver une table pour deux personnes ce soir. "
-          "Le train pour Paris part à huit heures.")
-
-
 def _espeak(text: str, voice: str, tmp_path) -> np.ndarray:
-    """Speech from espeak-ng, as 16 kHz mono (the reference's recipe)."""
-    if not shutil.which("espeak-ng") or not shutil.which("sox"):
-        pytest.fail("espeak-ng and sox are needed (apt-get install espeak-ng sox; "
-                    ".ci/run installs them)")
+    """Speech from espeak-ng, as 16 kHz mono samples."""
     from workbench.engine.audio import load_audio
 
-    (tmp_path / "text.txt").write_text(text)
-    raw, out = tmp_path / f"raw-{voice}.wav", tmp_path / f"out-{voice}.wav"
-    subprocess.run(["espeak-ng", "-v", voice, "-s", "150", "-w", str(raw), "-f",
-                    str(tmp_path / "text.txt")], check=True)
-    subprocess.run(["sox", str(raw), "-r", "16000", "-c", "1", "-b", "16", str(out)],
-                   check=True)
-    return load_audio(out)
+    return load_audio(espeak_wav(text, voice, tmp_path))
 
 
 @pytest.mark.slow
