@@ -61,8 +61,8 @@ class GenerationOptions(SamplingParams):
     (not included in it). `stop_tokens`: the token ids that end it; None (the default)
     means the model's end-of-generation tokens (EOS and the chat template's end of
     turn), a list replaces them, and `[]` turns them off. `logprobs=k`: record each
-    token's log-probability, its k best alternatives and the entropy in the events. `seed`: for `generate_batch`, also a
-    list of one seed per prompt.
+    token's log-probability, its k best alternatives and the entropy in the events.
+    `seed`: for `generate_batch`, also a list of one seed per prompt.
     """
 
     max_tokens: int = 512
