@@ -114,7 +114,7 @@ def publishes_options(fn: F) -> F:
 
     The generation methods take `options=None, **overrides` so that each default is
     written only in the dataclass, yet `help()`, notebook tooltips and tab completion
-    should still list `temperature=0.8` and its siblings: this sets `__signature__`
+    should still list `temperature=0.0` and its siblings: this sets `__signature__`
     to the written parameters plus `options` and one keyword-only parameter per field
     (the values are read from `DEFAULTS`, not written again). A catch-all
     named `overrides` is replaced by the fields; another (such as `chat`'s
