@@ -234,12 +234,14 @@ def run(llm: Any, lines: Iterable[BatchLine], out: str | os.PathLike, *,
 
 def run_file(llm_factory: Callable[[], Any], source: str | os.PathLike,
              out: str | os.PathLike, options: GenerationOptions, grammar: Any = None, *,
-             file=sys.stderr) -> int:
+             file=None) -> int:
     """The `workbench batch` command: read and check `source`, skip what `out` already
     answers, load the model (`llm_factory()`) only if lines remain, and answer them with
-    a progress bar on `file`. Returns the exit status (1 when lines failed)."""
+    a progress bar on `file` (default: stderr). Returns the exit status (1 when lines
+    failed)."""
     from tqdm import tqdm
 
+    file = file or sys.stderr
     if Path(source).resolve() == Path(out).resolve():
         raise ValueError("the output file must differ from the input file")
     lines = read_lines(source, options, grammar)
