@@ -166,7 +166,8 @@ def test_batch_per_line_options_and_a_line_that_fails(tmp_path, capsys, smollm2)
     assert main(["batch", "-i", str(source), "-o", str(out), "-t", "0", "--ctx", "64"]) == 1
     err = capsys.readouterr().err
     assert "2 of 3 lines already done" in err and "tried again" in err
-    assert [r["id"] for r in _read_jsonl(out)] == ["a", "b", "long"]
+    ids = [r["id"] for r in _read_jsonl(out)]  # (in the order the lines finished)
+    assert sorted(ids[:2]) == ["a", "b"] and ids[2] == "long"
 
 
 # -- a JSON Schema of the Chrome trace-event format (the parts Perfetto reads) -------------
