@@ -1,5 +1,5 @@
-"""The `workbench` command line: pull, list, chat, generate, embed, transcribe, convert, serve,
-bench, lab."""
+"""The `workbench` command line: pull, list, chat, generate, batch, embed, transcribe, convert,
+serve, bench, lab."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from workbench import registry
@@ -32,7 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.func(args) or 0
+        with _observed(args):
+            return args.func(args) or 0
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -68,13 +70,32 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=DEFAULT_SYSTEM,
                       help=f'system prompt (default: "{DEFAULT_SYSTEM}"; "" for none)')
     _generation_options(chat)
+    _profiling_options(chat)
     chat.set_defaults(func=_chat)
 
     gen = sub.add_parser("generate", help="complete a prompt (no chat template)",
                          description="Continue PROMPT with the model, streaming to stdout.")
     gen.add_argument("prompt", help="the text to continue")
     _generation_options(gen)
+    _profiling_options(gen)
     gen.set_defaults(func=_generate)
+
+    batch = sub.add_parser("batch", help="answer a JSONL file of prompts, batched, resumably",
+                           description="Answer every line of IN (JSONL: {\"prompt\": ...} or "
+                           "{\"messages\": [...]}, with an optional \"id\" and per-line "
+                           "options such as max_tokens, temperature, seed, stop, grammar, "
+                           "schema) and append one JSON line per answer to OUT as it "
+                           "finishes. The model decodes the lines together. Run again with "
+                           "the same OUT to resume: lines already answered are skipped. The "
+                           "flags set the defaults the lines override.")
+    batch.add_argument("-i", "--input", required=True, metavar="IN", help="the JSONL input")
+    batch.add_argument("-o", "--output", required=True, metavar="OUT",
+                       help="the JSONL output (appended to; what it answers is skipped)")
+    batch.add_argument("--max-batch", type=int, default=None, metavar="N",
+                       help="sequences decoded together (default: the model's, 8)")
+    _generation_options(batch)
+    _profiling_options(batch)
+    batch.set_defaults(func=_batch)
 
     emb = sub.add_parser("embed", help="sentence embeddings (one JSON vector per line)",
                          description="Embed each TEXT with an encoder (or a decoder model) and "
@@ -102,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--translate", action="store_true", help="translate into English")
     tr.add_argument("--beam-size", type=int, default=1, help="1 = greedy (default)")
     tr.add_argument("--timestamps", action="store_true", help="print timed segments")
+    _profiling_options(tr)
     tr.set_defaults(func=_transcribe)
 
     conv = sub.add_parser("convert", help="convert a BERT or Whisper checkpoint folder",
@@ -196,6 +218,75 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(*flags, type=kind, default=default, help=note + shown)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
+    p.add_argument("--device", default="auto",
+                   help="auto (metal, then cuda, then cpu), cpu, cuda, metal or mlx "
+                        "(default: auto)")
+    p.add_argument("--grammar", metavar="FILE", default=None,
+                   help="constrain the output with the GBNF grammar in FILE")
+    p.add_argument("--schema", metavar="FILE", default=None,
+                   help="constrain the output to JSON valid under the JSON Schema in FILE")
+
+
+def _profiling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", action="store_true",
+                   help="print the time per phase (load, tokenize, prefill, decode, sample, "
+                        "grammar, detokenize ...) and tokens/s to stderr at the end")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="write a Chrome trace-event JSON of the phases and tokens, per "
+                        "thread, to FILE (open it at https://ui.perfetto.dev)")
+
+
+@contextmanager
+def _observed(args) -> Iterator[None]:
+    """Record the command's phases when it asked for --profile or --trace; afterwards (on
+    an error or Ctrl-C too) print the table and write the trace."""
+    profile, trace = getattr(args, "profile", False), getattr(args, "trace", None)
+    if not (profile or trace):
+        yield
+        return
+    from workbench.engine import profiling
+
+    if trace and not Path(trace).resolve().parent.is_dir():
+        raise FileNotFoundError(f"no directory for the trace file {trace}")
+    with profiling.recording() as rec:
+        try:
+            yield
+        finally:
+            rec.stop()
+            if trace:
+                rec.write_trace(trace)
+                print(f"workbench: trace written to {trace} (open it at "
+                      "https://ui.perfetto.dev)", file=sys.stderr)
+            if profile:
+                print(rec.table(), file=sys.stderr)
+
+
+def _constraint(args):
+    """The `Grammar` of --grammar FILE or --schema FILE (None without), compiled before the
+    model loads; a file that cannot be read or compiled is a ValueError naming it."""
+    if args.grammar is None and args.schema is None:
+        return None
+    if args.grammar is not None and args.schema is not None:
+        raise ValueError("--grammar and --schema exclude each other: pass one")
+    import json
+
+    from workbench.engine.grammar import Grammar, GrammarError
+
+    path = args.grammar if args.grammar is not None else args.schema
+    what = "grammar" if args.grammar is not None else "JSON Schema"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the {what} file {path}: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        if args.grammar is not None:
+            return Grammar.from_gbnf(text)
+        return Grammar.from_json_schema(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    except GrammarError as exc:
+        raise ValueError(f"{path} is not a valid {what}: {exc}") from None
 
 
 def _options(args) -> GenerationOptions:
@@ -204,18 +295,25 @@ def _options(args) -> GenerationOptions:
                              **{name: getattr(args, name) for name in _OPTION_FLAGS})
 
 
-def _load(args):
+def _load(args, **kwargs):
+    from workbench.engine.backend import DeviceUnavailableError
     from workbench.engine.llm import LLM
 
-    return _prepared(LLM.load(args.model, kv_cache_size=args.ctx))
+    try:
+        return _prepared(LLM.load(args.model, kv_cache_size=args.ctx, device=args.device,
+                                  **kwargs))
+    except DeviceUnavailableError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _prepared(engine):
     """`engine` once its CPU kernels are ready, with a status line on stderr meanwhile
     ("preparing kernels for this CPU (3/5): ..."; only the first run on a machine waits)."""
+    from workbench.engine.profiling import span
     from workbench.engine.warmup import show_progress
 
-    show_progress(engine.warming, file=sys.stderr)
+    with span("warmup"):
+        show_progress(engine.warming, file=sys.stderr)
     return engine
 
 
@@ -357,17 +455,28 @@ def _serve(args) -> int:
 
 
 def _generate(args) -> int:
+    grammar = _constraint(args)
     m = _load(args)
-    _stream(m.generate(args.prompt, options=_options(args)))
+    _stream(m.generate(args.prompt, options=_options(args), grammar=grammar))
     return 0
 
 
+def _batch(args) -> int:
+    from workbench import batch
+
+    options, grammar = _options(args), _constraint(args)
+    extra = {} if args.max_batch is None else {"max_batch": args.max_batch}
+    return batch.run_file(lambda: _load(args, **extra), args.input, args.output, options,
+                          grammar)
+
+
 def _chat(args) -> int:
+    grammar = _constraint(args)
     m = _load(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
         question = {"role": "user", "content": args.message}
-        _stream(m.chat(system + [question], options=_options(args)))
+        _stream(m.chat(system + [question], options=_options(args), grammar=grammar))
         return 0
     history: list[dict] = []
     print(f"{m.path.name} - /reset clears the conversation, /exit leaves", file=sys.stderr)
@@ -385,7 +494,7 @@ def _chat(args) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        completion = m.chat(system + history, options=_options(args))
+        completion = m.chat(system + history, options=_options(args), grammar=grammar)
         _stream(completion)
         history.append({"role": "assistant", "content": completion.text})
 

@@ -14,6 +14,7 @@ import numpy as np
 from workbench.engine.closing import Closer, Closing
 from workbench.engine.grammar import Grammar, GrammarMatcher
 from workbench.engine.options import GenerationOptions
+from workbench.engine.profiling import span
 from workbench.engine.results import Alternative, TokenEvent
 from workbench.engine.sampling import DeviceSampler, Sampler, entropy, log_softmax
 from workbench.engine.tokenizers import Tokenizer
@@ -69,7 +70,10 @@ class Decoding:
                 raise ValueError("stop_tokens=[] turns the end tokens off, but a grammar's "
                                  "output ends with one; leave stop_tokens unset")
         params = options.sampling()
-        matcher = grammar.matcher(tokenizer, n_vocab) if grammar is not None else None
+        matcher = None
+        if grammar is not None:
+            with span("grammar", what="matcher"):
+                matcher = grammar.matcher(tokenizer, n_vocab)
         sampler = (Sampler(params, n_vocab) if backend is None
                    else DeviceSampler(params, n_vocab, backend))
         return cls(tokenizer, prompt_ids, sampler, max_tokens=options.max_tokens,
@@ -102,19 +106,23 @@ class Decoding:
                                  f"{logits.shape}")
             logits = out
         if matcher is not None:
-            allowed = matcher.mask()
-            mask_ms = matcher.mask_times[-1] * 1e3
-            allowed[self._end_array] = matcher.is_accepting  # end only a complete output
+            with span("grammar"):
+                allowed = matcher.mask()
+                mask_ms = matcher.mask_times[-1] * 1e3
+                allowed[self._end_array] = matcher.is_accepting  # end only a complete output
         if closer is not None:  # tokens this sequence may still write, this one included
             remaining = min(self.max_tokens - self.n_generated, room + 1)
-            steered = closer.steer(allowed, remaining)
+            with span("grammar", what="closer"):
+                steered = closer.steer(allowed, remaining)
             closed = closer.reason if steered is not allowed else None
             allowed = steered
-        token = self._sample(logits, allowed, on_device)
+        with span("sample"):
+            token = self._sample(logits, allowed, on_device)
         if closer is not None:
             if token not in self.end_ids and not closer.admits(token, remaining):
                 allowed, closed = closer.forced(), closer.reason
-                token = self._sample(logits, allowed, on_device)
+                with span("sample"):
+                    token = self._sample(logits, allowed, on_device)
             closing_ms = closer.times[-1] * 1e3
         return self._emit(token, room, logp, ent, mask_ms, closed, closing_ms)
 
@@ -146,14 +154,17 @@ class Decoding:
         if token in self.end_ids:
             return None, self._finish("stop")
         if matcher is not None:
-            matcher.consume(token)
-        if closer is not None:
-            closer.advance(token)
+            with span("grammar", what="advance"):
+                matcher.consume(token)
+                if closer is not None:
+                    closer.advance(token)
         self.history.append(token)
         self.n_generated += 1
-        self.held += self.decoder.push(token)
-        released, self.held, hit = split_stop(self.held, self.stop)
-        events = [TokenEvent(token, released, tok.decode([token]), lp, top, ent, mask_ms,
+        with span("detokenize"):
+            self.held += self.decoder.push(token)
+            released, self.held, hit = split_stop(self.held, self.stop)
+            piece = tok.decode([token])
+        events = [TokenEvent(token, released, piece, lp, top, ent, mask_ms,
                              closed, closing_ms)]
         if hit:
             self.finish_reason = "stop"

@@ -30,6 +30,7 @@ import llguidance
 import numpy as np
 from llguidance import gbnf_to_lark
 
+from workbench.engine.profiling import span
 from workbench.engine.tokenizers import Tokenizer
 
 # Whitespace a JSON grammar allows between tokens: one space, or one or two line breaks
@@ -208,10 +209,14 @@ def resolve_grammar(grammar: Grammar | str | None = None, schema: Any = None) ->
     """The grammar of a call's `grammar=` (a Grammar or GBNF text) or `schema=` option."""
     if grammar is not None and schema is not None:
         raise ValueError("pass either grammar= or schema=, not both")
+    if schema is not None and not isinstance(schema, Grammar):
+        with span("grammar", what="compile"):
+            return Grammar.from_json_schema(schema)
     if schema is not None:
-        return schema if isinstance(schema, Grammar) else Grammar.from_json_schema(schema)
+        return schema
     if isinstance(grammar, str):
-        return Grammar.from_gbnf(grammar)
+        with span("grammar", what="compile"):
+            return Grammar.from_gbnf(grammar)
     if grammar is not None and not isinstance(grammar, Grammar):
         raise TypeError(f"grammar must be a Grammar or GBNF text, got {type(grammar).__name__}")
     return grammar

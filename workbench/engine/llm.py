@@ -36,6 +36,7 @@ from workbench.engine.local_engine import LocalEngine
 from workbench.engine.models import gemma3, llama, llama_device
 from workbench.engine.options import GenerationOptions, publishes_options
 from workbench.engine.prefix_cache import PrefixCache
+from workbench.engine.profiling import span
 from workbench.engine.prompting import Prompting
 from workbench.engine.results import (  # noqa: F401  (importable from here, as before)
     Alternative,
@@ -118,9 +119,10 @@ class LLM(Prompting, LocalEngine):
         in the background at once (`prepare_kernels`; progress in `m.warming`,
         `m.warmup.wait()` blocks until they are ready).
         """
-        return cls(open_gguf(sources.resolve(source)), device=device,
-                   kv_cache_size=kv_cache_size, max_batch=max_batch,
-                   prepare_kernels=prepare_kernels)
+        path = sources.resolve(source)
+        with span("load", model=path.name):
+            return cls(open_gguf(path), device=device, kv_cache_size=kv_cache_size,
+                       max_batch=max_batch, prepare_kernels=prepare_kernels)
 
     @property
     def max_batch(self) -> int:
@@ -464,8 +466,9 @@ class LLM(Prompting, LocalEngine):
         model = self._require_model()
         for start in range(0, len(ids), PREFILL_CHUNK):
             check_cancel(cancel)
-            with self._forward_lock:
-                hidden = model.hidden(np.asarray(ids[start : start + PREFILL_CHUNK]), cache)
+            chunk = ids[start : start + PREFILL_CHUNK]
+            with self._forward_lock, span("prefill", tokens=len(chunk)):
+                hidden = model.hidden(np.asarray(chunk), cache)
         with self._forward_lock:
             return self._logits(hidden[-1:], on_device)[0]
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from workbench.engine.chat_template import render as render_chat
+from workbench.engine.profiling import span
 from workbench.engine.tokenizers import Tokenizer
 
 
@@ -24,7 +25,8 @@ class Prompting:
                  ) -> list[int]:
         """Token ids of `text`. BOS only when the model adds one (or `add_bos=True`);
         special tokens such as `<|im_start|>` are parsed unless `special=False`."""
-        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+        with span("tokenize", chars=len(text)):
+            return self.tokenizer.encode(text, add_bos=add_bos, special=special)
 
     def detokenize(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         """Text of token ids."""
@@ -36,13 +38,14 @@ class Prompting:
         """The prompt text the model's own chat template (or `chat_template`, Jinja text)
         makes of `messages`."""
         tok = self.tokenizer
-        return render_chat(
-            chat_template or self.chat_template, list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
-            eos_token=tok.decode([tok.eos_id]) if tok.eos_id is not None else "",
-            **variables,
-        )
+        with span("chat_template", messages=len(messages)):
+            return render_chat(
+                chat_template or self.chat_template, list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
+                eos_token=tok.decode([tok.eos_id]) if tok.eos_id is not None else "",
+                **variables,
+            )
 
     def is_stop_token(self, token: int) -> bool:
         """True for the model's end-of-generation tokens (end of turn, EOS)."""

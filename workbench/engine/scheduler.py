@@ -41,6 +41,7 @@ from workbench.engine.cancel import CancelFlag, Cancelled
 from workbench.engine.decoding import Decoding
 from workbench.engine.kv_cache import ContextFullError, KVCache
 from workbench.engine.prefix_cache import PrefixCache, common_prefix
+from workbench.engine.profiling import span
 from workbench.engine.results import TokenEvent
 
 if TYPE_CHECKING:
@@ -212,7 +213,7 @@ class Scheduler:
                     self._thread = None
                     closing = self._closed
                     break
-            with self._step_lock:
+            with self._step_lock, span("step", cat="step"):
                 try:
                     self._step()
                 except Exception as exc:  # noqa: BLE001 - a bug here must not hang callers
@@ -232,8 +233,10 @@ class Scheduler:
                 feed.append((r, r.pending.pop(0)))
             elif r.row is not None:
                 try:
-                    token, evs = r.seq.step(r.row, room=r.cache.max_len - r.cache.offset,
-                                            on_device=self.llm.backend is not None)
+                    with span("token", cat="token", seq=id(r) & 0xFFFF) as args:
+                        token, evs = r.seq.step(r.row, room=r.cache.max_len - r.cache.offset,
+                                                on_device=self.llm.backend is not None)
+                        args["id"] = next((e.id for e in evs if e.id is not None), None)
                 except Exception as exc:  # noqa: BLE001 - the caller's to see
                     self._end(r, exc)
                     continue
@@ -267,7 +270,7 @@ class Scheduler:
         model = llm._require_model()
         tokens = np.asarray([t for _, t in feed])
         caches = [r.cache for r, _ in feed]
-        with llm._forward_lock:
+        with llm._forward_lock, span("decode", tokens=len(feed)):
             if llm.backend is None:
                 rows = model.logits(model.decode(tokens, caches))
             else:
@@ -299,7 +302,8 @@ class Scheduler:
             chunks.append((r, r.pending[:n]))
             del r.pending[:n]
             budget -= n
-        with llm._forward_lock:
+        with llm._forward_lock, span("prefill", tokens=sum(len(ids) for _, ids in chunks),
+                                     sequences=len(chunks)):
             hidden = model.hidden_batch([(np.asarray(ids), r.cache) for r, ids in chunks])
             for (r, _), h in zip(chunks, hidden):
                 if not r.pending:

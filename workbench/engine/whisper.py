@@ -57,6 +57,7 @@ from workbench.engine.mel import (
     window_log10_mel_max,
 )
 from workbench.engine.models import whisper as arch
+from workbench.engine.profiling import span
 from workbench.engine.results import Segment, Transcript
 from workbench.engine.sampling import log_softmax
 from workbench.engine.tokenizers.whisper import WhisperTokenizer
@@ -113,8 +114,9 @@ class WhisperModel(LocalEngine):
         right away, with progress in `warming` (`warmup.wait()` blocks until they are
         ready); False compiles each on first use.
         """
-        return cls(WhisperFile(sources.resolve(source)), device=device,
-                   prepare_kernels=prepare_kernels)
+        path = sources.resolve(source)
+        with span("load", model=Path(path).name):
+            return cls(WhisperFile(path), device=device, prepare_kernels=prepare_kernels)
 
     @property
     def multilingual(self) -> bool:
@@ -159,7 +161,8 @@ class WhisperModel(LocalEngine):
         source = open_audio(audio, max_seconds=max_seconds)
         with self._busy:
             filters = self._net().mel_filters
-            first, n_samples, log_max, n_windows = _first_pass(source, filters, cancel)
+            with span("mel", what="first pass"):
+                first, n_samples, log_max, n_windows = _first_pass(source, filters, cancel)
             if first is None and n_windows:
                 windows = mel_windows(source.blocks(cancel))
             else:  # one window, kept, or nothing but silence
@@ -264,19 +267,23 @@ class WhisperModel(LocalEngine):
             net = self._net()
             for seek, mel in chunks:
                 check_cancel(cancel)
-                features = net.encode(mel, cancel)
+                with span("encode", seek=seek):
+                    features = net.encode(mel, cancel)
                 if auto:
                     probs = self._language_probs(features)
                     best = int(np.argmax(probs))
                     language, language_probability = tok.languages[best], float(probs[best])
                     auto = False
                 prompt = tok.sot_sequence(language, task, timestamps)
-                tokens = self._decode(features, prompt, beam_size, max_tokens, timestamps,
-                                      cancel)
+                with span("decode", seek=seek) as args:
+                    tokens = self._decode(features, prompt, beam_size, max_tokens, timestamps,
+                                          cancel)
+                    args["tokens"] = len(tokens)
                 all_tokens.extend(prompt + tokens)
                 start = seek / frames_per_second
                 end = min(seek + N_FRAMES, n_frames) / frames_per_second
-                segments.extend(self._segments(tokens, start, end, timestamps))
+                with span("detokenize"):
+                    segments.extend(self._segments(tokens, start, end, timestamps))
         text = " ".join(s.text for s in segments if s.text)
         return Transcript(text, language=language or "en",
                           language_probability=language_probability,
@@ -464,8 +471,9 @@ def _mel_chunks(windows: Iterable[tuple[np.ndarray, np.ndarray]], n_frames: int,
             break
         if _silent(samples):
             continue
-        log10 = window_log10_mel(x, filters)[:, : N_FRAMES]
-        yield seek, scale_log_mel(log10, log_max)
+        with span("mel", seek=seek):
+            mel = scale_log_mel(window_log10_mel(x, filters)[:, : N_FRAMES], log_max)
+        yield seek, mel
 
 
 __all__ = ["AudioError", "Segment", "Transcript", "WhisperModel", "clean_text"]

@@ -1,0 +1,266 @@
+"""`workbench batch`: answer every line of a JSONL file, decoded together, resumably.
+
+Each input line is a JSON object: `{"messages": [...]}` (a chat) or `{"prompt": "..."}`
+(a completion), with an optional `"id"` (default: the line number) and any
+`GenerationOptions` field (`max_tokens`, `temperature`, `seed`, `stop` ...) or
+`"grammar"` (GBNF text) / `"schema"` (a JSON Schema) for that line alone:
+
+    {"id": "q1", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}
+    {"prompt": "The capital of France is", "temperature": 0, "stop": ["\\n"]}
+
+Every line goes to the model as its own request from a small pool of threads, so the
+model's scheduler decodes up to `max_batch` of them in one forward pass per token.
+Each answer is one output line, written and flushed as it finishes (in the order they
+finish, not the input's):
+
+    {"id": "q1", "line": 1, "text": "...", "finish_reason": "stop",
+     "usage": {"prompt_tokens": 31, "completion_tokens": 9, "total_tokens": 40}}
+
+A line whose generation fails gets `"error"` instead of `text`. Run again with the same
+output file and the lines already answered are skipped: a killed run loses only the
+lines in flight (a truncated last line is dropped); failed lines are tried again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workbench.engine.options import OPTION_NAMES, GenerationOptions
+
+LINE_FIELDS = ("id", "prompt", "messages", "grammar", "schema")
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One input line: its `id`, its 1-based `line` number, a `prompt` or `messages`,
+    its options and its constraint (a compiled `Grammar`, or None)."""
+
+    id: str | int
+    line: int
+    prompt: str | None
+    messages: list[dict] | None
+    options: GenerationOptions
+    grammar: Any = None
+
+
+def id_key(value: Any) -> str:
+    """How ids compare (JSON text: 1 and "1" are different ids)."""
+    return json.dumps(value, sort_keys=True)
+
+
+def read_lines(path: str | os.PathLike, options: GenerationOptions, grammar: Any = None
+               ) -> list[BatchLine]:
+    """Every line of the JSONL file at `path`, checked before any work: a bad line
+    (not JSON, neither `prompt` nor `messages`, an unknown field, an option out of range,
+    a bad grammar, a repeated id) is a ValueError naming it. `options` and `grammar` are
+    the defaults the lines' own fields override. Blank lines are skipped."""
+    from workbench.engine.grammar import Grammar, resolve_grammar
+
+    path = Path(path)
+    lines: list[BatchLine] = []
+    seen: dict[str, int] = {}
+    compiled: dict[str, Grammar] = {}  # lines with the same constraint share its grammar
+    with path.open(encoding="utf-8") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                item = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc.msg} at column {exc.colno})"
+                                 ) from None
+            if not isinstance(item, dict):
+                raise ValueError(f"{where}: a line must be a JSON object, not "
+                                 f"{type(item).__name__}")
+            unknown = sorted(set(item) - set(LINE_FIELDS) - set(OPTION_NAMES))
+            if unknown:
+                raise ValueError(f"{where}: unknown field {', '.join(map(repr, unknown))}; "
+                                 f"a line has {', '.join(LINE_FIELDS)} and the generation "
+                                 f"options {', '.join(OPTION_NAMES)}")
+            prompt, messages = item.get("prompt"), item.get("messages")
+            if (prompt is None) == (messages is None):
+                raise ValueError(f"{where}: a line needs either \"prompt\" (a completion) or "
+                                 "\"messages\" (a chat), not "
+                                 + ("both" if prompt is not None else "neither"))
+            if prompt is not None and (not isinstance(prompt, str) or not prompt):
+                raise ValueError(f"{where}: \"prompt\" must be a non-empty string")
+            if messages is not None and not _is_conversation(messages):
+                raise ValueError(f"{where}: \"messages\" must be a non-empty list of "
+                                 "{\"role\": ..., \"content\": ...} objects")
+            line_id = item.get("id", number)
+            if isinstance(line_id, bool) or not isinstance(line_id, (str, int)):
+                raise ValueError(f"{where}: \"id\" must be a string or an integer")
+            key = id_key(line_id)
+            if key in seen:
+                raise ValueError(f"{where}: id {line_id!r} is already line {seen[key]}'s")
+            seen[key] = number
+            fields = {k: v for k, v in item.items() if k in OPTION_NAMES}
+            if isinstance(fields.get("logit_bias"), dict):  # JSON keys are strings
+                try:
+                    fields["logit_bias"] = {int(k): float(v)
+                                            for k, v in fields["logit_bias"].items()}
+                except (TypeError, ValueError):
+                    raise ValueError(f"{where}: logit_bias maps token ids to numbers"
+                                     ) from None
+            try:
+                line_options = GenerationOptions.of(options, **fields)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            line_grammar = grammar
+            if item.get("grammar") is not None or item.get("schema") is not None:
+                spec = id_key([item.get("grammar"), item.get("schema")])
+                if spec not in compiled:
+                    try:
+                        compiled[spec] = resolve_grammar(item.get("grammar"), item.get("schema"))
+                    except (TypeError, ValueError) as exc:
+                        raise ValueError(f"{where}: {exc}") from None
+                line_grammar = compiled[spec]
+            lines.append(BatchLine(line_id, number, prompt, messages, line_options,
+                                   line_grammar))
+    return lines
+
+
+def _is_conversation(messages: Any) -> bool:
+    return (isinstance(messages, list) and bool(messages)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages))
+
+
+def read_done(path: str | os.PathLike) -> tuple[set[str], list[str]]:
+    """The ids (as `id_key`) answered in the output file at `path` and what was dropped.
+
+    A last line cut short (a killed run) is removed from the file, and so are lines that
+    record an error (they are to be tried again). A missing file has no ids. Another
+    line that is not JSON is a ValueError: the file is not one `workbench batch` wrote."""
+    path = Path(path)
+    if not path.exists():
+        return set(), []
+    data = path.read_bytes()
+    kept: list[bytes] = []
+    done: set[str] = set()
+    dropped: list[str] = []
+    rows = data.split(b"\n")
+    complete = len(rows) - 1  # the last piece follows the last newline: complete if empty
+    for i, raw in enumerate(rows, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict) or "id" not in record:
+                raise ValueError("no id")
+        except ValueError:
+            if i >= complete:  # the line being written when the run stopped
+                dropped.append(f"line {i} (cut short)")
+                continue
+            raise ValueError(f"{path}, line {i}: not a line of `workbench batch` output; "
+                             "choose another output file") from None
+        if "error" in record:
+            dropped.append(f"line {i} (failed: tried again)")
+            continue
+        done.add(id_key(record["id"]))
+        kept.append(raw)
+    if dropped or (data and not data.endswith(b"\n")):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(r + b"\n" for r in kept))
+        os.replace(tmp, path)
+    return done, dropped
+
+
+def answer(llm: Any, line: BatchLine, cancel: threading.Event | None = None) -> dict:
+    """The output record of one line (generated to its end on `llm`)."""
+    kw = dict(options=line.options, grammar=line.grammar, cancel=cancel)
+    completion = (llm.chat(line.messages, **kw) if line.messages is not None
+                  else llm.generate(line.prompt, **kw)).wait()
+    usage = completion.usage
+    return {"id": line.id, "line": line.line, "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "usage": {"prompt_tokens": usage.prompt_tokens,
+                      "completion_tokens": usage.completion_tokens,
+                      "total_tokens": usage.total_tokens}}
+
+
+def run(llm: Any, lines: Iterable[BatchLine], out: str | os.PathLike, *,
+        workers: int | None = None, progress: Callable[[dict], None] | None = None,
+        ) -> int:
+    """Answer `lines` on `llm`, appending one JSON line per answer to `out` (flushed as
+    each finishes); `progress(record)` after each. `workers` requests are in flight at
+    once (default: twice the model's `max_batch`, so that a place coming free in the batch
+    finds the next request waiting). Returns the number of lines that failed (their
+    records carry `"error"`). Ctrl-C cancels what is in flight and raises
+    KeyboardInterrupt."""
+    from workbench.engine.cancel import Cancelled
+
+    lines = list(lines)
+    workers = workers or 2 * getattr(llm, "max_batch", 8)
+    cancel = threading.Event()
+    failed = 0
+
+    def one(line: BatchLine) -> dict:
+        try:
+            return answer(llm, line, cancel)
+        except Cancelled:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded on the line, the others go on
+            return {"id": line.id, "line": line.line, "error": f"{type(exc).__name__}: {exc}"}
+
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="batch")
+    try:
+        with open(out, "a", encoding="utf-8") as f:
+            pending: set[Future] = {pool.submit(one, line) for line in lines}
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    record = fut.result()
+                    failed += "error" in record
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    f.flush()
+                    if progress is not None:
+                        progress(record)
+    except BaseException:
+        cancel.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    return failed
+
+
+def run_file(llm_factory: Callable[[], Any], source: str | os.PathLike,
+             out: str | os.PathLike, options: GenerationOptions, grammar: Any = None, *,
+             file=None) -> int:
+    """The `workbench batch` command: read and check `source`, skip what `out` already
+    answers, load the model (`llm_factory()`) only if lines remain, and answer them with
+    a progress bar on `file` (default: stderr). Returns the exit status (1 when lines
+    failed)."""
+    from tqdm import tqdm
+
+    file = file or sys.stderr
+    if Path(source).resolve() == Path(out).resolve():
+        raise ValueError("the output file must differ from the input file")
+    lines = read_lines(source, options, grammar)
+    done, dropped = read_done(out)
+    todo = [line for line in lines if id_key(line.id) not in done]
+    n_done = len(lines) - len(todo)
+    if dropped:
+        print(f"workbench: dropped from {out}: {'; '.join(dropped)}", file=file)
+    if n_done:
+        print(f"workbench: {n_done} of {len(lines)} lines already done in {out}; "
+              f"{len(todo)} to go", file=file)
+    if not todo:
+        return 0
+    llm = llm_factory()
+    with tqdm(total=len(lines), initial=n_done, unit="line", desc="batch", file=file,
+              dynamic_ncols=True) as bar:
+        failed = run(llm, todo, out, progress=lambda record: bar.update(1))
+    if failed:
+        print(f"workbench: {failed} of {len(todo)} lines failed (their \"error\" is in {out}; "
+              "run again to retry them)", file=file)
+        return 1
+    return 0
