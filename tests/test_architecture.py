@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "workbench"
 BASE = {"signals", "registry", "version"}
-# room -> the rooms it may import ("top" is workbench/__init__.py, cli.py and bench.py)
+# room -> the rooms it may import ("top" is workbench/__init__.py, cli.py, batch.py, bench.py)
 ALLOWED = {
     "base": set(),
     "kernels": set(),
@@ -26,7 +26,7 @@ REMOTE_REACHES = {"workbench.engine.results", "workbench.engine.options",
 def room(module: str) -> str:
     """The room of a dotted module name under workbench."""
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("__init__", "cli", "bench"):
+    if len(parts) == 1 or parts[1] in ("__init__", "cli", "batch", "bench"):
         return "top"
     return "base" if parts[1] in BASE else parts[1]
 
