@@ -12,6 +12,10 @@ float64 from the bit-exact NumPy dequantization.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
@@ -486,3 +490,18 @@ def test_parallel_kernels_start_one_parallel_region():
             fresh(x, np.zeros((4, K // bs * ts), np.uint8), cpu._table(qtype), y, cpu._INNER)
             report = fresh.get_metadata(fresh.signatures[0])["parfor_diagnostics"]
             assert len(report.initial_parfors) == 1, (kernel.__name__, report.initial_parfors)
+
+
+def test_importing_workbench_first_shortens_openblas_spinning_before_numpy_loads():
+    # OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when NumPy loads it: workbench must set it
+    # without loading NumPy itself, and keep a value the user chose
+    code = ("import os, sys; import workbench; "
+            "print('numpy' in sys.modules, os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["False", "16"]
+    out = subprocess.run([sys.executable, "-c", code],
+                         env={**env, "OPENBLAS_THREAD_TIMEOUT": "24"}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["False", "24"]
