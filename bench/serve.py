@@ -5,18 +5,20 @@
                           [--requests N] [--max-tokens 128] [--repeats 1]
                           [--max-concurrent K] [--shared-prefix after|only|off]
 
-Both servers run in this process, one at a time, each on an ephemeral 127.0.0.1 port,
-over the same GGUF with the same thread count. Ours is `workbench.serve(m)` with the
+Both servers run one at a time, each on an ephemeral 127.0.0.1 port, over the same
+GGUF with the same thread count: ours in this process, llama_cpp.server in a child
+process (see `LlamaCppServer`). Ours is `workbench.serve(m)` with the
 server's default `max_concurrent` (`--max-concurrent` sets another); llama_cpp.server
 runs one generation at a time, started with `interrupt_requests=False` (its default
 ends a running stream with [DONE] as soon as another request waits).
 
-Levels: for each client count, that many threads in a closed loop, each with its own
-`openai.OpenAI` client, send `--requests` streaming chat completions (default
-max(8, 2 x clients)): greedy, repeat_penalty 1.0 (llama_cpp.server defaults to 1.1),
-`--max-tokens` each (128: greedy SmolLM2 answers these in ~35 tokens on average, so
-few are cut; a cap of 32 cuts most and leaves the run mostly prompt reading),
-`stream_options={"include_usage": True}`. User messages mix
+Levels: for each client count, that many threads of a child process (see `main`), in
+a closed loop, each with its own `openai.OpenAI` client, send `--requests` streaming
+chat completions (default max(16, 2 x the largest client count), the same requests at
+every level, so that levels compare the same prompts and answers): greedy, repeat_penalty 1.0
+(llama_cpp.server defaults to 1.1), `--max-tokens` each (128: greedy SmolLM2 answers
+these in ~35 tokens on average, so few are cut; a cap of 32 cuts most and leaves the
+run mostly prompt reading), `stream_options={"include_usage": True}`. User messages mix
 lengths (a question alone, or after ~40, ~100 or ~200 tokens of a fixed text, by
 request index) and start with a tag unique to level, run and request, so none repeats
 or shares more than the template with the one before. TTFT: from sending to the first
@@ -24,10 +26,19 @@ chunk with content. Completion tokens: the final usage chunk's; a server that se
 none (llama_cpp.server ignores `stream_options`) is counted by content chunks, marked
 `*`. Runs alternate the servers' order across `--repeats`; per level the table shows
 medians over repeats of aggregate completion tokens/s (all tokens / wall time), TTFT
-p50 and p95 (nearest rank: with 8 or 16 requests p95 is the slowest), tokens per
+p50 and p95 (nearest rank: with 16 requests p95 is the slowest), tokens per
 request, and failed requests summed over repeats (expected: 0). Then issue 30's
 targets, PASS or FAIL: ours@8 / ours@1 tok/s >= 2.0, ours@8 / llama.cpp@8 tok/s >= 1.5,
-ours p95 TTFT@8 / p50 TTFT@1 <= 3 (and p95@8 / p95@1 for reference).
+ours p95 TTFT@8 / p50 TTFT@1 <= 3 (and, for reference, p95@8 / p95@1 and p95@1 / p50@1:
+the spread of one client's TTFTs over the mix of prompt lengths).
+
+Ceiling: our levels run under `workbench.engine.profiling`, which times each prefill
+and decode pass of the engine. From level 1 and level 8 it takes the prompt tokens
+read and tokens generated per request, prefill ms per token, and the median decode
+pass with 1 row and with 8 rows, and prints the 8 / 1 ratio a scheduler would reach
+if every pass at 8 clients were full and nothing else took time: reading prompts is
+compute-bound and costs the same per token at any batch, so the mix of prompt and
+answer lengths bounds the ratio whatever the scheduling.
 
 Shared prefix (`--shared-prefix after`, the default, runs it after the levels; `only`
 alone): a ~1,000-token system prompt of fixed text, 8 requests with it and different
@@ -44,12 +55,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
 import socket
 import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from thread_pools import pin_thread_pools
 
@@ -130,6 +143,50 @@ def _client(base_url: str):
     import openai
 
     return openai.OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
+
+
+@dataclass
+class EngineTimes:
+    """What our engine's passes took during one level (`workbench.engine.profiling`)."""
+
+    prompt_tokens: int  # read by prefill passes (prompt beginnings reused are not read)
+    generated: int  # tokens sampled
+    prefill_s: float  # all prefill passes
+    decode_ms: dict[int, float]  # rows of a decode pass -> its median duration
+
+    @classmethod
+    def of(cls, rec) -> EngineTimes:
+        passes: dict[int, list[float]] = {}
+        for s in rec.spans:
+            if s.name == "decode":
+                passes.setdefault(int(s.args.get("tokens", 0)), []).append(s.dur_ns / 1e6)
+        prefill = rec.phases().get("prefill", (0.0, 0, 0))
+        return cls(prompt_tokens=prefill[2], generated=rec.generated_tokens(),
+                   prefill_s=prefill[0],
+                   decode_ms={k: statistics.median(v) for k, v in sorted(passes.items())})
+
+
+def print_ceiling(ones: list[EngineTimes], eights: list[EngineTimes], requests: int) -> None:
+    """The 8 / 1 client token-rate ratio at full 8-row passes and no other cost: per
+    repeat, from level 1's and level 8's passes; the median over repeats."""
+    pairs = [(one, eight) for one, eight in zip(ones, eights)
+             if 1 in one.decode_ms and 8 in eight.decode_ms and one.prompt_tokens]
+    if not pairs:
+        print(f"  {'ceiling of ours 8 / 1 for this mix':<44} n/a (no full 8-row passes)")
+        return
+    rows = []  # (ceiling, prompt tokens, generated, prefill ms/token, 1-row ms, 8-row ms)
+    for one, eight in pairs:
+        per_token = one.prefill_s * 1e3 / one.prompt_tokens  # prefill ms per prompt token
+        prompt, answer = one.prompt_tokens / requests, one.generated / requests  # a request's
+        alone = prompt * per_token + answer * one.decode_ms[1]  # ms a request, one client
+        full = prompt * per_token + answer * eight.decode_ms[8] / 8  # in full 8-row passes
+        rows.append((alone / full, prompt, answer, per_token, one.decode_ms[1],
+                     eight.decode_ms[8]))
+    ceiling, prompt, answer, per_token, one_row, eight_rows = \
+        sorted(rows)[(len(rows) - 1) // 2]  # the median repeat (the lower of two)
+    print(f"  {'ceiling of ours 8 / 1 for this mix':<44} {ceiling:6.2f}  (per request "
+          f"{prompt:.0f} prompt tokens read at {per_token:.2f} ms, {answer:.0f} generated; "
+          f"a decode pass: {one_row:.1f} ms for 1 row, {eight_rows:.1f} ms for 8)")
 
 
 def run_level(base_url: str, clients: int, n: int, max_tokens: int, tag: str) -> dict:
@@ -247,41 +304,50 @@ def _rss_mib() -> float:
 
 
 class LlamaCppServer:
-    """llama_cpp.server's app served by uvicorn on a daemon thread on 127.0.0.1 (a free
-    port), with the `Server` interface used here: `.base_url`, `.stop()`, `.is_running`."""
+    """llama_cpp.server in a child process on 127.0.0.1 (a free port), with the `Server`
+    interface used here: `.base_url`, `.stop()`, `.is_running`.
+
+    A child, not a thread of this process: llama.cpp's OpenMP threads form a second
+    libgomp team here once it has answered, and while two teams live in one process each
+    parallel region Numba starts from a thread other than the first costs ~20 us instead
+    of ~1 us: our decode passes ran at half speed (6.6 -> 12.9 ms a one-row pass)."""
 
     def __init__(self, path: str, threads: int, n_ctx: int):
-        import uvicorn
-        from llama_cpp.server.app import create_app
-        from llama_cpp.server.settings import ModelSettings, ServerSettings
+        import importlib.util
+        import subprocess
 
-        model = ModelSettings(model=path, model_alias="m", n_ctx=n_ctx, n_threads=threads,
-                              n_threads_batch=threads, verbose=False)
-        app = create_app(server_settings=ServerSettings(interrupt_requests=False),
-                         model_settings=[model])
-        self._socket = socket.create_server(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{self._socket.getsockname()[1]}/v1"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=3)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="llama-cpp-serve",
-                                        kwargs={"sockets": [self._socket]}, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("llama_cpp.server did not start")
-            time.sleep(0.01)
+        if importlib.util.find_spec("llama_cpp.server") is None:
+            raise ImportError("llama_cpp.server")
+        with socket.create_server(("127.0.0.1", 0)) as probe:
+            port = probe.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "m",
+             "--n_ctx", str(n_ctx), "--n_threads", str(threads),
+             "--n_threads_batch", str(threads), "--interrupt_requests", "False",
+             "--verbose", "False", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("llama_cpp.server did not start") from None
+                time.sleep(0.1)
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self._process.poll() is None
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
-        self._socket.close()
+        self._process.terminate()
+        try:
+            self._process.wait(10)
+        except Exception:  # noqa: BLE001 - a server that will not stop is killed
+            self._process.kill()
 
 
 def print_level(runs: dict, names: list[str], level: int) -> None:
@@ -299,7 +365,8 @@ def print_level(runs: dict, names: list[str], level: int) -> None:
 
 
 def print_summary(runs: dict) -> None:
-    """Issue 30's three target ratios, PASS or FAIL (n/a when a level was not run)."""
+    """Issue 30's three target ratios, PASS or FAIL (n/a when a level was not run), and
+    TTFT ratios for reference."""
     def med(name: str, level: int, key: str) -> float | None:
         rs = runs.get((name, level))
         return statistics.median(r[key] for r in rs) if rs else None
@@ -320,10 +387,11 @@ def print_summary(runs: dict) -> None:
          med("llama.cpp", 8, "tok_s"), 1.5, True)
     line("ours TTFT: p95 at 8 clients / p50 at 1", med(ours, 8, "p95"), med(ours, 1, "p50"),
          3.0, False)
-    p95 = (med(ours, 8, "p95"), med(ours, 1, "p95"))
-    if None not in p95 and p95[1]:
-        print(f"  {'ours TTFT: p95 at 8 clients / p95 at 1':<44} {p95[0] / p95[1]:6.2f}"
-              "  (for reference)")
+    for text, a, b in (("ours TTFT: p95 at 8 clients / p95 at 1", (8, "p95"), (1, "p95")),
+                       ("ours TTFT at 1 client: p95 / p50", (1, "p95"), (1, "p50"))):
+        a, b = med(ours, *a), med(ours, *b)
+        if a is not None and b:
+            print(f"  {text:<44} {a / b:6.2f}  (for reference)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import workbench
     from workbench import LLM
+    from workbench.engine import profiling
 
     levels = [] if args.shared_prefix == "only" else \
         list(dict.fromkeys(int(c) for c in args.concurrency.split(",")))
@@ -356,13 +425,17 @@ def main(argv: list[str] | None = None) -> int:
         servers["llama.cpp"] = LlamaCppServer(str(m.path), args.threads, args.n_ctx)
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
-    requests = {c: args.requests or max(8, 2 * c) for c in levels}
+    n_requests = args.requests or max([16] + [2 * c for c in levels])
     print(f"workbench from {os.path.dirname(os.path.dirname(workbench.__file__))}: "
           f"{os.path.basename(m.path)}, {args.threads} threads, max_tokens {args.max_tokens}, "
-          f"median of {args.repeats} run(s); requests per level: "
-          + ", ".join(f"{c} clients: {n}" for c, n in requests.items())
+          f"median of {args.repeats} run(s); {n_requests} requests per level"
           + f"; ours max_concurrent {args.max_concurrent or 'default'}\n" + _load_line("before"))
     runs: dict[tuple[str, int], list[dict]] = {}
+    # the clients run in a child process of their own: as threads of this one they took
+    # the GIL from our server (8-row decode passes 21-25 ms with the clients outside,
+    # ~30 ms inside), which llama_cpp.server, in its own process, would not pay
+    clients = multiprocessing.get_context("spawn").Pool(1)
+    engine_times: dict[int, list[EngineTimes]] = {}  # ours, per level, one per repeat
     try:
         for name, server in servers.items():  # warm-up
             with _client(server.base_url) as client:
@@ -374,8 +447,12 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(servers) if rep % 2 == 0 else list(reversed(servers))
                 for name in order:
                     time.sleep(SETTLE_S)
-                    run = run_level(servers[name].base_url, level, requests[level],
-                                    args.max_tokens, f"c{level}r{rep}")
+                    with profiling.recording() as rec:
+                        run = clients.apply(run_level, (servers[name].base_url, level,
+                                                        n_requests, args.max_tokens,
+                                                        f"c{level}r{rep}"))
+                    if name == "workbench":
+                        engine_times.setdefault(level, []).append(EngineTimes.of(rec))
                     runs.setdefault((name, level), []).append(run)
                     print(f"{name}, {level} clients: {run['tok_s']:.1f} tok/s", file=sys.stderr)
             print_level(runs, list(servers), level)
@@ -383,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             if any(not r["usage"] for rs in runs.values() for r in rs):
                 print("* no usage chunk from this server: tokens are its content chunks")
             print_summary(runs)
+            print_ceiling(engine_times.get(1, []), engine_times.get(8, []), n_requests)
         if args.shared_prefix != "off":
             print(f"\nshared prefix: 8 requests with one ~1,000-token system prompt, "
                   f"max_tokens {min(args.max_tokens, 16)}")
@@ -390,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                 shared_prefix(server.base_url, name, min(args.max_tokens, 16),
                               m if name == "workbench" else None)
     finally:
+        clients.terminate()
         print(_load_line("after"))
         for name, server in servers.items():
             server.stop()
