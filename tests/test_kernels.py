@@ -492,16 +492,20 @@ def test_parallel_kernels_start_one_parallel_region():
             assert len(report.initial_parfors) == 1, (kernel.__name__, report.initial_parfors)
 
 
-def test_importing_workbench_first_shortens_openblas_spinning_before_numpy_loads():
-    # OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when NumPy loads it: workbench must set it
-    # without loading NumPy itself, and keep a value the user chose
-    code = ("import os, sys; import workbench; "
-            "print('numpy' in sys.modules, os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, check=True).stdout.split()
-    assert out == ["False", "16"]
-    out = subprocess.run([sys.executable, "-c", code],
-                         env={**env, "OPENBLAS_THREAD_TIMEOUT": "24"}, capture_output=True,
-                         text=True, check=True).stdout.split()
-    assert out == ["False", "24"]
+def test_importing_workbench_first_sets_the_thread_pools_waits_before_numpy_loads():
+    # OpenBLAS and libgomp read their variables when they load: workbench must set them
+    # without loading NumPy itself, and keep what the user chose
+    names = ("OPENBLAS_THREAD_TIMEOUT", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+    code = ("import os, sys; import workbench; print('numpy' in sys.modules, "
+            f"*(os.environ.get(n) for n in {names!r}))")
+    env = {k: v for k, v in os.environ.items() if k not in names}
+
+    def imported(**chosen: str) -> list[str]:
+        return subprocess.run([sys.executable, "-c", code], env={**env, **chosen},
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    assert imported() == ["False", "16", "active", "300000", "200"]
+    assert imported(OPENBLAS_THREAD_TIMEOUT="24", KMP_BLOCKTIME="0") == \
+        ["False", "24", "active", "300000", "0"]
+    # a wait policy of the user's own: the OpenMP runtimes' waits are left to it
+    assert imported(OMP_WAIT_POLICY="passive") == ["False", "16", "passive", "None", "None"]

@@ -17,15 +17,29 @@ from typing import TYPE_CHECKING
 
 from workbench.version import __version__
 
-# NumPy's OpenBLAS (the matrix products of long prompts) keeps its threads spinning for
-# 2^28 cycles (~0.1 s) after each call, and the Numba kernels run next (decoding, short
-# prompts) wait for the cores those threads hold: on 2 cores a decode step right after
-# a prompt took 50 ms instead of 5, and 8 streaming clients got 15-20% fewer tokens/s.
-# 2^16 cycles (~25 us) cost long prompts nothing measurable. OpenBLAS reads this once,
-# when NumPy loads, so it only acts where workbench is imported first (the CLI, the
-# server, `workbench lab`'s kernels, a script that imports workbench before NumPy); a
-# value already in the environment is kept.
+# How the thread pools of NumPy's OpenBLAS and of Numba's OpenMP layer (libgomp) wait
+# between parallel calls. They read these variables once, when they load, so they act
+# where workbench is imported before NumPy and before any Numba kernel runs (the CLI,
+# the server, `workbench lab`'s kernels, a script or notebook that imports workbench
+# first); a value already in the environment is kept. Measured on 2 cores:
+# - OpenBLAS (long prompts' matrix products) keeps its threads spinning 2^28 cycles
+#   (~0.1 s) after each call, and the Numba kernels that follow (decoding, short
+#   prompts) wait for the cores they hold: a decode step right after a prompt took
+#   50 ms instead of 5, and 8 streaming clients got 15-20% fewer tokens/s. 2^16 cycles
+#   (~25 us) cost long prompts nothing measurable.
+# - libgomp gives each thread that starts parallel regions its own team of threads, and
+#   once there are more of them than cores it cuts their spinning to a few cycles, so
+#   every region then wakes a sleeping thread: ~20 us instead of ~1 us a region, and
+#   LLM decode steps (over a hundred regions each) ran at half speed on the scheduler's
+#   thread once another thread (the notebook's, to embed with an Encoder, say) had run
+#   a kernel. OMP_WAIT_POLICY=active with a GOMP_SPINCOUNT keeps libgomp's usual spin
+#   (300,000 pauses, then sleep) in that case too; idle pools still use no CPU. LLVM's
+#   and Intel's OpenMP (MKL builds of NumPy) would read "active" as "spin forever":
+#   KMP_BLOCKTIME keeps their default of 200 ms.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ.update(OMP_WAIT_POLICY="active", GOMP_SPINCOUNT="300000")
+    os.environ.setdefault("KMP_BLOCKTIME", "200")
 
 __all__ = ["LLM", "Completion", "TokenEvent", "GenerationOptions", "Encoder", "WhisperModel",
            "Transcript", "serve", "RemoteEngine", "Branch", "BranchStore", "PrefixCache",
