@@ -31,10 +31,10 @@ from workbench.version import __version__
 #   once there are more of them than cores it cuts their spinning to a few cycles, so
 #   every region then wakes a sleeping thread: ~20 us instead of ~1 us a region. LLM
 #   decode steps (over a hundred regions each) on the scheduler's thread took 16 ms
-#   instead of 7 once the notebook's own thread had run `m.embed(...)` (or a server
-#   worker thread had). OMP_WAIT_POLICY=active with a GOMP_SPINCOUNT keeps libgomp's usual spin
-#   (300,000 pauses, then sleep) in that case too; idle pools still use no CPU. LLVM's
-#   and Intel's OpenMP (MKL builds of NumPy) would read "active" as "spin forever":
+#   instead of 7 once the notebook's own thread had run `m.embed(...)`.
+#   OMP_WAIT_POLICY=active with a GOMP_SPINCOUNT keeps libgomp's usual spin (300,000
+#   pauses, then sleep) in that case too; idle pools still use no CPU. LLVM's and
+#   Intel's OpenMP (MKL builds of NumPy) would read "active" as "spin forever":
 #   KMP_BLOCKTIME keeps their default of 200 ms.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
