@@ -33,9 +33,11 @@ from workbench.version import __version__
 #   decode steps (over a hundred regions each) on the scheduler's thread took 16 ms
 #   instead of 7 once the notebook's own thread had run `m.embed(...)`.
 #   OMP_WAIT_POLICY=active with a GOMP_SPINCOUNT keeps libgomp's usual spin (300,000
-#   pauses, then sleep) in that case too; idle pools still use no CPU. LLVM's and
-#   Intel's OpenMP (MKL builds of NumPy) would read "active" as "spin forever":
-#   KMP_BLOCKTIME keeps their default of 200 ms.
+#   pauses, then sleep) in that case too; idle pools still use no CPU. The price: two
+#   threads decoding at the same moment made 105 steps/s together instead of 152 (the
+#   spinning teams share 2 cores), which is rarer and lasts only while both run.
+#   LLVM's and Intel's OpenMP (MKL builds of NumPy) would read "active" as "spin
+#   forever": KMP_BLOCKTIME keeps their default of 200 ms.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ.update(OMP_WAIT_POLICY="active", GOMP_SPINCOUNT="300000")
