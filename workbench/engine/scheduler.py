@@ -52,7 +52,7 @@ SPARE_SLOTS = 2  # pool slots beyond max_batch: cached prompts that running sequ
 PREFILL_CHUNK = 512  # prompt tokens of one sequence per forward pass
 # Prompt tokens per step while other sequences are decoding. Reading is compute-bound
 # (~1.7 ms a token on 2 cores, whatever the batch), so a step of 512 stalls the streams
-# ~0.9 s; 128 read an 8-request burst in 7 steps instead of 2 and, with 8 streaming
+# ~0.9 s; 128 read an 8-request burst in 8 passes instead of 3 and, with 8 streaming
 # clients, gave 5-8% fewer tokens/s and a later last first token (1.7-1.8 s against
 # 1.4-1.6 s; bench/serve.py's mix)
 PREFILL_BUDGET = 512
