@@ -307,10 +307,11 @@ class LlamaCppServer:
     """llama_cpp.server in a child process on 127.0.0.1 (a free port), with the `Server`
     interface used here: `.base_url`, `.stop()`, `.is_running`.
 
-    A child, not a thread of this process: llama.cpp's OpenMP threads form a second
-    libgomp team here once it has answered, and while two teams live in one process each
-    parallel region Numba starts from a thread other than the first costs ~20 us instead
-    of ~1 us: our decode passes ran at half speed (6.6 -> 12.9 ms a one-row pass)."""
+    A child, not a thread of this process, so that the two servers share the cores but
+    not an interpreter (its GIL) or libgomp: in this process llama.cpp's OpenMP threads
+    formed a second team once it had answered, and before `import workbench` set
+    libgomp's spin (`workbench/__init__.py`) that halved our decode passes' speed
+    (6.6 -> 12.9 ms a one-row pass)."""
 
     def __init__(self, path: str, threads: int, n_ctx: int):
         import importlib.util
