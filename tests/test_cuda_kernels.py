@@ -132,11 +132,11 @@ def test_nvcc_compiles_the_attention_kernel(tmp_path):
     assert b"\0attend_step\0" in out.read_bytes()
 
 
-# (n_head, n_kv, hd, length, pos, window): GQA groups, a sliding window, the first and last
+# (n_head, n_kv, hd, max_len, pos, window): GQA groups, a sliding window, the first and last
 # position, head sizes from 16 to the largest the kernel takes
-ATTEND_CASES = [(9, 3, 64, 256, 200, 0), (9, 3, 64, 256, 0, 0), (9, 3, 64, 256, 255, 0),
-                (4, 2, 16, 608, 599, 8), (14, 2, 64, 300, 150, 0), (8, 4, 256, 256, 100, 16),
-                (4, 2, 32, 16, 5, 1), (8, 8, 128, 512, 511, 4096)]
+ATTEND_CASES = [(9, 3, 64, 263, 200, 0), (9, 3, 64, 263, 0, 0), (9, 3, 64, 256, 255, 0),
+                (4, 2, 16, 615, 599, 8), (14, 2, 64, 307, 150, 0), (8, 4, 256, 263, 100, 16),
+                (4, 2, 32, 23, 5, 1), (8, 8, 128, 519, 511, 4096)]
 
 
 def _attend_by_head(q, keys, values, pos, window, scale) -> np.ndarray:
@@ -154,21 +154,38 @@ def _attend_by_head(q, keys, values, pos, window, scale) -> np.ndarray:
 
 
 def _attend_inputs(case, rng):
-    n_head, n_kv, hd, length, pos, window = case
-    q = rng.standard_normal((n_head, hd)).astype(np.float32)
-    keys = rng.standard_normal((n_kv, length + 7, hd)).astype(np.float32)  # max_len > length
-    values = rng.standard_normal((n_kv, length + 7, hd)).astype(np.float32)
-    return q, keys, values, pos, length, window, 1.0 / np.sqrt(hd)
+    """Three rows over a pool of three slots: the case's position in slot 2, a position
+    half as far in slot 0, and the first row again (a padded row of a recorded step)."""
+    n_head, n_kv, hd, max_len, pos, window = case
+    q = rng.standard_normal((3, n_head, hd)).astype(np.float32)
+    q[2] = q[0]
+    keys = rng.standard_normal((3, n_kv, max_len, hd)).astype(np.float32)
+    values = rng.standard_normal((3, n_kv, max_len, hd)).astype(np.float32)
+    slots, positions = np.array([2, 0, 2], np.int32), np.array([pos, pos // 2, pos], np.int32)
+    return q, keys, values, slots, positions, window, 1.0 / np.sqrt(hd)
+
+
+def _attend_want(q, keys, values, slots, positions, window, scale) -> np.ndarray:
+    return np.stack([_attend_by_head(q[b], keys[s], values[s], p, window, scale)
+                     for b, (s, p) in enumerate(zip(slots, positions))])
 
 
 @pytest.mark.parametrize("case", ATTEND_CASES, ids=str)
 def test_reference_attend_step(case):
-    q, keys, values, pos, length, window, scale = _attend_inputs(case, np.random.default_rng(1))
-    out = ReferenceKernels().attend_step(q, keys, values, np.array([pos], np.int32), length,
-                                         window, scale)
-    assert out.dtype == np.float32 and out.shape == (q.size,)
-    np.testing.assert_allclose(out, _attend_by_head(q, keys, values, pos, window, scale),
-                               rtol=1e-5, atol=1e-6)
+    args = _attend_inputs(case, np.random.default_rng(1))
+    out = ReferenceKernels().attend_step(*args)
+    assert out.dtype == np.float32 and out.shape == (3, args[0][0].size)
+    np.testing.assert_allclose(out, _attend_want(*args), rtol=1e-5, atol=1e-6)
+
+
+def test_attend_step_refuses_rows_that_do_not_fit():
+    q, keys, values, slots, positions, window, scale = _attend_inputs(
+        ATTEND_CASES[0], np.random.default_rng(1))
+    with pytest.raises(ValueError, match="slots and pos must have shape"):
+        ReferenceKernels().attend_step(q, keys, values, slots[:2], positions, window, scale)
+    with pytest.raises(ValueError, match="does not fit"):
+        ReferenceKernels().attend_step(q[..., :8], keys, values, slots, positions, window,
+                                       scale)
 
 
 # -- ReferenceKernels ------------------------------------------------------------------------
@@ -257,13 +274,12 @@ def kernels(cp):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ATTEND_CASES, ids=str)
 def test_cuda_attend_step(cp, kernels, case):
-    """The recorded decode step's attention kernel against the definition; pos is read on
-    the device."""
-    q, keys, values, pos, length, window, scale = _attend_inputs(case, np.random.default_rng(1))
-    out = kernels.attend_step(cp.asarray(q), cp.asarray(keys), cp.asarray(values),
-                              cp.asarray(np.array([pos], np.int32)), length, window, scale)
-    np.testing.assert_allclose(cp.asnumpy(out), _attend_by_head(q, keys, values, pos, window,
-                                                                scale), rtol=1e-5, atol=1e-5)
+    """The recorded decode step's attention kernel against the definition; slots and
+    positions are read on the device."""
+    args = _attend_inputs(case, np.random.default_rng(1))
+    out = kernels.attend_step(*map(cp.asarray, args[:5]), *args[5:])
+    assert out.shape == (3, args[0][0].size)
+    np.testing.assert_allclose(cp.asnumpy(out), _attend_want(*args), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

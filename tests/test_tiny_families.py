@@ -144,31 +144,41 @@ def test_logits_chunks_then_decode(built, any_engine):
 
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if d.startswith("cuda")])
-def test_recorded_decode_steps(built, device, monkeypatch):
-    """The decode step as CUDA graphs record it (`DeviceLlamaModel.step_logits`: token
-    and position read from device buffers, attention over a span of positions with those
-    ahead masked) against transformers, over span boundaries and past the number of
-    recordings kept (spans of 16 here, 2 kept), sliding windows included."""
-    from workbench.engine.models import llama
-
-    monkeypatch.setattr(llama, "STEP_SPAN", 16)
-    monkeypatch.setattr(llama, "MAX_RECORDINGS", 2)
+def test_recorded_decode_steps(built, device):
+    """The decode step as CUDA graphs record it (`DeviceLlamaModel.step_logits`: tokens,
+    slots and positions read from device buffers) against transformers: one sequence for
+    40 steps past 560 positions, then three sequences of one pool decoded together (on
+    the 4-row recording, the last row a repeat of the first) at positions 599, 30 and
+    480, sliding windows included."""
     with open_llm(built.path, device, kv_cache_size=1024) as m:
         model, be = m.model, m.backend
         assert be.records
-        cache = model.new_cache()
-        parts = [model.forward(PROMPT[:560], cache)[-1:]]
+        one = model.new_cache()
+        parts = [model.forward(PROMPT[:560], one)[-1:]]
         for t in PROMPT[560:]:
-            logits = model.step_logits(t, cache, be.asarray(np.array([t], np.int32)))
+            [logits] = model.step_logits([t], [one], [be.asarray(np.array([t], np.int32))])
             parts.append(be.to_host(logits)[None])
-        assert cache.offset == 600 and cache.tokens == PROMPT
-        recorded = cache.pool.recordings.get(cache.slot)
+        assert one.offset == 600 and one.tokens == PROMPT
+        _assert_close(np.concatenate(parts), built.ref[559:],
+                      f"{built.name}: 560 tokens, then 40 recorded decode steps")
+
+        pool = model.new_pool(3)
+        ends = [600, 31, 481]  # prompts of these lengths, the last token decoded together
+        caches = pool.caches()[::-1]  # slots 2, 1, 0
+        for c, end in zip(caches, ends):
+            model.forward(PROMPT[: end - 1], c)
+        last = [PROMPT[end - 1] for end in ends]
+        rows = model.step_logits(last, caches, [be.asarray(np.array([t], np.int32))
+                                                for t in last])
+        assert [c.offset for c in caches] == [600, 31, 481]
+        recorded = pool.recordings
         if any(layer.moe is not None for layer in model.layers):
             assert recorded is None  # experts route through the host: never recorded
         else:
-            assert list(recorded.steps) == [592, 608]  # the last two spans of 16
-    _assert_close(np.concatenate(parts), built.ref[559:],
-                  f"{built.name}: 560 tokens, then 40 recorded decode steps")
+            assert sorted(recorded.steps) == [4]
+    for row, end in zip(rows, ends):
+        _assert_close(be.to_host(row)[None], built.ref[end - 1 : end],
+                      f"{built.name}: the row at position {end - 1} of 3 decoded together")
 
 
 def test_longrope_short_factors(tmp_path):

@@ -38,6 +38,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from workbench.kernels import quants
+from workbench.kernels.cuda import GEMV_MAX_T
 from workbench.kernels.linear import QuantizedWeight
 
 DEVICES = ("metal", "cuda", "mlx", "cpu")
@@ -194,14 +195,17 @@ class Backend:
     def erf(self, x: Any) -> Any:
         raise NotImplementedError
 
-    def attend_step(self, q: Any, keys: Any, values: Any, pos: Any, length: int,
-                    window: int, scale: float) -> Any | None:
-        """One decode token's attention in one kernel, for a recorded step: q (n_head, hd)
-        at position pos[0] (a (1,) int32 device array) over positions [0, length) of
-        keys and values (n_kv, max_len, hd), those after pos (and, with a window, at or
-        before pos - window) masked -> (n_head * hd,). None where the backend has no such
-        kernel (the caller then computes it with array operations)."""
-        return None
+    # how many sequences one recorded decode step takes (`attend_step` and the products)
+    step_rows = 1
+
+    def attend_step(self, q: Any, keys: Any, values: Any, slots: Any, pos: Any,
+                    window: int, scale: float) -> Any:
+        """The attention of a recorded decode step's tokens in one kernel: row b of q
+        (B, n_head, hd) at position pos[b] of slot slots[b] ((B,) int32 device arrays) of
+        one layer's keys and values (n_slots, n_kv, max_len, hd), over that slot's
+        positions up to pos[b] (with a window, after pos[b] - window) -> (B, n_head * hd).
+        A backend that records provides it; NotImplementedError elsewhere."""
+        raise NotImplementedError(f"the {self.name} backend has no attend_step kernel")
 
     def layer_norm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any:
         """LayerNorm over the last axis (BERT's and Whisper's)."""
@@ -241,6 +245,8 @@ class CupyBackend(Backend):
         if graphs is None:
             graphs = xp is not np and os.environ.get("WORKBENCH_CUDA_GRAPHS", "1") != "0"
         self.records = graphs
+        # the gemv kernels take up to GEMV_MAX_T rows; more would go to cuBLAS
+        self.step_rows = GEMV_MAX_T
         self._erf = None
 
     def asarray(self, a: Any, dtype: Any = None) -> Any:
@@ -257,12 +263,11 @@ class CupyBackend(Backend):
             return step
         return CudaGraph(self.xp, step)
 
-    def attend_step(self, q: Any, keys: Any, values: Any, pos: Any, length: int,
-                    window: int, scale: float) -> Any | None:
+    def attend_step(self, q: Any, keys: Any, values: Any, slots: Any, pos: Any,
+                    window: int, scale: float) -> Any:
         # the kernels' one launch: a recorded step may not call cuBLAS (cupy.matmul), which
         # CuPy refuses while a stream is being captured
-        attend = getattr(self.kernels, "attend_step", None)
-        return None if attend is None else attend(q, keys, values, pos, length, window, scale)
+        return self.kernels.attend_step(q, keys, values, slots, pos, window, scale)
 
     def _weight(self, w: QuantizedWeight) -> DeviceWeight:
         # float rows that are not whole groups of 32, which the kernels cannot decode (a

@@ -325,7 +325,7 @@ class DeviceKVPool:
         self.values = [backend.zeros(shape) for _ in range(n_layer)]
         self.shape = (n_layer,) + shape  # as `KVPool.keys.shape`
         self.local = np.zeros(n_layer, bool)
-        self.recordings: dict[int, Any] = {}  # slot -> its recorded decode steps (llama.py)
+        self.recordings: Any = None  # its recorded decode steps (llama_device.py)
 
     @property
     def n_slots(self) -> int:

@@ -279,16 +279,8 @@ class Scheduler:
             if llm.backend is None:
                 rows = model.logits(model.decode(tokens, caches))
             else:
-                device_ids = [r.seq.device_token for r, _ in feed]
-                if model.records_steps and all(d is not None for d in device_ids):
-                    # one recorded step per sequence beats one batch launched op by op
-                    rows = [model.step_logits(int(t), c, d)
-                            for t, c, d in zip(tokens, caches, device_ids)]
-                else:
-                    on_device = (None if any(d is None for d in device_ids)
-                                 else llm.backend.xp.concatenate(device_ids))
-                    logits = model.device_logits(model.decode(tokens, caches, on_device))
-                    rows = [logits[j] for j in range(len(feed))]
+                # one recorded launch per 8 sequences where the backend records
+                rows = model.step_logits(tokens, caches, [r.seq.device_token for r, _ in feed])
         for (r, _), row in zip(feed, rows):
             if not r.pending:
                 r.row = row

@@ -17,11 +17,12 @@ The decoders round each product and sum as `workbench.kernels.quants` (the NumPy
 bit-identical to gguf-py) does, so `dequantize` gives the same float32 values; `matmul`
 differs only by float32 summation order.
 
-`attend_step` is the attention of one decode token over a KV-cache slot (`ATTEND_SOURCE`,
-a module of its own): the recorded decode step uses it instead of `cupy.matmul`, because
-CuPy refuses every cuBLAS call while a stream is being captured into a CUDA graph
-("calling cuBLAS API during stream capture is currently unsupported", cupy#6290), and a
-single kernel also replaces the dozen launches of scores, mask, softmax and products.
+`attend_step` is the attention of the decode tokens of one step, each over its own
+KV-cache slot (`ATTEND_SOURCE`, a module of its own): the recorded decode step uses it
+instead of `cupy.matmul`, because CuPy refuses every cuBLAS call while a stream is being
+captured into a CUDA graph ("calling cuBLAS API during stream capture is currently
+unsupported", cupy#6290), and a single kernel also replaces the dozen launches of scores,
+mask, softmax and products for every sequence.
 
 `CudaKernels` compiles `gguf.cu` with NVRTC through `cupy.RawModule` on first use, once per
 process (CuPy keeps the compiled module in its disk cache). `ReferenceKernels` has the same
@@ -66,14 +67,15 @@ ATTEND_MAX_HEAD_DIM = 256
 _ATTEND_THREADS = 256  # ATT_THREADS in ATTEND_SOURCE
 
 ATTEND_SOURCE = r"""
-// attend_step: the attention of one query token at position pos[0] over one KV-cache slot.
-//   q (n_head, hd) after RoPE; keys, values (n_kv, max_len, hd), rows of positions;
-//   out (n_head, hd) = softmax(scale * q . k[s]) over the positions s < S that the token
-//   sees (s <= pos, and s > pos - window when window > 0), weighting v[s].
-// One block per query head (head h reads KV head h / (n_head / n_kv)); each of its warps
-// takes every ATT_WARPS-th position with a running (online) softmax, its lanes striding
-// over the head's dimensions; the warps' partial results are merged at the end. No
-// header, so that NVRTC compiles it as it is.
+// attend_step: the attention of B decode tokens, row b at position pos[b] of the KV-cache
+// slot slots[b] (the sequences of one recorded step).
+//   q (B, n_head, hd) after RoPE; keys, values (n_slots, n_kv, max_len, hd), rows of
+//   positions; out (B, n_head, hd) = softmax(scale * q . k[s]) over the positions s that
+//   row b sees (s <= pos[b], and s > pos[b] - window when window > 0), weighting v[s].
+// One block per (query head, row) (head h reads KV head h / (n_head / n_kv)); each of its
+// warps takes every ATT_WARPS-th position with a running (online) softmax, its lanes
+// striding over the head's dimensions; the warps' partial results are merged at the end.
+// No header, so that NVRTC compiles it as it is.
 constexpr int ATT_THREADS = 256;
 constexpr int ATT_WARPS = ATT_THREADS / 32;
 constexpr int ATT_MAX_HD = 256;
@@ -82,29 +84,31 @@ constexpr int ATT_PER_LANE = ATT_MAX_HD / 32;
 extern "C" __global__ void attend_step(const float* __restrict__ q,
                                        const float* __restrict__ keys,
                                        const float* __restrict__ values,
+                                       const int* __restrict__ slots,
                                        const int* __restrict__ pos_at, float* __restrict__ out,
-                                       int n_head, int n_kv, int hd, int max_len, int S,
-                                       int window, float scale) {
+                                       int n_head, int n_kv, int hd, int max_len, int window,
+                                       float scale) {
   __shared__ float part[ATT_WARPS][ATT_MAX_HD];
   __shared__ float warp_max[ATT_WARPS];
   __shared__ float warp_sum[ATT_WARPS];
   const float neg_inf = __int_as_float(0xff800000);
-  const int h = blockIdx.x;
+  const int h = blockIdx.x, row = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long base = (long long)(h / (n_head / n_kv)) * max_len * hd;
-  const int pos = pos_at[0];
-  const int hi = pos < S - 1 ? pos : S - 1;
+  const long long kv_head = (long long)slots[row] * n_kv + h / (n_head / n_kv);
+  const long long base = kv_head * max_len * hd;
+  const long long q_at = ((long long)row * n_head + h) * hd;  // this head's q and out
+  const int pos = pos_at[row];
   const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
 
   float qv[ATT_PER_LANE], acc[ATT_PER_LANE];
 #pragma unroll
   for (int j = 0; j < ATT_PER_LANE; ++j) {
     const int d = lane + 32 * j;
-    qv[j] = d < hd ? q[(long long)h * hd + d] : 0.0f;
+    qv[j] = d < hd ? q[q_at + d] : 0.0f;
     acc[j] = 0.0f;
   }
   float m = neg_inf, l = 0.0f;  // this warp's running maximum and sum of exp(score - m)
-  for (int s = lo + warp; s <= hi; s += ATT_WARPS) {
+  for (int s = lo + warp; s <= pos; s += ATT_WARPS) {
     const float* k = keys + base + (long long)s * hd;
     float dot = 0.0f;
 #pragma unroll
@@ -150,7 +154,7 @@ extern "C" __global__ void attend_step(const float* __restrict__ q,
     for (int w = 0; w < ATT_WARPS; ++w) {
       if (warp_max[w] != neg_inf) o += part[w][d] * expf(warp_max[w] - mx);
     }
-    out[(long long)h * hd + d] = o / total;
+    out[q_at + d] = o / total;
   }
 }
 """
@@ -211,18 +215,20 @@ def _attend_kernel() -> Any:
         "attend_step")
 
 
-def _attend_layout(q: Any, keys: Any, values: Any, length: int) -> tuple[int, int, int, int]:
-    """Check `attend_step`'s arguments: (n_head, n_kv, hd, max_len), or a ValueError."""
-    if q.ndim != 2 or keys.ndim != 3 or keys.shape != values.shape:
-        raise ValueError(f"attend_step needs q (n_head, hd) and keys, values (n_kv, max_len, "
-                         f"hd), got {tuple(q.shape)}, {tuple(keys.shape)}, "
+def _attend_layout(q: Any, keys: Any, values: Any, slots: Any, pos: Any
+                   ) -> tuple[int, int, int, int, int]:
+    """Check `attend_step`'s arguments: (B, n_head, n_kv, hd, max_len), or a ValueError."""
+    if q.ndim != 3 or keys.ndim != 4 or keys.shape != values.shape:
+        raise ValueError(f"attend_step needs q (B, n_head, hd) and keys, values (n_slots, "
+                         f"n_kv, max_len, hd), got {tuple(q.shape)}, {tuple(keys.shape)}, "
                          f"{tuple(values.shape)}")
-    (n_head, hd), (n_kv, max_len, hd_kv) = q.shape, keys.shape
+    (b, n_head, hd), (_, n_kv, max_len, hd_kv) = q.shape, keys.shape
     if hd != hd_kv or n_kv < 1 or n_head % n_kv:
         raise ValueError(f"q {tuple(q.shape)} does not fit keys {tuple(keys.shape)}")
-    if not 0 < length <= max_len:
-        raise ValueError(f"length must lie in [1, {max_len}], got {length}")
-    return n_head, n_kv, hd, max_len
+    if tuple(slots.shape) != (b,) or tuple(pos.shape) != (b,):
+        raise ValueError(f"slots and pos must have shape ({b},), got {tuple(slots.shape)}, "
+                         f"{tuple(pos.shape)}")
+    return b, n_head, n_kv, hd, max_len
 
 
 class CudaKernels:
@@ -311,38 +317,39 @@ class CudaKernels:
             raise ValueError(f"too many row ids ({ids.size}) for one call")
         return self._rows(w, qtype, ids, ids.size, n, k, row_bytes)
 
-    def attend_step(self, q: Any, keys: Any, values: Any, pos: Any, length: int,
+    def attend_step(self, q: Any, keys: Any, values: Any, slots: Any, pos: Any,
                     window: int, scale: float) -> Any:
-        """One decode token's attention: q (n_head, hd) float32 at position pos[0] (pos: a
-        (1,) int32 device array, read by the kernel, never by the host), over positions
-        [0, length) of keys and values (n_kv, max_len, hd) float32, C-contiguous (one
-        slot of a `DeviceKVPool`); positions after pos, and with `window` > 0 those at or
-        before pos - window, are masked. Returns (n_head * hd,) float32.
+        """The attention of B decode tokens: row b of q (B, n_head, hd) float32 at position
+        pos[b] of slot slots[b] of keys and values (n_slots, n_kv, max_len, hd) float32,
+        C-contiguous (one layer of a `DeviceKVPool`), over that slot's positions up to
+        pos[b] (with `window` > 0, those after pos[b] - window). slots and pos: (B,) int32
+        device arrays, read by the kernel, never by the host; each pos[b] must lie in
+        [0, max_len). Returns (B, n_head * hd) float32.
 
-        pos must lie in [0, length). The launch is fixed by the shapes, `length` and
-        `window`, so a CUDA graph that records it serves every pos. Raises a
-        RuntimeError (the recorded step then falls back to the unrecorded one) for a head
-        size over `ATTEND_MAX_HEAD_DIM` (NotImplementedError) or a failed compile."""
+        The launch is fixed by the shapes and `window`, so a CUDA graph that records it
+        serves every slot and position. Raises a RuntimeError (the recorded step then
+        falls back to the unrecorded one) for a head size over `ATTEND_MAX_HEAD_DIM`
+        (NotImplementedError) or a failed compile."""
         cp = self.cp
-        n_head, n_kv, hd, max_len = _attend_layout(q, keys, values, length)
+        b, n_head, n_kv, hd, max_len = _attend_layout(q, keys, values, slots, pos)
         if hd > ATTEND_MAX_HEAD_DIM:
             raise NotImplementedError(f"attend_step takes head sizes up to "
                                       f"{ATTEND_MAX_HEAD_DIM}, got {hd}")
         if keys.dtype != cp.float32 or values.dtype != cp.float32 or not (
                 keys.flags.c_contiguous and values.flags.c_contiguous):
             raise ValueError("keys and values must be C-contiguous float32")
-        if pos.dtype != cp.int32 or pos.size != 1:
-            raise ValueError("pos must be a (1,) int32 device array")
+        if slots.dtype != cp.int32 or pos.dtype != cp.int32:
+            raise ValueError("slots and pos must be int32 device arrays")
         try:
             kernel = _attend_kernel()
         except Exception as e:  # NVRTC's CompileException: fall back, saying why
             raise RuntimeError(f"attend_step did not compile: {e}") from e
         q = cp.ascontiguousarray(q, dtype=cp.float32)
-        out = cp.empty((n_head * hd,), dtype=cp.float32)
-        kernel((n_head,), (_ATTEND_THREADS,),
-               (q, keys, values, pos, out, np.int32(n_head), np.int32(n_kv),
-                np.int32(hd), np.int32(max_len), np.int32(length),
-                np.int32(window), np.float32(scale)))
+        slots, pos = cp.ascontiguousarray(slots), cp.ascontiguousarray(pos)
+        out = cp.empty((b, n_head * hd), dtype=cp.float32)
+        kernel((n_head, b), (_ATTEND_THREADS,),
+               (q, keys, values, slots, pos, out, np.int32(n_head), np.int32(n_kv),
+                np.int32(hd), np.int32(max_len), np.int32(window), np.float32(scale)))
         return out
 
     def _rows(self, w: Any, qtype: Q, ids: Any, n_rows: int, n: int, k: int,
@@ -395,18 +402,18 @@ class ReferenceKernels:
             rows = rows[ids]
         return quants.dequantize(rows, qtype).reshape(-1, k)
 
-    def attend_step(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, pos: Any,
-                    length: int, window: int, scale: float) -> np.ndarray:
-        """`CudaKernels.attend_step` in NumPy. pos stays an array (no host read of it)."""
-        n_head, n_kv, hd, _ = _attend_layout(q, keys, values, length)
-        qg = np.asarray(q, dtype=np.float32).reshape(n_kv, n_head // n_kv, hd)
-        kk, vv = keys[:, :length], values[:, :length]  # (n_kv, S, hd)
-        scores = (qg @ kk.swapaxes(-1, -2)) * np.float32(scale)  # (n_kv, group, S)
-        key_pos = np.arange(length)
-        hidden = key_pos > pos
-        if window:
-            hidden = hidden | (key_pos <= pos - window)
-        scores = np.where(hidden, -np.inf, scores)
-        e = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        out = (e / e.sum(axis=-1, keepdims=True)) @ vv  # (n_kv, group, hd)
-        return out.reshape(n_head * hd).astype(np.float32, copy=False)
+    def attend_step(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                    slots: Any, pos: Any, window: int, scale: float) -> np.ndarray:
+        """`CudaKernels.attend_step` in NumPy, row by row."""
+        b, n_head, n_kv, hd, _ = _attend_layout(q, keys, values, slots, pos)
+        q = np.asarray(q, dtype=np.float32).reshape(b, n_kv, n_head // n_kv, hd)
+        out = np.empty((b, n_head * hd), dtype=np.float32)
+        # plain arrays: what the kernel reads on the device, read here
+        rows = zip(np.asarray(slots).tolist(), np.asarray(pos).tolist())
+        for row, (slot, p) in enumerate(rows):
+            lo = max(0, p - window + 1) if window else 0
+            kk, vv = keys[slot, :, lo : p + 1], values[slot, :, lo : p + 1]  # (n_kv, S, hd)
+            scores = (q[row] @ kk.swapaxes(-1, -2)) * np.float32(scale)  # (n_kv, group, S)
+            e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            out[row] = ((e / e.sum(axis=-1, keepdims=True)) @ vv).reshape(-1)  # (n_kv, group, hd)
+        return out

@@ -61,13 +61,6 @@ from workbench.kernels import cpu, layers
 from workbench.kernels.decode import StackWeights, decode_stack, decode_stack_cached
 from workbench.kernels.linear import QuantizedWeight
 
-# the device twin's recorded decode steps (`llama_device`, which reads these at call time)
-STEP_SPAN = 256
-"""A recorded decode step attends over the cache's positions up to the next multiple of
-STEP_SPAN (those after the token masked), so one recording serves STEP_SPAN positions."""
-MAX_RECORDINGS = 8
-"""Recorded decode steps kept per KV-pool slot (the least recently used is dropped)."""
-
 
 def rms_norm(x, weight, eps: float, xp=np):
     """RMSNorm over the last axis, on NumPy arrays or, with `xp`, a device backend's

@@ -11,11 +11,11 @@ it against transformers' logits on the "cuda-on-numpy" and "mlx" devices
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from workbench.engine.models import llama
 from workbench.engine.models.feed_forward import FeedForward, device_glu
 from workbench.engine.models.llama import (
     Block,
@@ -41,9 +41,10 @@ class DeviceLlamaModel:
     caches are a `DeviceKVPool`'s. A decode step moves nothing between host and
     device: in `hidden` positions are Python ints that slice the device's RoPE tables
     and caches, and `hidden` / `device_logits` return device arrays. `step_logits`,
-    the generation loop's step, reads the token and its position from device buffers
-    instead, so that the backend can record it once and replay it (CUDA graphs:
-    one launch per token instead of a few hundred). `logits` returns NumPy, for the
+    the scheduler's step, reads the sequences' tokens, slots and positions from device
+    buffers instead, so that the backend can record it once and replay it (CUDA graphs:
+    one launch per step of up to 8 sequences instead of a few hundred). `logits`
+    returns NumPy, for the
     callers that read every logit (branches, speculative decoding, `LLM.forward`).
     Mixture-of-experts layers copy their routing to the host (`DeviceMoEFeedForward`),
     so their steps are never recorded.
@@ -147,57 +148,58 @@ class DeviceLlamaModel:
             x = x + f
         return rms_norm(x, self.norm, cfg.norm_eps, be.xp)
 
-    # -- decoding one sequence, recorded ---------------------------------------------------
-    @property
-    def records_steps(self) -> bool:
-        """Whether `step_logits` replays a recording (one launch per token). A batched
-        `decode` is not recorded: it launches every kernel from Python, so on such a
-        backend one recorded step per sequence is faster than one batched step for
-        all (measured on an H100: 2.5 ms against 38 ms)."""
-        return self._recording
+    # -- the decode step, recorded -----------------------------------------------------------
+    def step_logits(self, tokens: Sequence[int], caches: list, device_tokens: list) -> list:
+        """Feed one sampled token to each of N caches (of one pool) at its next position:
+        `tokens` (N,) on the host, `device_tokens` the same ids still on the device (each
+        of shape (1,)). Returns each sequence's logits (n_vocab,) on the device.
 
-    def step_logits(self, token: int, cache, device_token):
-        """Feed one sampled token (`token` on the host, `device_token` the same id still
-        on the device, shape (1,)) at the cache's next position; return the logits
-        (n_vocab,) on the device.
-
-        Where the backend records (`Backend.capture`: CUDA graphs), the step runs from a
-        recording of its kernels, one per slot and span of `STEP_SPAN` positions
-        (`_StepRecordings`); else, and for mixture-of-experts models, it is `hidden`
-        then `device_logits`."""
+        Where the backend records (`Backend.capture`: CUDA graphs), the step runs from
+        recordings of its kernels that read the tokens, slots and positions from device
+        buffers: one recording per number of rows (1, 2, 4, ... `Backend.step_rows`), so
+        one launch decodes up to `step_rows` sequences at any positions
+        (`_StepRecordings`). Else, and for mixture-of-experts models, it is `decode` then
+        `device_logits`."""
+        tokens = check_batch(tokens, caches, self.config.n_vocab)
         if not self._recording:
-            return self._direct_step(token, cache, device_token)
-        check_ids([token], self.config.n_vocab)
-        cache.check_room(1)
-        pool = cache.pool
-        recordings = pool.recordings.get(cache.slot)
-        if recordings is None:
-            recordings = pool.recordings[cache.slot] = _StepRecordings(self, pool, cache.slot)
+            return self._direct_step(tokens, caches, device_tokens)
+        for c in caches:
+            c.check_room(1)
+        pool = caches[0].pool
+        if pool.recordings is None:
+            pool.recordings = _StepRecordings(self, pool)
+        rows, per = [], self.backend.step_rows
         try:
-            logits = recordings.run(device_token, cache.offset)
+            for i in range(0, len(caches), per):
+                rows += pool.recordings.run(tokens[i : i + per], device_tokens[i : i + per],
+                                            caches[i : i + per])
         except _RECORDING_ERRORS as e:  # the backend could not record it: run unrecorded
             warnings.warn(f"recording the decode step failed ({e}); decoding without it",
                           RuntimeWarning, stacklevel=2)
             self._recording = False
-            pool.recordings.clear()
-            return self._direct_step(token, cache, device_token)
-        cache.advance([token])
-        return logits
+            pool.recordings = None
+            return self._direct_step(tokens, caches, device_tokens)
+        for c, t in zip(caches, tokens):
+            c.advance([int(t)])
+        return rows
 
-    def _direct_step(self, token: int, cache, device_token):
-        """`step_logits` unrecorded: `hidden` at the cache's positions, then the logits."""
-        return self.device_logits(self.hidden(np.asarray([token]), cache, device_token))[0]
+    def _direct_step(self, tokens: np.ndarray, caches: list, device_tokens: list) -> list:
+        """`step_logits` unrecorded: `decode` at the caches' positions, then the logits."""
+        on_device = (None if any(d is None for d in device_tokens)
+                     else self.xp.concatenate(device_tokens))
+        logits = self.device_logits(self.decode(tokens, caches, on_device))  # (N, n_vocab)
+        return [logits[j] for j in range(len(caches))]
 
-    def _recorded_step(self, token, pos, keys, values, length: int):
-        """The decode step as `Backend.capture` records it: token (1,) and pos (1,) int32
-        device buffers, the slot's keys and values per layer ((n_kv, max_len, hd) views
-        into the pool), attention over the first `length` positions (those past `pos`
-        masked). Nothing here depends on the position as a Python value."""
+    def _recorded_step(self, tokens, slots, pos, keys: list, values: list):
+        """The decode step as `Backend.capture` records it: B tokens, each of the sequence
+        in pool slot slots[b] at position pos[b] ((B,) int32 device buffers), over the
+        pool's keys and values per layer ((n_slots, n_kv, max_len, hd)) -> (B, n_vocab).
+        Nothing here depends on a slot or a position as a Python value."""
         cfg, be = self.config, self.backend
-        x = self._embed(token)  # (1, D)
-        h = self._stack(x, lambda i, layer, h: layer.attend_at(
-            be, cfg, h, keys[i], values[i], pos, self.positions[:length]))
-        return self.device_logits(h)  # (1, n_vocab)
+        x = self._embed(tokens)  # (B, D)
+        h = self._stack(x, lambda i, layer, h: layer.attend_rows(
+            be, cfg, h, keys[i], values[i], slots, pos))
+        return self.device_logits(h)  # (B, n_vocab)
 
     def device_logits(self, hidden):
         """(T, n_embd) device hidden states -> (T, n_vocab) device logits."""
@@ -230,45 +232,80 @@ class DeviceLlamaModel:
 
 
 class _StepRecordings:
-    """The recorded decode steps of one KV-pool slot, one per span of `STEP_SPAN`
-    positions, in least-recently-used order. The token and its position reach a
-    recording through two device buffers, written before each replay (a device copy
-    and a fill: nothing crosses from the host but a kernel argument)."""
+    """The recorded decode steps of one KV pool, one per number of rows: B sequences'
+    tokens, slots and positions reach a recording through three (step_rows,) device
+    buffers, written before each replay (device copies and fills: nothing crosses from
+    the host but kernel arguments). N sequences run on the recording of the next power
+    of two rows; the rows past N repeat the first sequence (the same token at the same
+    place: they write what it writes)."""
 
-    def __init__(self, model: DeviceLlamaModel, pool, slot: int):
-        xp = model.xp
-        self.model, self.max_len = model, pool.max_len
-        self.token = xp.zeros((1,), dtype=xp.int32)
-        self.pos = xp.zeros((1,), dtype=xp.int32)
-        self.keys = [k[slot] for k in pool.keys]  # (n_kv, max_len, hd) views, per layer
-        self.values = [v[slot] for v in pool.values]
-        self.steps: OrderedDict[int, object] = OrderedDict()
+    def __init__(self, model: DeviceLlamaModel, pool):
+        xp, n = model.xp, model.backend.step_rows
+        self.model, self.keys, self.values = model, pool.keys, pool.values
+        self.tokens = xp.zeros((n,), dtype=xp.int32)
+        self.slots = xp.zeros((n,), dtype=xp.int32)
+        self.pos = xp.zeros((n,), dtype=xp.int32)
+        self.written = [(0, 0)] * n  # (slot, position) in each row of the buffers
+        self.steps: dict[int, Callable[[], Any]] = {}  # rows -> its recording
 
-    def run(self, device_token, offset: int):
-        """Logits (n_vocab,) on the device of the token `device_token` (1,) at `offset`."""
-        self.token[...] = device_token
-        self.pos.fill(offset)
-        length = min(self.max_len, (offset // llama.STEP_SPAN + 1) * llama.STEP_SPAN)
-        step = self.steps.get(length)
-        if step is not None:
-            self.steps.move_to_end(length)
-            return step()[0].copy()  # the recording's output is overwritten by its next replay
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def run(self, tokens: np.ndarray, device_tokens: list, caches: list) -> list:
+        """Logits (n_vocab,) on the device of each cache's token at the cache's offset,
+        for up to step_rows caches: `tokens[i]` on the host, `device_tokens[i]` the same
+        id on the device ((1,)), or None where it is only on the host (a prompt's tail
+        read on the decode path)."""
+        n = len(caches)
+        rows = min(1 << (n - 1).bit_length(), self.tokens.shape[0])
+        order = list(range(n)) + [0] * (rows - n)  # the sequence of each row
+        self._place([(caches[i].slot, caches[i].offset) for i in order])
+        if all(d is not None for d in device_tokens):
+            self.tokens[:rows] = self.model.xp.concatenate([device_tokens[i] for i in order])
+        else:
+            for j, i in enumerate(order):
+                if device_tokens[i] is None:
+                    self.tokens[j : j + 1].fill(int(tokens[i]))
+                else:
+                    self.tokens[j : j + 1] = device_tokens[i]
+        step = self.steps.get(rows)
+        if step is None:
+            step = self._record(rows)
+        logits = step()[:n].copy()  # the recording's output is overwritten by its next replay
+        return [logits[i] for i in range(n)]
+
+    def _place(self, want: list[tuple[int, int]]) -> None:
+        """Write each row's slot and position into the buffers: one add where every row
+        moved on by one position in its slot (a running batch), else a fill per change."""
+        rows, was = len(want), self.written[: len(want)]
+        if all(s == ws and p == wp + 1 for (s, p), (ws, wp) in zip(want, was)):
+            self.pos += 1
+            self.written = [(s, p + 1) for s, p in self.written]
+            return
+        for j, ((s, p), (ws, wp)) in enumerate(zip(want, was)):
+            if s != ws:
+                self.slots[j : j + 1].fill(s)
+            if p != wp:
+                self.pos[j : j + 1].fill(p)
+        self.written[:rows] = want
+
+    def _record(self, rows: int) -> Callable[[], Any]:
+        """Run the step of `rows` rows directly (kernels compile before the capture),
+        record it, and check the recording against it."""
+        tokens, slots, pos = self.tokens[:rows], self.slots[:rows], self.pos[:rows]
 
         def unrecorded():
-            return self.model._recorded_step(self.token, self.pos, self.keys, self.values,
-                                             length)
+            return self.model._recorded_step(tokens, slots, pos, self.keys, self.values)
 
-        logits = unrecorded()  # this step, run directly: kernels compile before the capture
+        direct = unrecorded()
         recorded = self.model.backend.capture(unrecorded) or unrecorded
         if recorded is not unrecorded:
-            self._check(recorded(), logits)
-        self.steps[length] = recorded
-        if len(self.steps) > llama.MAX_RECORDINGS:
-            self.steps.popitem(last=False)
-        return logits[0]
+            self._check(recorded(), direct)
+        self.steps[rows] = recorded
+        return recorded
 
     def _check(self, replayed, direct) -> None:
-        """A new recording replayed once (the same token at the same position: it writes
+        """A new recording replayed once (the same tokens at the same positions: it writes
         what the direct run wrote) must give the direct run's logits; else RuntimeError
         (`step_logits` then stops recording). One float comes to the host per recording."""
         xp = self.model.xp
@@ -358,23 +395,18 @@ class _DeviceLayer:
         return self._attend(be, cfg, q, keys[cache.slot, :, lo:end],
                             values[cache.slot, :, lo:end], hidden)
 
-    def attend_at(self, be, cfg: LlamaConfig, h, keys, values, pos, key_pos):
-        """The recorded step's attention: one token h (1, D) at position `pos` (1,) int32
-        on the device, writing into keys and values ((n_kv, max_len, hd) views of one
-        slot) and attending over the positions `key_pos` (S,), with those after `pos`
-        (and, in a sliding window, those too far behind it) masked -> (1, D)."""
-        q, k, v = self._qkv(be, cfg, h)
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (1, 1, rope_dim / 2)
+    def attend_rows(self, be, cfg: LlamaConfig, h, keys, values, slots, pos):
+        """The recorded step's attention: row b of h (B, D) one token of the sequence in
+        slot slots[b] at position pos[b] ((B,) int32 on the device), written into that
+        slot of keys and values ((n_slots, n_kv, max_len, hd), this layer's) and attending
+        over its positions up to pos[b] (in a sliding window, those not too far behind)
+        -> (B, D). One kernel attends (`Backend.attend_step`: CUDA's cupy.matmul calls
+        cuBLAS, which CuPy refuses while a CUDA graph is being captured)."""
+        q, k, v = self._qkv(be, cfg, h)  # (B, n_head, hd), (B, n_kv, hd)
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (B, 1, rope_dim / 2)
         q, k = self._rope(be.xp, q, cos, sin), self._rope(be.xp, k, cos, sin)
-        keys[:, pos] = k.transpose(1, 0, 2)  # (n_kv, 1, hd) into position pos
-        values[:, pos] = v.transpose(1, 0, 2)
-        S = key_pos.shape[0]
-        # one kernel where the backend has it (CUDA: cupy.matmul calls cuBLAS, which
-        # CuPy refuses while a CUDA graph is being captured)
-        out = be.attend_step(q[0], keys, values, pos, S, self.window,
+        keys[slots, :, pos] = k  # row b's (n_kv, hd) into slot slots[b], position pos[b]
+        values[slots, :, pos] = v
+        out = be.attend_step(q, keys, values, slots, pos, self.window,
                              1.0 / float(np.sqrt(cfg.head_dim)))
-        if out is not None:
-            return self.wo.matmul(out.reshape(1, -1))
-        hidden = masked_keys(key_pos, pos, self.window)
-        out = self._attend(be, cfg, q, keys[:, :S], values[:, :S], hidden)
         return self.wo.matmul(out)
