@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 
+from tests.support.devices import DEVICES
 from workbench.engine.branch import Branch, BranchStore
 from workbench.engine.llm import PREFILL_CHUNK
 
@@ -331,18 +332,34 @@ def _caches(net, rng):
     return caches
 
 
-@pytest.mark.parametrize("lengths", [(17, 40, 1, 64), (5, 3, 9, 1)])
-def test_hidden_batch_equals_hidden_per_chunk(tiny, lengths):
-    net, V = tiny.model, tiny.config.n_vocab
+def _assert_batch_equals_per_chunk(net, lengths, to_host=np.asarray) -> None:
+    """hidden_batch over `_caches` against hidden per chunk on a copy, twice (the second
+    runs on what the first wrote)."""
+    V = net.config.n_vocab
     batched, alone = _caches(net, np.random.default_rng(1)), _caches(net, np.random.default_rng(1))
     rng = np.random.default_rng(2)
-    for step in range(2):  # twice: the second runs on what the first wrote
+    for step in range(2):
         chunks = [rng.integers(0, V - 1, n) for n in lengths]
         together = net.hidden_batch(list(zip(chunks, batched)))
         for ids, h, cache in zip(chunks, together, alone):
-            np.testing.assert_allclose(h, net.hidden(ids, cache), rtol=1e-4, atol=1e-5,
-                                       err_msg=f"step {step}")
+            np.testing.assert_allclose(to_host(h), to_host(net.hidden(ids, cache)), rtol=1e-4,
+                                       atol=1e-5, err_msg=f"step {step}")
         assert [c.tokens for c in batched] == [c.tokens for c in alone]
+
+
+@pytest.mark.parametrize("lengths", [(17, 40, 1, 64), (5, 3, 9, 1)])
+def test_hidden_batch_equals_hidden_per_chunk(tiny, lengths):
+    _assert_batch_equals_per_chunk(tiny.model, lengths)
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+def test_device_twin_reads_all_chunks_in_one_pass(tiny, device):
+    """The device twin's hidden_batch (one forward pass over every chunk's rows) against
+    its hidden per chunk."""
+    from tests.support.devices import open_llm
+
+    with open_llm(tiny.path, device, kv_cache_size=1024) as m:
+        _assert_batch_equals_per_chunk(m.model, (17, 40, 1, 64), m.backend.to_host)
 
 
 def test_hidden_batch_checks_its_chunks(tiny):
@@ -353,17 +370,3 @@ def test_hidden_batch_checks_its_chunks(tiny):
     with pytest.raises(ValueError, match="positions"):
         net.hidden_batch([(np.array([1, 2]), a), (np.arange(17), b)])
     assert a.offset == b.offset == 0 and net.hidden_batch([]) == []
-
-
-def test_device_twin_runs_hidden_per_chunk(tiny):
-    from tests.support.devices import open_llm
-
-    with open_llm(tiny.path, "cuda-on-numpy", kv_cache_size=64) as m:
-        net = m.model
-        chunks = [np.arange(5, 12), np.arange(3, 4)]
-        pool = net.new_pool(2)
-        together = net.hidden_batch(list(zip(chunks, pool.caches())))
-        for ids, h in zip(chunks, together):
-            expected = net.hidden(ids, net.new_cache())
-            np.testing.assert_allclose(m.backend.to_host(h), m.backend.to_host(expected),
-                                       rtol=1e-5, atol=1e-6)

@@ -120,7 +120,7 @@ def test_ptx_entries_and_no_fma_when_dequantizing(tmp_path):
 
 def test_nvcc_compiles_the_attention_kernel(tmp_path):
     """`ATTEND_SOURCE` (the recorded decode step's attention) compiles without a header or a
-    warning and exports `attend_step`."""
+    warning and exports `store_kv` and `attend_step`."""
     assert "#include" not in cuda.ATTEND_SOURCE
     source = tmp_path / "attend.cu"
     source.write_text(cuda.ATTEND_SOURCE)
@@ -129,7 +129,7 @@ def test_nvcc_compiles_the_attention_kernel(tmp_path):
                           str(source)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "warning" not in run.stderr.lower(), run.stderr[-4000:]
-    assert b"\0attend_step\0" in out.read_bytes()
+    assert b"\0attend_step\0" in out.read_bytes() and b"\0store_kv\0" in out.read_bytes()
 
 
 # (n_head, n_kv, hd, max_len, pos, window): GQA groups, a sliding window, the first and last
@@ -158,34 +158,46 @@ def _attend_inputs(case, rng):
     half as far in slot 0, and the first row again (a padded row of a recorded step)."""
     n_head, n_kv, hd, max_len, pos, window = case
     q = rng.standard_normal((3, n_head, hd)).astype(np.float32)
-    q[2] = q[0]
+    k = rng.standard_normal((3, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((3, n_kv, hd)).astype(np.float32)
+    q[2], k[2], v[2] = q[0], k[0], v[0]
     keys = rng.standard_normal((3, n_kv, max_len, hd)).astype(np.float32)
     values = rng.standard_normal((3, n_kv, max_len, hd)).astype(np.float32)
     slots, positions = np.array([2, 0, 2], np.int32), np.array([pos, pos // 2, pos], np.int32)
-    return q, keys, values, slots, positions, window, 1.0 / np.sqrt(hd)
+    return q, k, v, keys, values, slots, positions, window, 1.0 / np.sqrt(hd)
 
 
-def _attend_want(q, keys, values, slots, positions, window, scale) -> np.ndarray:
-    return np.stack([_attend_by_head(q[b], keys[s], values[s], p, window, scale)
-                     for b, (s, p) in enumerate(zip(slots, positions))])
+def _attend_want(q, k, v, keys, values, slots, positions, window, scale):
+    """The caches with each row's key and value written, and each row's attention."""
+    keys, values = keys.copy(), values.copy()
+    for b, (s, p) in enumerate(zip(slots, positions)):
+        keys[s, :, p], values[s, :, p] = k[b], v[b]
+    out = np.stack([_attend_by_head(q[b], keys[s], values[s], p, window, scale)
+                    for b, (s, p) in enumerate(zip(slots, positions))])
+    return keys, values, out
 
 
 @pytest.mark.parametrize("case", ATTEND_CASES, ids=str)
 def test_reference_attend_step(case):
     args = _attend_inputs(case, np.random.default_rng(1))
+    keys, values, want = _attend_want(*args)
     out = ReferenceKernels().attend_step(*args)
     assert out.dtype == np.float32 and out.shape == (3, args[0][0].size)
-    np.testing.assert_allclose(out, _attend_want(*args), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert_bits_equal(args[3], keys)
+    assert_bits_equal(args[4], values)
 
 
 def test_attend_step_refuses_rows_that_do_not_fit():
-    q, keys, values, slots, positions, window, scale = _attend_inputs(
+    q, k, v, keys, values, slots, positions, window, scale = _attend_inputs(
         ATTEND_CASES[0], np.random.default_rng(1))
+    ref = ReferenceKernels()
     with pytest.raises(ValueError, match="slots and pos must have shape"):
-        ReferenceKernels().attend_step(q, keys, values, slots[:2], positions, window, scale)
+        ref.attend_step(q, k, v, keys, values, slots[:2], positions, window, scale)
+    with pytest.raises(ValueError, match="k and v must have shape"):
+        ref.attend_step(q, k[:2], v, keys, values, slots, positions, window, scale)
     with pytest.raises(ValueError, match="does not fit"):
-        ReferenceKernels().attend_step(q[..., :8], keys, values, slots, positions, window,
-                                       scale)
+        ref.attend_step(q[..., :8], k, v, keys, values, slots, positions, window, scale)
 
 
 # -- ReferenceKernels ------------------------------------------------------------------------
@@ -274,12 +286,17 @@ def kernels(cp):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ATTEND_CASES, ids=str)
 def test_cuda_attend_step(cp, kernels, case):
-    """The recorded decode step's attention kernel against the definition; slots and
-    positions are read on the device."""
+    """The recorded decode step's attention kernels against the definition: each row's key
+    and value written into its slot, then its attention; slots and positions are read on
+    the device."""
     args = _attend_inputs(case, np.random.default_rng(1))
-    out = kernels.attend_step(*map(cp.asarray, args[:5]), *args[5:])
+    keys, values, want = _attend_want(*args)
+    on_device = [cp.asarray(a) for a in args[:7]]
+    out = kernels.attend_step(*on_device, *args[7:])
     assert out.shape == (3, args[0][0].size)
-    np.testing.assert_allclose(cp.asnumpy(out), _attend_want(*args), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-5, atol=1e-5)
+    assert_bits_equal(cp.asnumpy(on_device[3]), keys)
+    assert_bits_equal(cp.asnumpy(on_device[4]), values)
 
 
 @pytest.mark.gpu

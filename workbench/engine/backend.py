@@ -198,13 +198,14 @@ class Backend:
     # how many sequences one recorded decode step takes (`attend_step` and the products)
     step_rows = 1
 
-    def attend_step(self, q: Any, keys: Any, values: Any, slots: Any, pos: Any,
-                    window: int, scale: float) -> Any:
-        """The attention of a recorded decode step's tokens in one kernel: row b of q
-        (B, n_head, hd) at position pos[b] of slot slots[b] ((B,) int32 device arrays) of
-        one layer's keys and values (n_slots, n_kv, max_len, hd), over that slot's
-        positions up to pos[b] (with a window, after pos[b] - window) -> (B, n_head * hd).
-        A backend that records provides it; NotImplementedError elsewhere."""
+    def attend_step(self, q: Any, k: Any, v: Any, keys: Any, values: Any, slots: Any,
+                    pos: Any, window: int, scale: float) -> Any:
+        """A recorded decode step's attention in a kernel or two: row b's new key and value
+        k[b], v[b] (n_kv, hd) are written at position pos[b] of slot slots[b] ((B,) int32
+        device arrays) of one layer's keys and values (n_slots, n_kv, max_len, hd); then
+        q[b] (n_head, hd) attends over that slot's positions up to pos[b] (with a window,
+        after pos[b] - window) -> (B, n_head * hd). A backend that records provides it;
+        NotImplementedError elsewhere."""
         raise NotImplementedError(f"the {self.name} backend has no attend_step kernel")
 
     def layer_norm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any:
@@ -263,11 +264,11 @@ class CupyBackend(Backend):
             return step
         return CudaGraph(self.xp, step)
 
-    def attend_step(self, q: Any, keys: Any, values: Any, slots: Any, pos: Any,
-                    window: int, scale: float) -> Any:
-        # the kernels' one launch: a recorded step may not call cuBLAS (cupy.matmul), which
+    def attend_step(self, q: Any, k: Any, v: Any, keys: Any, values: Any, slots: Any,
+                    pos: Any, window: int, scale: float) -> Any:
+        # the kernels' launches: a recorded step may not call cuBLAS (cupy.matmul), which
         # CuPy refuses while a stream is being captured
-        return self.kernels.attend_step(q, keys, values, slots, pos, window, scale)
+        return self.kernels.attend_step(q, k, v, keys, values, slots, pos, window, scale)
 
     def _weight(self, w: QuantizedWeight) -> DeviceWeight:
         # float rows that are not whole groups of 32, which the kernels cannot decode (a

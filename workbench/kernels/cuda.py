@@ -65,8 +65,12 @@ _INT32_MAX = 2**31 - 1
 ATTEND_MAX_HEAD_DIM = 256
 """Largest head size `attend_step` takes (ATT_MAX_HD in `ATTEND_SOURCE`)."""
 _ATTEND_THREADS = 256  # ATT_THREADS in ATTEND_SOURCE
+_STORE_THREADS = 64  # store_kv's threads stride over a head's dimensions
 
 ATTEND_SOURCE = r"""
+// The recorded decode step's attention: store_kv writes each row's new key and value into
+// its slot, then attend_step reads them.
+//
 // attend_step: the attention of B decode tokens, row b at position pos[b] of the KV-cache
 // slot slots[b] (the sequences of one recorded step).
 //   q (B, n_head, hd) after RoPE; keys, values (n_slots, n_kv, max_len, hd), rows of
@@ -157,8 +161,24 @@ extern "C" __global__ void attend_step(const float* __restrict__ q,
     out[q_at + d] = o / total;
   }
 }
+
+// store_kv: row b's new key and value (k, v: (B, n_kv, hd)) into slot slots[b] at position
+// pos[b] of keys and values (n_slots, n_kv, max_len, hd). One block per (KV head, row).
+extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __restrict__ v,
+                                    float* __restrict__ keys, float* __restrict__ values,
+                                    const int* __restrict__ slots,
+                                    const int* __restrict__ pos_at, int n_kv, int hd,
+                                    int max_len) {
+  const int g = blockIdx.x, row = blockIdx.y;
+  const long long dst = (((long long)slots[row] * n_kv + g) * max_len + pos_at[row]) * hd;
+  const long long src = ((long long)row * n_kv + g) * hd;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    keys[dst + d] = k[src + d];
+    values[dst + d] = v[src + d];
+  }
+}
 """
-"""The CUDA C++ source of `attend_step` (compiled apart from gguf.cu)."""
+"""The CUDA C++ source of `store_kv` and `attend_step` (compiled apart from gguf.cu)."""
 
 
 def kernel_names() -> list[str]:
@@ -207,15 +227,16 @@ def _module() -> Any:
 
 
 @functools.cache
-def _attend_kernel() -> Any:
-    """`attend_step` of ATTEND_SOURCE compiled and loaded (once per process)."""
+def _attend_kernels() -> tuple[Any, Any]:
+    """`store_kv` and `attend_step` of ATTEND_SOURCE compiled and loaded (once per
+    process)."""
     import cupy
 
-    return cupy.RawModule(code=ATTEND_SOURCE, options=("--std=c++17",)).get_function(
-        "attend_step")
+    module = cupy.RawModule(code=ATTEND_SOURCE, options=("--std=c++17",))
+    return module.get_function("store_kv"), module.get_function("attend_step")
 
 
-def _attend_layout(q: Any, keys: Any, values: Any, slots: Any, pos: Any
+def _attend_layout(q: Any, k: Any, v: Any, keys: Any, values: Any, slots: Any, pos: Any
                    ) -> tuple[int, int, int, int, int]:
     """Check `attend_step`'s arguments: (B, n_head, n_kv, hd, max_len), or a ValueError."""
     if q.ndim != 3 or keys.ndim != 4 or keys.shape != values.shape:
@@ -225,6 +246,9 @@ def _attend_layout(q: Any, keys: Any, values: Any, slots: Any, pos: Any
     (b, n_head, hd), (_, n_kv, max_len, hd_kv) = q.shape, keys.shape
     if hd != hd_kv or n_kv < 1 or n_head % n_kv:
         raise ValueError(f"q {tuple(q.shape)} does not fit keys {tuple(keys.shape)}")
+    if tuple(k.shape) != (b, n_kv, hd) or tuple(v.shape) != (b, n_kv, hd):
+        raise ValueError(f"k and v must have shape ({b}, {n_kv}, {hd}), got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     if tuple(slots.shape) != (b,) or tuple(pos.shape) != (b,):
         raise ValueError(f"slots and pos must have shape ({b},), got {tuple(slots.shape)}, "
                          f"{tuple(pos.shape)}")
@@ -317,21 +341,22 @@ class CudaKernels:
             raise ValueError(f"too many row ids ({ids.size}) for one call")
         return self._rows(w, qtype, ids, ids.size, n, k, row_bytes)
 
-    def attend_step(self, q: Any, keys: Any, values: Any, slots: Any, pos: Any,
-                    window: int, scale: float) -> Any:
-        """The attention of B decode tokens: row b of q (B, n_head, hd) float32 at position
-        pos[b] of slot slots[b] of keys and values (n_slots, n_kv, max_len, hd) float32,
-        C-contiguous (one layer of a `DeviceKVPool`), over that slot's positions up to
-        pos[b] (with `window` > 0, those after pos[b] - window). slots and pos: (B,) int32
-        device arrays, read by the kernel, never by the host; each pos[b] must lie in
-        [0, max_len). Returns (B, n_head * hd) float32.
+    def attend_step(self, q: Any, k: Any, v: Any, keys: Any, values: Any, slots: Any,
+                    pos: Any, window: int, scale: float) -> Any:
+        """The attention of B decode tokens: row b's new key and value k[b], v[b]
+        (n_kv, hd) go into slot slots[b] of keys and values (n_slots, n_kv, max_len, hd)
+        float32, C-contiguous (one layer of a `DeviceKVPool`) at position pos[b]; then
+        q[b] (n_head, hd) attends over that slot's positions up to pos[b] (with `window`
+        > 0, those after pos[b] - window). slots and pos: (B,) int32 device arrays, read
+        by the kernels, never by the host; each pos[b] must lie in [0, max_len). Rows
+        may repeat (the same slot, position, k and v). Returns (B, n_head * hd) float32.
 
-        The launch is fixed by the shapes and `window`, so a CUDA graph that records it
-        serves every slot and position. Raises a RuntimeError (the recorded step then
-        falls back to the unrecorded one) for a head size over `ATTEND_MAX_HEAD_DIM`
-        (NotImplementedError) or a failed compile."""
+        The launches are fixed by the shapes and `window`, so a CUDA graph that records
+        them serves every slot and position. Raises a RuntimeError (the recorded step
+        then falls back to the unrecorded one) for a head size over
+        `ATTEND_MAX_HEAD_DIM` (NotImplementedError) or a failed compile."""
         cp = self.cp
-        b, n_head, n_kv, hd, max_len = _attend_layout(q, keys, values, slots, pos)
+        b, n_head, n_kv, hd, max_len = _attend_layout(q, k, v, keys, values, slots, pos)
         if hd > ATTEND_MAX_HEAD_DIM:
             raise NotImplementedError(f"attend_step takes head sizes up to "
                                       f"{ATTEND_MAX_HEAD_DIM}, got {hd}")
@@ -341,13 +366,16 @@ class CudaKernels:
         if slots.dtype != cp.int32 or pos.dtype != cp.int32:
             raise ValueError("slots and pos must be int32 device arrays")
         try:
-            kernel = _attend_kernel()
+            store, attend = _attend_kernels()
         except Exception as e:  # NVRTC's CompileException: fall back, saying why
             raise RuntimeError(f"attend_step did not compile: {e}") from e
-        q = cp.ascontiguousarray(q, dtype=cp.float32)
+        q, k, v = (cp.ascontiguousarray(a, dtype=cp.float32) for a in (q, k, v))
         slots, pos = cp.ascontiguousarray(slots), cp.ascontiguousarray(pos)
+        store((n_kv, b), (_STORE_THREADS,),
+              (k, v, keys, values, slots, pos, np.int32(n_kv), np.int32(hd),
+               np.int32(max_len)))
         out = cp.empty((b, n_head * hd), dtype=cp.float32)
-        kernel((n_head, b), (_ATTEND_THREADS,),
+        attend((n_head, b), (_ATTEND_THREADS,),
                (q, keys, values, slots, pos, out, np.int32(n_head), np.int32(n_kv),
                 np.int32(hd), np.int32(max_len), np.int32(window), np.float32(scale)))
         return out
@@ -402,15 +430,18 @@ class ReferenceKernels:
             rows = rows[ids]
         return quants.dequantize(rows, qtype).reshape(-1, k)
 
-    def attend_step(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                    slots: Any, pos: Any, window: int, scale: float) -> np.ndarray:
+    def attend_step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray,
+                    values: np.ndarray, slots: Any, pos: Any, window: int,
+                    scale: float) -> np.ndarray:
         """`CudaKernels.attend_step` in NumPy, row by row."""
-        b, n_head, n_kv, hd, _ = _attend_layout(q, keys, values, slots, pos)
+        b, n_head, n_kv, hd, _ = _attend_layout(q, k, v, keys, values, slots, pos)
+        # plain arrays: what the kernels read on the device, read here
+        slots, pos = np.asarray(slots), np.asarray(pos)
+        keys[slots, :, pos] = k  # row b's (n_kv, hd) into slot slots[b], position pos[b]
+        values[slots, :, pos] = v
         q = np.asarray(q, dtype=np.float32).reshape(b, n_kv, n_head // n_kv, hd)
         out = np.empty((b, n_head * hd), dtype=np.float32)
-        # plain arrays: what the kernel reads on the device, read here
-        rows = zip(np.asarray(slots).tolist(), np.asarray(pos).tolist())
-        for row, (slot, p) in enumerate(rows):
+        for row, (slot, p) in enumerate(zip(slots.tolist(), pos.tolist())):
             lo = max(0, p - window + 1) if window else 0
             kk, vv = keys[slot, :, lo : p + 1], values[slot, :, lo : p + 1]  # (n_kv, S, hd)
             scores = (q[row] @ kk.swapaxes(-1, -2)) * np.float32(scale)  # (n_kv, group, S)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -112,6 +113,24 @@ def check_batch(ids, caches: Sequence, n_vocab: int) -> np.ndarray:
     if len({c.slot for c in caches}) != len(caches):
         raise ValueError("each sequence decoded together needs its own KV-pool slot")
     return ids
+
+
+def check_chunks(chunks: Sequence[tuple[Any, Any]], n_vocab: int
+                 ) -> tuple[list[np.ndarray], list, list[int]]:
+    """What `hidden_batch` needs of its (ids, cache) chunks: at least one token each, each
+    cache its own sequence's (its own KV-pool slot) with room for its tokens (ValueError
+    or ContextFullError before any cache is written). Returns the ids, caches and counts."""
+    ids = [check_ids(t, n_vocab) for t, _ in chunks]
+    caches = [c for _, c in chunks]
+    counts = [t.size for t in ids]
+    if min(counts) == 0:
+        raise ValueError("hidden_batch needs at least one token per chunk")
+    if len({(id(c.pool), c.slot) for c in caches}) != len(caches):
+        raise ValueError("each chunk of hidden_batch needs its own sequence's cache "
+                         "(its own KV-pool slot)")
+    for c, n in zip(caches, counts):
+        c.check_room(n)
+    return ids, caches, counts
 
 
 class Attention:
@@ -314,17 +333,7 @@ class LlamaModel:
         n_head * T_i * positions floats per sequence."""
         if not chunks:
             return []
-        n_vocab = self.config.n_vocab
-        ids = [check_ids(t, n_vocab) for t, _ in chunks]
-        caches = [c for _, c in chunks]
-        counts = [t.size for t in ids]
-        if min(counts) == 0:
-            raise ValueError("hidden_batch needs at least one token per chunk")
-        if len({(id(c.pool), c.slot) for c in caches}) != len(caches):
-            raise ValueError("each chunk of hidden_batch needs its own sequence's cache "
-                             "(its own KV-pool slot)")
-        for c, n in zip(caches, counts):  # ContextFullError before any cache is written
-            c.check_room(n)
+        ids, caches, counts = check_chunks(chunks, self.config.n_vocab)
         x = self._embed(np.concatenate(ids))  # (sum T_i, n_embd)
         for i, block in enumerate(self.blocks):
             x = block(x, [c.layers[i] for c in caches], counts)

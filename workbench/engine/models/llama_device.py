@@ -21,6 +21,7 @@ from workbench.engine.models.llama import (
     Block,
     LlamaModel,
     check_batch,
+    check_chunks,
     check_ids,
     masked_keys,
     rms_norm,
@@ -106,10 +107,17 @@ class DeviceLlamaModel:
         return h
 
     def hidden_batch(self, chunks) -> list:
-        """`LlamaModel.hidden_batch`'s interface: (ids (T_i,), cache) pairs -> each chunk's
-        final-normed hidden states (T_i, n_embd) on the device. A fallback: it runs
-        `hidden` once per chunk (one forward pass each), not one pass for all."""
-        return [self.hidden(ids, cache) for ids, cache in chunks]
+        """`LlamaModel.hidden_batch` on the device: (ids (T_i,), cache) pairs, one forward
+        pass for all (every product over all sum(T_i) rows, attention per sequence) ->
+        each chunk's final-normed hidden states (T_i, n_embd) on the device."""
+        if not chunks:
+            return []
+        ids, caches, counts = check_chunks(chunks, self.config.n_vocab)
+        h = self._layers(self._embed(np.concatenate(ids)), caches, counts)  # (sum T_i, D)
+        for c, t in zip(caches, ids):
+            c.advance(t)
+        bounds = np.cumsum(counts).tolist()
+        return [h[lo:hi] for lo, hi in zip([0] + bounds[:-1], bounds)]
 
     def decode(self, ids, caches, device_ids=None):
         """One token for each of N caches (of one pool): final-normed hidden states (N, D).
@@ -260,7 +268,9 @@ class _StepRecordings:
         rows = min(1 << (n - 1).bit_length(), self.tokens.shape[0])
         order = list(range(n)) + [0] * (rows - n)  # the sequence of each row
         self._place([(caches[i].slot, caches[i].offset) for i in order])
-        if all(d is not None for d in device_tokens):
+        if rows == 1 and device_tokens[0] is not None:
+            self.tokens[:1] = device_tokens[0]
+        elif all(d is not None for d in device_tokens):
             self.tokens[:rows] = self.model.xp.concatenate([device_tokens[i] for i in order])
         else:
             for j, i in enumerate(order):
@@ -400,13 +410,12 @@ class _DeviceLayer:
         slot slots[b] at position pos[b] ((B,) int32 on the device), written into that
         slot of keys and values ((n_slots, n_kv, max_len, hd), this layer's) and attending
         over its positions up to pos[b] (in a sliding window, those not too far behind)
-        -> (B, D). One kernel attends (`Backend.attend_step`: CUDA's cupy.matmul calls
-        cuBLAS, which CuPy refuses while a CUDA graph is being captured)."""
+        -> (B, D). The kernels of `Backend.attend_step` write and attend (CUDA's
+        cupy.matmul calls cuBLAS, which CuPy refuses while a CUDA graph is being
+        captured)."""
         q, k, v = self._qkv(be, cfg, h)  # (B, n_head, hd), (B, n_kv, hd)
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (B, 1, rope_dim / 2)
         q, k = self._rope(be.xp, q, cos, sin), self._rope(be.xp, k, cos, sin)
-        keys[slots, :, pos] = k  # row b's (n_kv, hd) into slot slots[b], position pos[b]
-        values[slots, :, pos] = v
-        out = be.attend_step(q, keys, values, slots, pos, self.window,
+        out = be.attend_step(q, k, v, keys, values, slots, pos, self.window,
                              1.0 / float(np.sqrt(cfg.head_dim)))
         return self.wo.matmul(out)
