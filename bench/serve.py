@@ -4,6 +4,7 @@
     python bench/serve.py [--model smollm2-135m] [--threads 2] [--concurrency 1,4,8,16]
                           [--requests N] [--max-tokens 128] [--repeats 1]
                           [--max-concurrent K] [--shared-prefix after|only|off]
+                          [--full-answers]
 
 Both servers run one at a time, each on an ephemeral 127.0.0.1 port, over the same
 GGUF with the same thread count: ours in this process, llama_cpp.server in a child
@@ -27,7 +28,9 @@ none (llama_cpp.server ignores `stream_options`) is counted by content chunks, m
 `*`. Runs alternate the servers' order across `--repeats`; per level the table shows
 medians over repeats of aggregate completion tokens/s (all tokens / wall time), TTFT
 p50 and p95 (nearest rank: with 16 requests p95 is the slowest), tokens per
-request, and failed requests summed over repeats (expected: 0). Then issue 30's
+request, and failed requests summed over repeats (expected: 0). `--full-answers` sends
+`logit_bias` of -100 on the model's end tokens with every level's request, so that each
+answer runs to `--max-tokens` in both servers: a decode-heavy mix. Then issue 30's
 targets, PASS or FAIL: ours@8 / ours@1 tok/s >= 2.0, ours@8 / llama.cpp@8 tok/s >= 1.5,
 ours p95 TTFT@8 / p50 TTFT@1 <= 3 (and, for reference, p95@8 / p95@1 and p95@1 / p50@1:
 the spread of one client's TTFTs over the mix of prompt lengths).
@@ -108,10 +111,12 @@ def system_prompt(tag: str) -> str:
         "\n".join(lines)
 
 
-def stream_chat(client, messages: list[dict], max_tokens: int) -> dict:
-    """One streaming chat completion. Returns ok, status (0: transport error), ttft (s),
-    tokens (usage's completion_tokens, else the count of content chunks), usage (whether
-    the server sent usage), prompt_tokens (usage's, else None) and seconds."""
+def stream_chat(client, messages: list[dict], max_tokens: int,
+                bias: dict[str, float] | None = None) -> dict:
+    """One streaming chat completion (`bias`: its logit_bias). Returns ok, status (0:
+    transport error), ttft (s), tokens (usage's completion_tokens, else the count of
+    content chunks), usage (whether the server sent usage), prompt_tokens (usage's, else
+    None) and seconds."""
     import openai
 
     start = time.perf_counter()
@@ -119,7 +124,8 @@ def stream_chat(client, messages: list[dict], max_tokens: int) -> dict:
     try:
         stream = client.chat.completions.create(
             model="m", messages=messages, stream=True, stream_options={"include_usage": True},
-            temperature=0, max_tokens=max_tokens, extra_body={"repeat_penalty": 1.0})
+            temperature=0, max_tokens=max_tokens, extra_body={"repeat_penalty": 1.0},
+            **({"logit_bias": bias} if bias else {}))
         for chunk in stream:
             if chunk.usage is not None:
                 usage, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
@@ -189,9 +195,11 @@ def print_ceiling(ones: list[EngineTimes], eights: list[EngineTimes], requests: 
           f"a decode pass: {one_row:.1f} ms for 1 row, {eight_rows:.1f} ms for 8)")
 
 
-def run_level(base_url: str, clients: int, n: int, max_tokens: int, tag: str) -> dict:
+def run_level(base_url: str, clients: int, n: int, max_tokens: int, tag: str,
+              bias: dict[str, float] | None = None) -> dict:
     """`n` requests from `clients` threads in a closed loop, each taking the next request
-    index in turn; aggregate tok/s, TTFT p50/p95, tokens per request, failures."""
+    index in turn (`bias`: their logit_bias); aggregate tok/s, TTFT p50/p95, tokens per
+    request, failures."""
     results: list[dict] = []
     lock = threading.Lock()
     todo = iter(range(n))
@@ -204,7 +212,7 @@ def run_level(base_url: str, clients: int, n: int, max_tokens: int, tag: str) ->
                 if i is None:
                     return
                 msgs = [{"role": "user", "content": user_message(tag, i)}]
-                result = stream_chat(client, msgs, max_tokens)
+                result = stream_chat(client, msgs, max_tokens, bias)
                 with lock:
                     results.append(result)
 
@@ -409,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-prefix", choices=("after", "only", "off"), default="after",
                    help="the shared-prefix test: after the levels, alone, or not at all")
     p.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp's context size")
+    p.add_argument("--full-answers", action="store_true",
+                   help="every level's answer runs to --max-tokens (end tokens biased -100)")
     args = p.parse_args(argv)
     pin_thread_pools(args.threads)  # before NumPy and Numba load
 
@@ -427,9 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
     n_requests = args.requests or max([16] + [2 * c for c in levels])
+    bias = {str(t): -100.0 for t in m.tokenizer.eot_ids} if args.full_answers else None
     print(f"workbench from {os.path.dirname(os.path.dirname(workbench.__file__))}: "
           f"{os.path.basename(m.path)}, {args.threads} threads, max_tokens {args.max_tokens}, "
           f"median of {args.repeats} run(s); {n_requests} requests per level"
+          + ("; full answers (end tokens biased -100)" if bias else "")
           + f"; ours max_concurrent {args.max_concurrent or 'default'}\n" + _load_line("before"))
     runs: dict[tuple[str, int], list[dict]] = {}
     # the clients run in a child process of their own: as threads of this one they took
@@ -451,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                     with profiling.recording() as rec:
                         run = clients.apply(run_level, (servers[name].base_url, level,
                                                         n_requests, args.max_tokens,
-                                                        f"c{level}r{rep}"))
+                                                        f"c{level}r{rep}", bias))
                     if name == "workbench":
                         engine_times.setdefault(level, []).append(EngineTimes.of(rec))
                     runs.setdefault((name, level), []).append(run)

@@ -18,7 +18,8 @@ bit-identical to gguf-py) does, so `dequantize` gives the same float32 values; `
 differs only by float32 summation order.
 
 `attend_step` is the attention of the decode tokens of one step, each over its own
-KV-cache slot (`ATTEND_SOURCE`, a module of its own): the recorded decode step uses it
+KV-cache slot, after `store_kv` has written each token's key and value there
+(`ATTEND_SOURCE`, a module of its own): the recorded decode step uses it
 instead of `cupy.matmul`, because CuPy refuses every cuBLAS call while a stream is being
 captured into a CUDA graph ("calling cuBLAS API during stream capture is currently
 unsupported", cupy#6290), and a single kernel also replaces the dozen launches of scores,

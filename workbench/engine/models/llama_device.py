@@ -45,8 +45,8 @@ class DeviceLlamaModel:
     the scheduler's step, reads the sequences' tokens, slots and positions from device
     buffers instead, so that the backend can record it once and replay it (CUDA graphs:
     one launch per step of up to 8 sequences instead of a few hundred). `logits`
-    returns NumPy, for the
-    callers that read every logit (branches, speculative decoding, `LLM.forward`).
+    returns NumPy, for the callers that read every logit (branches, speculative
+    decoding, `LLM.forward`).
     Mixture-of-experts layers copy their routing to the host (`DeviceMoEFeedForward`),
     so their steps are never recorded.
     """
@@ -66,7 +66,6 @@ class DeviceLlamaModel:
         self.layers = [_DeviceLayer(b, backend, *tables[id(b.attn.rope)]) for b in model.blocks]
         ffn = model.blocks[0].ffn
         self.gelu = isinstance(ffn, FeedForward) and ffn.gelu  # GeGLU (Gemma 3)
-        self.positions = backend.asarray(np.arange(model.max_len, dtype=np.int32))
         # recorded decode steps: where the backend records, for models without experts
         # (their routing goes through the host), until a recording fails
         self._recording = backend.records and all(layer.moe is None for layer in self.layers)
