@@ -4,9 +4,9 @@ Each fidelity module runs again in a child pytest with `WORKBENCH_TEST_DEVICES=c
 (tests/support/devices.py), so every device-parametrized check (llama.cpp golden runs,
 tiny transformers models, sentence-transformers embeddings, Whisper transcripts)
 runs on `device="cuda"` (decode steps recorded as CUDA graphs), and so does the device
-sampler's comparison with the host's (tests/test_device.py); the llama.cpp golden runs
-once more with the graphs off; `bench/llm.py --device cuda` prints the speed table with
-the graphs on and off.
+sampler's comparison with the host's (tests/test_device.py) and the device twin's batched
+prefill (tests/test_branch.py); the llama.cpp golden runs once more with the graphs
+off; `bench/llm.py --device cuda` prints the speed table with the graphs on and off.
 The CUDA kernels themselves are checked in tests/test_cuda_kernels.py. Without a GPU
 every test here is skipped, with the reason.
 """
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 FIDELITY = ["tests/test_tiny_models.py", "tests/test_tiny_families.py",
             "tests/test_llamacpp_reference.py", "tests/test_encoder.py",
-            "tests/test_whisper.py", "tests/test_device.py"]
+            "tests/test_whisper.py", "tests/test_device.py", "tests/test_branch.py"]
 
 
 def _cuda_reason() -> str | None:
