@@ -176,9 +176,9 @@ def test_recorded_decode_steps(built, device):
             assert recorded is None  # experts route through the host: never recorded
         else:
             assert sorted(recorded.steps) == [4]
-    for row, end in zip(rows, ends):
-        _assert_close(be.to_host(row)[None], built.ref[end - 1 : end],
-                      f"{built.name}: the row at position {end - 1} of 3 decoded together")
+        for row, end in zip(rows, ends):
+            _assert_close(be.to_host(row)[None], built.ref[end - 1 : end],
+                          f"{built.name}: the row at position {end - 1} of 3 decoded together")
 
 
 def test_longrope_short_factors(tmp_path):
