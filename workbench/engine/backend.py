@@ -237,6 +237,8 @@ class CupyBackend(Backend):
     in for CuPy and `workbench.kernels.cuda.ReferenceKernels` for the RawKernels.
     """
 
+    step_rows = GEMV_MAX_T  # the gemv kernels take up to this many rows; more go to cuBLAS
+
     def __init__(self, xp: Any, kernels: Any, name: str = "cuda", graphs: bool | None = None):
         """graphs: whether `capture` records CUDA graphs. None (the default): on CuPy
         unless the environment sets WORKBENCH_CUDA_GRAPHS=0. True with NumPy standing in
@@ -246,8 +248,6 @@ class CupyBackend(Backend):
         if graphs is None:
             graphs = xp is not np and os.environ.get("WORKBENCH_CUDA_GRAPHS", "1") != "0"
         self.records = graphs
-        # the gemv kernels take up to GEMV_MAX_T rows; more would go to cuBLAS
-        self.step_rows = GEMV_MAX_T
         self._erf = None
 
     def asarray(self, a: Any, dtype: Any = None) -> Any:

@@ -279,7 +279,7 @@ class Scheduler:
             if llm.backend is None:
                 rows = model.logits(model.decode(tokens, caches))
             else:
-                # one recorded launch per 8 sequences where the backend records
+                # one recorded launch per `Backend.step_rows` sequences where it records
                 rows = model.step_logits(tokens, caches, [r.seq.device_token for r, _ in feed])
         for (r, _), row in zip(feed, rows):
             if not r.pending:

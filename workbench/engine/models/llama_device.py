@@ -267,10 +267,9 @@ class _StepRecordings:
         rows = min(1 << (n - 1).bit_length(), self.tokens.shape[0])
         order = list(range(n)) + [0] * (rows - n)  # the sequence of each row
         self._place([(caches[i].slot, caches[i].offset) for i in order])
-        if rows == 1 and device_tokens[0] is not None:
-            self.tokens[:1] = device_tokens[0]
-        elif all(d is not None for d in device_tokens):
-            self.tokens[:rows] = self.model.xp.concatenate([device_tokens[i] for i in order])
+        if all(d is not None for d in device_tokens):
+            self.tokens[:rows] = device_tokens[0] if rows == 1 else \
+                self.model.xp.concatenate([device_tokens[i] for i in order])
         else:
             for j, i in enumerate(order):
                 if device_tokens[i] is None:
