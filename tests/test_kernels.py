@@ -368,13 +368,17 @@ def _attend_reference(qkv, n_head, n_kv, slots, pos, cos, sin, rope_dim, keys, v
     return out, keys, values
 
 
-@pytest.mark.parametrize("hd", [8, 24, 64])  # no whole step of 16, a step and 8, four steps
+# head sizes: one 8-lane step; one step and 4 single columns; three steps; one block of 64
+# columns; a block of 64 and four steps, in tiles of 40 positions (the 41st in a tile alone)
+@pytest.mark.parametrize("hd", [8, 12, 24, 64, 96])
 @pytest.mark.parametrize("case", ["plain", "window", "ring", "forked"])
 def test_attend_matches_numpy(hd, case):
-    """Decode attention (one job per sequence and KV head, 16-lane products) against
-    NumPy in float64, for head sizes that are and are not multiples of 16, grouped
-    queries (6 heads on 2 KV heads), sequences at different positions, sliding windows,
-    rotating caches and forked sequences reading their prefix from other slots."""
+    """Decode attention (one job per sequence and KV head; scores eight positions at a
+    time, values 64 columns at a time) against NumPy in float64, for head sizes that are
+    and are not multiples of 8 and 64, grouped queries (6 heads on 2 KV heads), sequences
+    at different positions (1, 18 and 41 positions: whole groups of eight and the rest),
+    sliding windows, rotating caches and forked sequences reading their prefix from other
+    slots."""
     from workbench.kernels import layers
 
     rng = np.random.default_rng(hd)

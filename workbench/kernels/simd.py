@@ -39,9 +39,6 @@ NEON), so nothing here depends on an instruction set.
   `fpext` from half, one instruction per 8 or 16 lanes where the CPU converts
   halves (F16C on x86, NEON on ARM).
 - `half16_store(out, oo, h, off)`: out[oo + j] = float(h[off + j]), j in 0..15.
-- `dot16(acc, a, ao, b, bo)`: acc[j] += a[ao + j] * b[bo + j], j in 0..15 (float32).
-- `axpy16(y, yo, w, x, xo)`: y[yo + j] += w * x[xo + j], j in 0..15 (float32; the
-  attention's weighted sum of values).
 - `half_at(w, r, o)`: the IEEE half at bytes o, o + 1 of row r of the 2-D
   uint8 array w, as float32 (a block's scale): a 2-byte load and one
   conversion, where a lookup in a 65536-entry table would evict the weights
@@ -65,6 +62,17 @@ registers across the block loop (the caller sums each one's lanes).
   weight j is w[off + j] * a, meeting x[xo + j].
 - `q6k_rows(acc, w, lo, ho, x, x0, stride, a0, a1, a2, a3, rows)`: the 64
   weights of `q6k16`, run i as (q - 32) * ai.
+
+Attention steps (decoding, `layers._attend_group`), eight 8-lane accumulators in a
+`stack_f32x64()` as above; k, v are C-contiguous float32 arrays of any shape, indexed
+flat:
+
+- `dots8(acc, q, qo, k, at, b, c)`: acc[8 j:8 j + 8] += q[qo + c:][:8] *
+  k[at[b + j] + c:][:8] for j in 0..7: eight positions' keys (starting at the int64
+  offsets at[b:b + 8]) times one 8-lane step of the query.
+- `sums8(acc, out, oo)`: out[oo + j] = the sum of the lanes of accumulator j, j in 0..7.
+- `axpy8s(acc, w, v, vo, chunks)`: acc[8 j:8 j + 8] += w * v[vo + 8 j:][:8] for j <
+  chunks (the literal 1 or 8): one position's value, weighted, into 64 (or 8) columns.
 
 No bounds are checked: callers pass offsets inside their arrays.
 
@@ -116,10 +124,15 @@ def _zeroed_stack(floats):
 _stack16, _stack64 = _zeroed_stack(16), _zeroed_stack(64)
 
 
+def _data(context, builder, aty, a):
+    """The data pointer of array `a` (of Numba type aty)."""
+    return context.make_array(aty)(context, builder, a).data
+
+
 def _element_ptr(context, builder, aryty, ary, index, vec_type):
     """Pointer to ary[index] (a 1-D contiguous array), cast to a pointer to `vec_type`."""
-    data = context.make_array(aryty)(context, builder, ary).data
-    return builder.bitcast(builder.gep(data, [index]), vec_type.as_pointer())
+    return builder.bitcast(builder.gep(_data(context, builder, aryty, ary), [index]),
+                           vec_type.as_pointer())
 
 
 def _splat(builder, value):
@@ -367,17 +380,7 @@ def _halves_at(context, builder, signature, h, off):
     return _halves(context, builder, signature.args[1], h, off), _ZERO
 
 
-def _floats_at(context, builder, signature, a, ao):
-    return _floats(context, builder, signature.args[1], a, ao), _ZERO
-
-
-def _scalar_at(context, builder, signature, yo, w):
-    return _splat(builder, w), yo
-
-
 half16 = _product_step(_halves_at)  # (acc, h, off, x, xo)
-dot16 = _product_step(_floats_at)  # (acc, a, ao, b, bo)
-axpy16 = _product_step(_scalar_at)  # (y, yo, w, x, xo): y[yo + j] += w * x[xo + j]
 
 
 @intrinsic
@@ -529,6 +532,109 @@ def q6k_rows(typingctx, acc, w, lo, ho, x, x0, stride, a0, a1, a2, a3, rows):
             weights.append((_scaled(builder, q, a, c),
                             builder.add(x0_, ir.Constant(x0_.type, 32 * i))))
         _rows_fma(context, builder, signature, acc_, x_, stride_, n, weights, x_arg=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# -- attention steps -------------------------------------------------------------------------
+# Decoding attention (`layers._attend_group`) reads the cached keys and values of one KV head,
+# each position's hd floats contiguous. The scores take eight positions at a time, each with
+# its own 8-lane accumulator (no horizontal sum per position: `sums8` reduces all eight at
+# once); the weighted sum of values keeps 64 output columns in eight 8-lane accumulators
+# across the positions instead of adding into memory.
+
+
+def _splat8(builder, value):
+    one = builder.insert_element(ir.Constant(_V8F, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(_V8F, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+
+
+def _acc8(builder, acc_data, j):
+    """Pointer to the j-th 8-lane accumulator of a (64,) stack accumulator."""
+    return builder.bitcast(builder.gep(acc_data, [ir.Constant(ir.IntType(64), 8 * j)]),
+                           _V8F.as_pointer())
+
+
+def _add8(builder, pa, step):
+    builder.store(builder.fadd(builder.load(pa, align=4), step, flags=_FAST), pa, align=4)
+
+
+@intrinsic
+def dots8(typingctx, acc, q, qo, k, at, b, c):
+    """acc[8 j:8 j + 8] += q[qo + c:][:8] * k.flat[at[b + j] + c:][:8] for j in 0..7: one
+    8-lane step of the dot products of q with the keys of eight positions (k a C-contiguous
+    float32 array of any shape, at an int64 array of flat offsets into it)."""
+    sig = types.void(acc, q, qo, k, at, b, c)
+
+    def codegen(context, builder, signature, args):
+        acc_, q_, qo_, k_, at_, b_, c_ = args
+        a_data = _data(context, builder, signature.args[0], acc_)
+        k_data = _data(context, builder, signature.args[3], k_)
+        at_data = _data(context, builder, signature.args[4], at_)
+        qv = builder.load(_element_ptr(context, builder, signature.args[1], q_,
+                                       builder.add(qo_, c_), _V8F), align=4)
+        for j in range(8):
+            o = builder.load(builder.gep(at_data, [builder.add(b_, ir.Constant(b_.type, j))]))
+            kp = builder.bitcast(builder.gep(k_data, [builder.add(o, c_)]), _V8F.as_pointer())
+            _add8(builder, _acc8(builder, a_data, j),
+                  builder.fmul(qv, builder.load(kp, align=4), flags=_FAST))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def sums8(typingctx, acc, out, oo):
+    """out[oo + j] = the sum of the eight lanes acc[8 j:8 j + 8], for j in 0..7 (pairwise
+    adds of shuffled halves: seven vector adds for the eight sums)."""
+    sig = types.void(acc, out, oo)
+
+    def codegen(context, builder, signature, args):
+        acc_, out_, oo_ = args
+        a_data = _data(context, builder, signature.args[0], acc_)
+        v = [builder.load(_acc8(builder, a_data, j), align=4) for j in range(8)]
+
+        def fold(a, b, even, odd):
+            lo = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 8), even))
+            hi = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 8), odd))
+            return builder.fadd(lo, hi, flags=_FAST)
+
+        # lanes of each step: pairs of adjacent lanes, then pairs of pairs, then halves
+        v = [fold(v[i], v[i + 1], [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15])
+             for i in range(0, 8, 2)]  # [a01, b01, a23, b23, a45, b45, a67, b67] of a, b
+        v = [fold(v[i], v[i + 1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+             for i in range(0, 4, 2)]  # [a0-3, b0-3, c0-3, d0-3, a4-7, b4-7, c4-7, d4-7]
+        total = fold(v[0], v[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+        builder.store(total, _element_ptr(context, builder, signature.args[1], out_, oo_, _V8F),
+                      align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def axpy8s(typingctx, acc, w, v, vo, chunks):
+    """acc[8 j:8 j + 8] += w * v.flat[vo + 8 j:][:8] for j < chunks (the literal 1 or 8):
+    one position's value, weighted, into up to 64 output columns (v a C-contiguous float32
+    array of any shape)."""
+    if not isinstance(chunks, types.IntegerLiteral) or chunks.literal_value not in (1, 8):
+        raise errors.TypingError("chunks must be the literal 1 or 8")
+    n = chunks.literal_value
+    sig = types.void(acc, types.float32, v, vo, chunks)
+
+    def codegen(context, builder, signature, args):
+        acc_, w_, v_, vo_, _ = args
+        a_data = _data(context, builder, signature.args[0], acc_)
+        v_data = _data(context, builder, signature.args[2], v_)
+        wv = _splat8(builder, w_)
+        for j in range(n):
+            vp = builder.bitcast(builder.gep(v_data, [builder.add(vo_, ir.Constant(vo_.type,
+                                                                                  8 * j))]),
+                                 _V8F.as_pointer())
+            _add8(builder, _acc8(builder, a_data, j),
+                  builder.fmul(wv, builder.load(vp, align=4), flags=_FAST))
         return context.get_dummy_value()
 
     return sig, codegen
