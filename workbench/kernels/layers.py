@@ -162,7 +162,9 @@ def _attend_group(qkv, n, kv, group, g0, g1, slots, pos, cos, sin, rope_dim, neo
     branch reads its shared prefix from other slots); else each position of sequence n
     is in its own slot and src is not read.
     One compiled function, called from the serial and the parallel loop (inlined into
-    both, each src case compiled apart, it took four times as long to compile).
+    both, each src case compiled apart, it took four times as long to compile: ~20 s
+    of a cold start). Measured against the inlined version, with the former 16-lane
+    steps: 0.93-1.07x at one sequence, up to 1.11x at four sequences over 300 positions.
     window: 0, or attend to the last `window` positions only (sliding-window layers);
     ring: 0, or position s is kept at s % ring (a rotating cache of a sliding-window layer)."""
     n_kv, L, hd = keys.shape[1], keys.shape[2], keys.shape[3]
