@@ -152,7 +152,7 @@ def _attend_group(qkv, n, kv, group, g0, g1, slots, pos, cos, sin, rope_dim, neo
     The scores take eight positions at a time (`simd.dots8`: an 8-lane accumulator per
     position, all eight summed at once by `simd.sums8`); the weighted sum of values keeps
     64 output columns in registers across a tile of positions (`simd.axpy8s`). Head sizes
-    that are not multiples of 8 and the last S % 8 positions take plain loops. Against
+    that are not multiples of 8 take plain loops for the last hd % 8 columns. Against
     the former 16-lane step per position (a horizontal sum per score, the output added
     in memory), `attend` on 2 Zen 3 cores, in one process: 1.2-1.35x faster at 100
     positions, 1.6-1.9x at 500 to 1,000 (8 sequences; 3 and 7 query heads per KV
@@ -179,40 +179,34 @@ def _attend_group(qkv, n, kv, group, g0, g1, slots, pos, cos, sin, rope_dim, neo
         if q_norm.shape[0]:
             _head_norm(q, q_norm, eps)
         _rope(q, cos[p], sin[p], rope_dim, neox)
-    # where each attended position's key (and value) starts in the flat cache arrays
-    at = np.empty(S, np.int64)
-    for i in range(S):
-        s = lo + i
+    # where each attended position's key (and value) starts in the flat cache arrays; the
+    # last one repeated up to a multiple of 8 positions (their scores are left unread)
+    Sp = (S + 7) // 8 * 8
+    at = np.empty(Sp, np.int64)
+    for i in range(Sp):
+        s = lo + min(i, S - 1)
         slot = src[n, s] if forked else slots[n]
         at[i] = ((slot * n_kv + kv) * L + (s % ring if ring else s)) * hd
     kf, vf = keys.reshape(keys.size), values.reshape(values.size)
     hd8 = hd - hd % 8  # columns in steps of 8; the rest one by one
-    S8 = S - S % 8  # positions eight at a time; the rest one by one
     # positions are taken in tiles of ~16 KiB of keys (or values): each tile is read from
     # memory once, then from the L1 cache for the other query heads of the group
     tile = max(8, 4096 // hd // 8 * 8)
-    scores = np.empty(G * S, np.float32)  # (G, S)
-    for t0 in range(0, S8, tile):
+    scores = np.empty(G * Sp, np.float32)  # (G, Sp)
+    for t0 in range(0, Sp, tile):
         for g in range(G):
             qo = q0 + g * hd
-            for b in range(t0, min(S8, t0 + tile), 8):
+            for b in range(t0, min(Sp, t0 + tile), 8):
                 acc = stack_f32x64()
                 for c in range(0, hd8, 8):
                     dots8(acc, x, qo, kf, at, b, c)
-                sums8(acc, scores, g * S + b)
+                sums8(acc, scores, g * Sp + b)
                 for j in range(b, b + 8):
                     for c in range(hd8, hd):
-                        scores[g * S + j] += x[qo + c] * kf[at[j] + c]
-    for g in range(G):
-        qo = q0 + g * hd
-        for j in range(S8, S):
-            d = np.float32(0.0)
-            for c in range(hd):
-                d += x[qo + c] * kf[at[j] + c]
-            scores[g * S + j] = d
+                        scores[g * Sp + j] += x[qo + c] * kf[at[j] + c]
     scale = np.float32(1.0 / np.sqrt(hd))
     for g in range(G):
-        row = scores[g * S : (g + 1) * S]
+        row = scores[g * Sp : g * Sp + S]
         m = -np.inf
         for i in range(S):
             row[i] *= scale
@@ -231,7 +225,7 @@ def _attend_group(qkv, n, kv, group, g0, g1, slots, pos, cos, sin, rope_dim, neo
     for t0 in range(0, S, tile):
         t1 = min(S, t0 + tile)
         for g in range(G):
-            oo, w = q0 + g * hd, scores[g * S : (g + 1) * S]
+            oo, w = q0 + g * hd, scores[g * Sp : g * Sp + S]
             for c0 in range(0, hd8, 64):
                 if hd8 - c0 >= 64:
                     acc = stack_f32x64()
