@@ -5,7 +5,9 @@ model file with the same number of threads in one process, warms both up,
 then alternates them round by round and prints the medians and their ratio:
 
 - prefill tokens/s for a `--prompt-tokens` (512) token prompt;
-- decode tokens/s over `--decode-tokens` (128) greedy tokens;
+- decode tokens/s over `--decode-tokens` (128) greedy tokens, after a short prompt
+  and after the `--prompt-tokens` one (where attention reads the cache of that many
+  positions for every token; llama.cpp keeps its cache in fp16, we keep fp32);
 - time to first token of a short chat prompt (nothing cached);
 - peak resident memory while generating (each engine alone in a child process);
 - aggregate decode tokens/s with N = 1, 4, 8, 16 sequences decoded together
@@ -127,27 +129,31 @@ class Bench:
         self.peer.reset()
         t = time.perf_counter()
         self.peer.eval(self.long_ids)
-        self.peer.scores[self.peer.n_tokens - 1].argmax()
+        _peer_greedy(self.peer)
         return len(self.long_ids) / (time.perf_counter() - t)
 
-    def ours_decode(self) -> float:
+    def ours_decode(self, after_long: bool = False) -> float:
+        """Decode speed after a short prompt, or after the `--prompt-tokens` one (where
+        attention reads that much more cache per token)."""
         self.ours.reset()
         n = self.args.decode_tokens
-        events = self.ours.generate(PROMPTS[0], max_tokens=n, temperature=0,
+        prompt = self.long_ids if after_long else PROMPTS[0]
+        events = self.ours.generate(prompt, max_tokens=n, temperature=0,
                                     logit_bias=self.no_eos).iter_events()
         next(events)  # the prompt is prefilled and the first token chosen
         t = time.perf_counter()
         k = sum(1 for ev in events if ev.id is not None)
         return k / (time.perf_counter() - t)
 
-    def peer_decode(self) -> float:
+    def peer_decode(self, after_long: bool = False) -> float:
         peer = self.peer
         peer.reset()
-        peer.eval(peer.tokenize(PROMPTS[0].encode(), add_bos=False))
+        peer.eval(self.long_ids if after_long
+                  else peer.tokenize(PROMPTS[0].encode(), add_bos=False))
         n = self.args.decode_tokens
         t = time.perf_counter()
         for _ in range(n - 1):
-            peer.eval([int(peer.scores[peer.n_tokens - 1].argmax())])
+            peer.eval([_peer_greedy(peer)])
         return (n - 1) / (time.perf_counter() - t)
 
     def ours_ttft(self) -> float:
@@ -187,6 +193,8 @@ class Bench:
              self.peer_prefill, "higher"),
             (f"decode tok/s ({a.decode_tokens} tokens)", self.ours_decode, self.peer_decode,
              "higher"),
+            (f"  the same after {len(self.long_ids)} tokens", lambda: self.ours_decode(True),
+             lambda: self.peer_decode(True), "higher"),
             ("time to first token ms (chat)", self.ours_ttft, self.peer_ttft, "lower"),
         ]
         rows += [(f"{n} sequences: aggregate tok/s", lambda n=n: self.ours_parallel(n),
@@ -277,6 +285,16 @@ def _llama_cpp_parallel(peer, prompts: list[str], steps: int, threads: int) -> f
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
+
+
+def _peer_greedy(peer) -> int:
+    """The argmax of llama.cpp's logits for the last token it evaluated (`Llama.scores` is
+    left unwritten without `logits_all` in llama-cpp-python 0.3)."""
+    import llama_cpp
+    import numpy as np
+
+    logits = llama_cpp.llama_get_logits_ith(peer.ctx, -1)
+    return int(np.ctypeslib.as_array(logits, shape=(peer.n_vocab(),)).argmax())
 
 
 def _decode(ctx, batch) -> None:
