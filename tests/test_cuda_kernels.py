@@ -133,10 +133,13 @@ def test_nvcc_compiles_the_attention_kernel(tmp_path):
 
 
 # (n_head, n_kv, hd, max_len, pos, window): GQA groups, a sliding window, the first and last
-# position, head sizes from 16 to the largest the kernel takes
+# position, head sizes from 12 (not a multiple of 4: no float4 loads) to the largest the
+# kernel takes, 80 (256 threads are 3 groups of 80 and 16 idle), and positions over several
+# of the kernel's 1,024-position tiles, a window among them
 ATTEND_CASES = [(9, 3, 64, 263, 200, 0), (9, 3, 64, 263, 0, 0), (9, 3, 64, 256, 255, 0),
                 (4, 2, 16, 615, 599, 8), (14, 2, 64, 307, 150, 0), (8, 4, 256, 263, 100, 16),
-                (4, 2, 32, 23, 5, 1), (8, 8, 128, 519, 511, 4096)]
+                (4, 2, 32, 23, 5, 1), (8, 8, 128, 519, 511, 4096), (6, 3, 12, 40, 33, 0),
+                (9, 3, 64, 2600, 2500, 0), (4, 2, 80, 2600, 2100, 1500)]
 
 
 def _attend_by_head(q, keys, values, pos, window, scale) -> np.ndarray:

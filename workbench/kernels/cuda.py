@@ -77,14 +77,36 @@ ATTEND_SOURCE = r"""
 //   q (B, n_head, hd) after RoPE; keys, values (n_slots, n_kv, max_len, hd), rows of
 //   positions; out (B, n_head, hd) = softmax(scale * q . k[s]) over the positions s that
 //   row b sees (s <= pos[b], and s > pos[b] - window when window > 0), weighting v[s].
-// One block per (query head, row) (head h reads KV head h / (n_head / n_kv)); each of its
-// warps takes every ATT_WARPS-th position with a running (online) softmax, its lanes
-// striding over the head's dimensions; the warps' partial results are merged at the end.
-// No header, so that NVRTC compiles it as it is.
+// One block per (query head, row) (head h reads KV head h / (n_head / n_kv)). The positions
+// go by in tiles of ATT_TILE, each in three phases with a running (online) softmax:
+//   1. scores: each thread takes whole positions (every ATT_THREADS-th), the dot product of
+//      q (in shared memory) with its key row read as float4 where hd % 4 == 0: no shuffles,
+//      and every thread's loads independent of the others';
+//   2. the tile's maximum and the exponentials (in shared memory) and their sum;
+//   3. values: the threads form `groups` = ATT_THREADS / hd groups of hd, thread (g, d)
+//      summing column d over every groups-th position (loads coalesced along d).
+// The groups' sums are added at the end. No header, so that NVRTC compiles it as it is.
 constexpr int ATT_THREADS = 256;
 constexpr int ATT_WARPS = ATT_THREADS / 32;
 constexpr int ATT_MAX_HD = 256;
-constexpr int ATT_PER_LANE = ATT_MAX_HD / 32;
+constexpr int ATT_TILE = 1024;
+constexpr int ATT_UNROLL = 8;
+
+// The maximum (max = true) or the sum of v over the block; red: ATT_WARPS floats of
+// shared memory. Every thread returns the result.
+__device__ float att_block_reduce(float v, float* red, bool max) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = max ? fmaxf(v, o) : v + o;
+  }
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = red[0];
+  for (int w = 1; w < ATT_WARPS; ++w) r = max ? fmaxf(r, red[w]) : r + red[w];
+  __syncthreads();  // red is written again by the next reduction
+  return r;
+}
 
 extern "C" __global__ void attend_step(const float* __restrict__ q,
                                        const float* __restrict__ keys,
@@ -93,73 +115,80 @@ extern "C" __global__ void attend_step(const float* __restrict__ q,
                                        const int* __restrict__ pos_at, float* __restrict__ out,
                                        int n_head, int n_kv, int hd, int max_len, int window,
                                        float scale) {
-  __shared__ float part[ATT_WARPS][ATT_MAX_HD];
-  __shared__ float warp_max[ATT_WARPS];
-  __shared__ float warp_sum[ATT_WARPS];
+  __shared__ __align__(16) float qs[ATT_MAX_HD];
+  __shared__ float p[ATT_TILE];           // the tile's scores, then their exponentials
+  __shared__ float part[ATT_THREADS];     // the value groups' sums, (groups, hd)
+  __shared__ float red[ATT_WARPS];
   const float neg_inf = __int_as_float(0xff800000);
-  const int h = blockIdx.x, row = blockIdx.y;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int h = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
   const long long kv_head = (long long)slots[row] * n_kv + h / (n_head / n_kv);
-  const long long base = kv_head * max_len * hd;
+  const float* k_rows = keys + kv_head * max_len * hd;
+  const float* v_rows = values + kv_head * max_len * hd;
   const long long q_at = ((long long)row * n_head + h) * hd;  // this head's q and out
   const int pos = pos_at[row];
   const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-
-  float qv[ATT_PER_LANE], acc[ATT_PER_LANE];
-#pragma unroll
-  for (int j = 0; j < ATT_PER_LANE; ++j) {
-    const int d = lane + 32 * j;
-    qv[j] = d < hd ? q[q_at + d] : 0.0f;
-    acc[j] = 0.0f;
-  }
-  float m = neg_inf, l = 0.0f;  // this warp's running maximum and sum of exp(score - m)
-  for (int s = lo + warp; s <= pos; s += ATT_WARPS) {
-    const float* k = keys + base + (long long)s * hd;
-    float dot = 0.0f;
-#pragma unroll
-    for (int j = 0; j < ATT_PER_LANE; ++j) {
-      const int d = lane + 32 * j;
-      if (d < hd) dot += qv[j] * k[d];
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    }
-    const float score = dot * scale;  // the same on every lane
-    const float m_new = fmaxf(m, score);
-    const float shrink = expf(m - m_new);  // 0 on the warp's first position
-    const float p = expf(score - m_new);
-    l = l * shrink + p;
-    const float* v = values + base + (long long)s * hd;
-#pragma unroll
-    for (int j = 0; j < ATT_PER_LANE; ++j) {
-      const int d = lane + 32 * j;
-      if (d < hd) acc[j] = acc[j] * shrink + p * v[d];
-    }
-    m = m_new;
-  }
-#pragma unroll
-  for (int j = 0; j < ATT_PER_LANE; ++j) {
-    const int d = lane + 32 * j;
-    if (d < hd) part[warp][d] = acc[j];
-  }
-  if (lane == 0) {
-    warp_max[warp] = m;
-    warp_sum[warp] = l;
-  }
+  const int groups = ATT_THREADS / hd, g = t / hd, d = t - g * hd;
+  const bool sums = g < groups;  // a thread of phase 3 (hd need not divide ATT_THREADS)
+  const bool by4 = (hd & 3) == 0;
+  for (int i = t; i < hd; i += ATT_THREADS) qs[i] = q[q_at + i] * scale;
   __syncthreads();
-  float mx = neg_inf;
-  for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, warp_max[w]);
-  float total = 0.0f;  // a warp that saw no position has m = -inf, l = 0: it adds nothing
-  for (int w = 0; w < ATT_WARPS; ++w) {
-    if (warp_max[w] != neg_inf) total += warp_sum[w] * expf(warp_max[w] - mx);
-  }
-  for (int d = threadIdx.x; d < hd; d += ATT_THREADS) {
-    float o = 0.0f;
-    for (int w = 0; w < ATT_WARPS; ++w) {
-      if (warp_max[w] != neg_inf) o += part[w][d] * expf(warp_max[w] - mx);
+
+  float m = neg_inf, l = 0.0f, acc = 0.0f;  // running maximum, sum of exp, column d's sum
+  for (int start = lo; start <= pos; start += ATT_TILE) {
+    const int n = min(ATT_TILE, pos + 1 - start);
+    float tile_max = neg_inf;
+    for (int i = t; i < n; i += ATT_THREADS) {  // 1. scores
+      const float* k = k_rows + (long long)(start + i) * hd;
+      float dot = 0.0f;
+      if (by4) {
+        const float4* k4 = reinterpret_cast<const float4*>(k);
+        const float4* q4 = reinterpret_cast<const float4*>(qs);
+#pragma unroll 8
+        for (int j = 0; j < hd / 4; ++j) {
+          const float4 a = q4[j], b = k4[j];
+          dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        }
+      } else {
+        for (int j = 0; j < hd; ++j) dot += qs[j] * k[j];
+      }
+      p[i] = dot;
+      tile_max = fmaxf(tile_max, dot);
     }
-    out[q_at + d] = o / total;
+    const float m_new = fmaxf(m, att_block_reduce(tile_max, red, true));  // 2. softmax
+    float tile_sum = 0.0f;
+    for (int i = t; i < n; i += ATT_THREADS) {
+      const float e = expf(p[i] - m_new);
+      p[i] = e;
+      tile_sum += e;
+    }
+    const float shrink = expf(m - m_new);  // 0 on the first tile
+    l = l * shrink + att_block_reduce(tile_sum, red, false);  // its barrier publishes p
+    m = m_new;
+    if (sums) {  // 3. values, ATT_UNROLL positions' loads in flight at once
+      const float* v = v_rows + (long long)start * hd + d;
+      float a[ATT_UNROLL] = {};
+      int i = g;
+      for (; i + (ATT_UNROLL - 1) * groups < n; i += ATT_UNROLL * groups) {
+        float vv[ATT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ATT_UNROLL; ++u) vv[u] = v[(long long)(i + u * groups) * hd];
+#pragma unroll
+        for (int u = 0; u < ATT_UNROLL; ++u) a[u] += p[i + u * groups] * vv[u];
+      }
+      for (; i < n; i += groups) a[0] += p[i] * v[(long long)i * hd];
+      float sum = 0.0f;
+#pragma unroll
+      for (int u = 0; u < ATT_UNROLL; ++u) sum += a[u];
+      acc = acc * shrink + sum;
+    }
+    __syncthreads();  // p is written again by the next tile
+  }
+  if (sums) part[t] = acc;
+  __syncthreads();
+  for (int i = t; i < hd; i += ATT_THREADS) {
+    float o = 0.0f;
+    for (int j = 0; j < groups; ++j) o += part[j * hd + i];
+    out[q_at + i] = o / l;
   }
 }
 
