@@ -1,11 +1,15 @@
-"""The CUDA kernels of workbench/kernels/gguf.cu and their NumPy stand-in.
+"""The CUDA kernels of workbench/kernels/gguf.cu and `cuda.STEP_SOURCE`, and their NumPy
+stand-in.
 
-- Here (nvcc, no GPU): gguf.cu compiles for sm_80 and defines every kernel; its
-  dequantize kernels contain no FMA (each weight must round as the reference does).
-- `ReferenceKernels` against `gguf.quants.dequantize` on random blocks of every format.
+- Here (nvcc, no GPU): gguf.cu and STEP_SOURCE compile for sm_80 and define every kernel;
+  the dequantize kernels contain no FMA (each weight must round as the reference does).
+- `ReferenceKernels` against `gguf.quants.dequantize` on random blocks of every format, and
+  its decode attention against the definition.
 - On a CUDA device (marker `gpu`): `CudaKernels` against the reference, every format;
   dequantize bit for bit, matmul (gemv for T <= GEMV_MAX_T, tiles + cuBLAS above) to 1e-4
-  of the sum of |x_j * w_j|. Skipped with the reason where CuPy or a device is missing.
+  of the sum of |x_j * w_j|; the decode step's attention, RMSNorm, RoPE and GLU against
+  the definitions and the host's formulas. Skipped with the reason where CuPy or a device
+  is missing.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from tests.support.quant_blocks import F16_FIELDS, assert_bits_equal, random_blocks
+from workbench.engine.models.feed_forward import glu_activation
 from workbench.kernels import cuda, quants
 from workbench.kernels.cuda import FORMATS, GEMV_MAX_T, SOURCE, ReferenceKernels, kernel_names
 
@@ -118,18 +123,20 @@ def test_ptx_entries_and_no_fma_when_dequantizing(tmp_path):
     assert "fma" in bodies["gemv_q4_k"]  # the check above does look at the bodies
 
 
-def test_nvcc_compiles_the_attention_kernel(tmp_path):
-    """`ATTEND_SOURCE` (the recorded decode step's attention) compiles without a header or a
-    warning and exports `store_kv` and `attend_step`."""
-    assert "#include" not in cuda.ATTEND_SOURCE
-    source = tmp_path / "attend.cu"
-    source.write_text(cuda.ATTEND_SOURCE)
-    out = tmp_path / "attend.cubin"
+def test_nvcc_compiles_the_step_kernels(tmp_path):
+    """`STEP_SOURCE` (the decode step's attention, norms, RoPE and GLU) compiles without a
+    header or a warning and exports every kernel of `STEP_KERNELS`."""
+    assert "#include" not in cuda.STEP_SOURCE
+    source = tmp_path / "step.cu"
+    source.write_text(cuda.STEP_SOURCE)
+    out = tmp_path / "step.cubin"
     run = subprocess.run([_nvcc(), "-arch=sm_80", "--std=c++17", "--cubin", "-o", str(out),
                           str(source)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "warning" not in run.stderr.lower(), run.stderr[-4000:]
-    assert b"\0attend_step\0" in out.read_bytes() and b"\0store_kv\0" in out.read_bytes()
+    cubin = out.read_bytes()
+    for name in cuda.STEP_KERNELS:
+        assert b"\0" + name.encode() + b"\0" in cubin, name
 
 
 # (n_head, n_kv, hd, max_len, pos, window): GQA groups, a sliding window, the first and last
@@ -300,6 +307,67 @@ def test_cuda_attend_step(cp, kernels, case):
     np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-5, atol=1e-5)
     assert_bits_equal(cp.asnumpy(on_device[3]), keys)
     assert_bits_equal(cp.asnumpy(on_device[4]), values)
+
+
+# (x shape, with a residual): model rows, per-head rows (Qwen3's q/k norms), a row longer
+# than the block's threads take at once, a row shorter than a warp
+NORM_CASES = [((3, 576), False), ((3, 576), True), ((2, 5, 64), False), ((1, 4100), True),
+              ((4, 12), False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, residual", NORM_CASES, ids=str)
+def test_cuda_rms_norm(cp, kernels, shape, residual):
+    """`rms_norm` (the residual add first, where given) against the host formula."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(shape).astype(np.float32) * 3
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    add = rng.standard_normal(shape).astype(np.float32) if residual else None
+    want = ReferenceKernels().rms_norm(x, w, 1e-5, add)
+    got = kernels.rms_norm(cp.asarray(x), cp.asarray(w), 1e-5,
+                           None if add is None else cp.asarray(add))
+    if residual:
+        assert_bits_equal(cp.asnumpy(got[0]), want[0])  # the sum: one float32 add
+        want, got = want[1], got[1]
+    np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-6)
+
+
+# (T, heads, hd, rope_dim, neox): both layouts, all of each head or its leading part
+ROPE_CASES = [(3, 9, 64, 64, False), (3, 9, 64, 64, True), (2, 4, 96, 32, False),
+              (2, 4, 96, 32, True), (1, 2, 16, 16, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ROPE_CASES, ids=str)
+def test_cuda_rope(cp, kernels, case):
+    """`rope` at positions read on the device against `rope.rotate` (the host's)."""
+    t, heads, hd, dim, neox = case
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((t, heads, hd)).astype(np.float32)
+    angles = rng.uniform(0, 100, (50, dim // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    pos = rng.integers(0, 50, t).astype(np.int32)
+    want = ReferenceKernels().rope(x, cos, sin, pos, dim, neox)
+    got = kernels.rope(*(cp.asarray(a) for a in (x, cos, sin, pos)), dim, neox)
+    np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-6)
+    assert_bits_equal(cp.asnumpy(got)[..., dim:], x[..., dim:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu"])
+@pytest.mark.parametrize("shape", [(3, 2 * 1536), (1, 2 * 12)], ids=str)
+def test_cuda_glu(cp, kernels, shape, gelu):
+    """`glu` (gate then up in one row) against the host formula."""
+    gu = np.random.default_rng(4).standard_normal(shape).astype(np.float32) * 4
+    got = kernels.glu(cp.asarray(gu), gelu)
+    # float32 rounding of each term, relative to the terms' size: tanh GELU's 1 + tanh(..)
+    # cancels for negative gates, where any float32 evaluation (the host's too) is off by
+    # an ulp of |gate * up|
+    exact = glu_activation(np, gu.astype(np.float64), gelu)
+    gate, up = np.split(gu.astype(np.float64), 2, axis=1)
+    bound = 1e-6 * (1.0 + np.abs(gate * up))
+    for out in (cp.asnumpy(got), ReferenceKernels().glu(gu, gelu)):
+        assert np.all(np.abs(out - exact) <= bound), np.max(np.abs(out - exact) / bound)
 
 
 @pytest.mark.gpu

@@ -195,6 +195,31 @@ class Backend:
     def erf(self, x: Any) -> Any:
         raise NotImplementedError
 
+    # -- the layers' elementwise work: the formulas over `xp`, one kernel each on CUDA ----
+    def rms_norm(self, x: Any, weight: Any, eps: float, add: Any = None) -> Any:
+        """RMSNorm over the last axis of x (..., n), times weight (n,). With `add` (x's
+        shape): the residual sum x + add and its norm, as a pair."""
+        from workbench.engine.models.llama import rms_norm
+
+        if add is None:
+            return rms_norm(x, weight, eps, self.xp)
+        summed = x + add
+        return summed, rms_norm(summed, weight, eps, self.xp)
+
+    def rope(self, x: Any, cos: Any, sin: Any, pos: Any, dim: int, neox: bool) -> Any:
+        """x (T, heads, hd), token t rotated by the angles of position pos[t] (pos: (T,)
+        int32 on the device; cos, sin: the (max_len, dim / 2) tables): the leading `dim`
+        entries of each head, in NEOX halves or interleaved pairs."""
+        from workbench.engine.models.rope import rotate
+
+        return rotate(self.xp, x, cos[pos][:, None, :], sin[pos][:, None, :], dim, neox)
+
+    def glu(self, gu: Any, gelu: bool) -> Any:
+        """gu (T, 2 n_ff), gate then up -> act(gate) * up (T, n_ff): SiLU, or tanh GELU."""
+        from workbench.engine.models.feed_forward import glu_activation
+
+        return glu_activation(self.xp, gu, gelu)
+
     # how many sequences one recorded decode step takes (`attend_step` and the products)
     step_rows = 1
 
@@ -269,6 +294,17 @@ class CupyBackend(Backend):
         # the kernels' launches: a recorded step may not call cuBLAS (cupy.matmul), which
         # CuPy refuses while a stream is being captured
         return self.kernels.attend_step(q, k, v, keys, values, slots, pos, window, scale)
+
+    # one kernel each (`workbench.kernels.cuda.STEP_SOURCE`) for what is a dozen CuPy
+    # operations: in a recorded step every launch costs more than the work it does
+    def rms_norm(self, x: Any, weight: Any, eps: float, add: Any = None) -> Any:
+        return self.kernels.rms_norm(x, weight, eps, add)
+
+    def rope(self, x: Any, cos: Any, sin: Any, pos: Any, dim: int, neox: bool) -> Any:
+        return self.kernels.rope(x, cos, sin, pos, dim, neox)
+
+    def glu(self, gu: Any, gelu: bool) -> Any:
+        return self.kernels.glu(gu, gelu)
 
     def _weight(self, w: QuantizedWeight) -> DeviceWeight:
         # float rows that are not whole groups of 32, which the kernels cannot decode (a

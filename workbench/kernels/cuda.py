@@ -17,13 +17,15 @@ The decoders round each product and sum as `workbench.kernels.quants` (the NumPy
 bit-identical to gguf-py) does, so `dequantize` gives the same float32 values; `matmul`
 differs only by float32 summation order.
 
+The decode step's other kernels live in `STEP_SOURCE`, a module of its own:
 `attend_step` is the attention of the decode tokens of one step, each over its own
-KV-cache slot, after `store_kv` has written each token's key and value there
-(`ATTEND_SOURCE`, a module of its own): the recorded decode step uses it
-instead of `cupy.matmul`, because CuPy refuses every cuBLAS call while a stream is being
-captured into a CUDA graph ("calling cuBLAS API during stream capture is currently
-unsupported", cupy#6290), and a single kernel also replaces the dozen launches of scores,
-mask, softmax and products for every sequence.
+KV-cache slot, after `store_kv` has written each token's key and value there; `rms_norm`
+(with the residual add before it, where given), `rope` and `glu` each do in one launch what
+a dozen CuPy operations did. The recorded decode step (a CUDA graph) is a few hundred
+launches, and each launch costs more than the tiny work it does, so their number is the
+step's time. `attend_step` also replaces `cupy.matmul`, because CuPy refuses every cuBLAS
+call while a stream is being captured into a CUDA graph ("calling cuBLAS API during
+stream capture is currently unsupported", cupy#6290).
 
 `CudaKernels` compiles `gguf.cu` with NVRTC through `cupy.RawModule` on first use, once per
 process (CuPy keeps the compiled module in its disk cache). `ReferenceKernels` has the same
@@ -64,13 +66,16 @@ _DEQUANT_MAX_BLOCKS = 1 << 16  # the kernel's grid-stride loop covers the rest
 _INT32_MAX = 2**31 - 1
 
 ATTEND_MAX_HEAD_DIM = 256
-"""Largest head size `attend_step` takes (ATT_MAX_HD in `ATTEND_SOURCE`)."""
-_ATTEND_THREADS = 256  # ATT_THREADS in ATTEND_SOURCE
+"""Largest head size `attend_step` takes (ATT_MAX_HD in `STEP_SOURCE`)."""
+_ATTEND_THREADS = 256  # ATT_THREADS in STEP_SOURCE
 _STORE_THREADS = 64  # store_kv's threads stride over a head's dimensions
+_STEP_THREADS = 256  # rms_norm (ATT_THREADS: its reduction's warps), rope, glu
+_STEP_MAX_BLOCKS = 1 << 16  # rope and glu: a grid-stride loop covers the rest
 
-ATTEND_SOURCE = r"""
-// The recorded decode step's attention: store_kv writes each row's new key and value into
-// its slot, then attend_step reads them.
+STEP_SOURCE = r"""
+// The decode step's kernels besides the weights' products. store_kv writes each row's new
+// key and value into its slot, then attend_step reads them; rms_norm, rope and glu are the
+// layers' elementwise work, one launch each. No header, so that NVRTC compiles it as it is.
 //
 // attend_step: the attention of B decode tokens, row b at position pos[b] of the KV-cache
 // slot slots[b] (the sequences of one recorded step).
@@ -85,7 +90,7 @@ ATTEND_SOURCE = r"""
 //   2. the tile's maximum and the exponentials (in shared memory) and their sum;
 //   3. values: the threads form `groups` = ATT_THREADS / hd groups of hd, thread (g, d)
 //      summing column d over every groups-th position (loads coalesced along d).
-// The groups' sums are added at the end. No header, so that NVRTC compiles it as it is.
+// The groups' sums are added at the end.
 constexpr int ATT_THREADS = 256;
 constexpr int ATT_WARPS = ATT_THREADS / 32;
 constexpr int ATT_MAX_HD = 256;
@@ -207,8 +212,86 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
     values[dst + d] = v[src + d];
   }
 }
+
+// rms_norm: each row r of x (rows, n) times 1 / sqrt(mean(row^2) + eps), times w (n,), into
+// out. With `a` (not null) the row is first the residual sum x[r] + a[r], which goes to
+// sum_out too. One block of ATT_THREADS per row.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ a,
+                                    const float* __restrict__ w, float* __restrict__ sum_out,
+                                    float* __restrict__ out, int n, float eps) {
+  __shared__ float red[ATT_WARPS];
+  const long long base = (long long)blockIdx.x * n;
+  float squares = 0.0f;
+  for (int i = threadIdx.x; i < n; i += ATT_THREADS) {
+    float v = x[base + i];
+    if (a != nullptr) {
+      v += a[base + i];
+      sum_out[base + i] = v;  // read back below by this same thread
+    }
+    squares += v * v;
+  }
+  const float inv = 1.0f / sqrtf(att_block_reduce(squares, red, false) / n + eps);
+  for (int i = threadIdx.x; i < n; i += ATT_THREADS) {
+    const float v = a != nullptr ? sum_out[base + i] : x[base + i];
+    out[base + i] = v * inv * w[i];
+  }
+}
+
+// rope: x (T, heads, hd) rotated, token t by the angles of position pos[t] (cos_t, sin_t:
+// (max_len, dim / 2) tables); the leading `dim` entries of each head turn, the rest are
+// copied. neox: pairs (i, i + dim / 2); else interleaved pairs (2i, 2i + 1). One thread
+// per output entry.
+extern "C" __global__ void rope(const float* __restrict__ x, const float* __restrict__ cos_t,
+                                const float* __restrict__ sin_t, const int* __restrict__ pos,
+                                float* __restrict__ out, int heads, int hd, int dim, int neox,
+                                long long total) {
+  const int half = dim / 2;
+  for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+       e += (long long)gridDim.x * blockDim.x) {
+    const int j = (int)(e % hd);
+    if (j >= dim) {
+      out[e] = x[e];
+      continue;
+    }
+    const long long head = e - j;  // the head's first entry
+    const long long t = e / ((long long)heads * hd);
+    int i, ia, ib;  // the pair's angle, and where its two entries lie in the head
+    if (neox) {
+      i = j < half ? j : j - half;
+      ia = i;
+      ib = i + half;
+    } else {
+      i = j / 2;
+      ia = 2 * i;
+      ib = 2 * i + 1;
+    }
+    const long long at = (long long)pos[t] * half + i;
+    const float c = cos_t[at], s = sin_t[at], xa = x[head + ia], xb = x[head + ib];
+    out[e] = j == ia ? xa * c - xb * s : xa * s + xb * c;
+  }
+}
+
+// glu: gu (rows, 2 n_ff), gate then up -> out (rows, n_ff) = act(gate) * up, act SiLU
+// (gate / (1 + exp(-gate))) or, with `gelu`, tanh GELU. One thread per output entry.
+extern "C" __global__ void glu(const float* __restrict__ gu, float* __restrict__ out,
+                               int n_ff, int gelu, long long total) {
+  for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+       e += (long long)gridDim.x * blockDim.x) {
+    const long long r = e / n_ff;
+    const int i = (int)(e - r * n_ff);
+    const float g = gu[2 * r * n_ff + i], u = gu[(2 * r + 1) * n_ff + i];
+    const float act = gelu ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f *
+                                                      (g + 0.044715f * g * g * g)))
+                           : g / (1.0f + expf(-g));
+    out[e] = act * u;
+  }
+}
 """
-"""The CUDA C++ source of `store_kv` and `attend_step` (compiled apart from gguf.cu)."""
+"""The CUDA C++ source of the decode step's kernels besides the weights' products
+(`store_kv`, `attend_step`, `rms_norm`, `rope`, `glu`), compiled apart from gguf.cu."""
+
+STEP_KERNELS = ("store_kv", "attend_step", "rms_norm", "rope", "glu")
+"""The extern "C" kernels of `STEP_SOURCE`."""
 
 
 def kernel_names() -> list[str]:
@@ -257,13 +340,12 @@ def _module() -> Any:
 
 
 @functools.cache
-def _attend_kernels() -> tuple[Any, Any]:
-    """`store_kv` and `attend_step` of ATTEND_SOURCE compiled and loaded (once per
-    process)."""
+def _step_kernels() -> dict[str, Any]:
+    """The kernels of STEP_SOURCE by name, compiled and loaded (once per process)."""
     import cupy
 
-    module = cupy.RawModule(code=ATTEND_SOURCE, options=("--std=c++17",))
-    return module.get_function("store_kv"), module.get_function("attend_step")
+    module = cupy.RawModule(code=STEP_SOURCE, options=("--std=c++17",))
+    return {name: module.get_function(name) for name in STEP_KERNELS}
 
 
 def _attend_layout(q: Any, k: Any, v: Any, keys: Any, values: Any, slots: Any, pos: Any
@@ -395,10 +477,7 @@ class CudaKernels:
             raise ValueError("keys and values must be C-contiguous float32")
         if slots.dtype != cp.int32 or pos.dtype != cp.int32:
             raise ValueError("slots and pos must be int32 device arrays")
-        try:
-            store, attend = _attend_kernels()
-        except Exception as e:  # NVRTC's CompileException: fall back, saying why
-            raise RuntimeError(f"attend_step did not compile: {e}") from e
+        store, attend = self._step("store_kv"), self._step("attend_step")
         q, k, v = (cp.ascontiguousarray(a, dtype=cp.float32) for a in (q, k, v))
         slots, pos = cp.ascontiguousarray(slots), cp.ascontiguousarray(pos)
         store((n_kv, b), (_STORE_THREADS,),
@@ -409,6 +488,62 @@ class CudaKernels:
                (q, keys, values, slots, pos, out, np.int32(n_head), np.int32(n_kv),
                 np.int32(hd), np.int32(max_len), np.int32(window), np.float32(scale)))
         return out
+
+    def rms_norm(self, x: Any, weight: Any, eps: float, add: Any = None) -> Any:
+        """RMSNorm over the last axis of x (..., n) float32, times weight (n,) float32.
+        With `add` (x's shape): the residual sum x + add and its norm, as a pair."""
+        cp = self.cp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        n = x.shape[-1]
+        out = cp.empty_like(x)
+        summed = None if add is None else cp.empty_like(x)
+        if x.size:
+            null = np.uint64(0)  # 8 zero bytes: a null pointer
+            self._step("rms_norm")(
+                (x.size // n,), (_STEP_THREADS,),
+                (x, null if add is None else cp.ascontiguousarray(add, dtype=cp.float32),
+                 weight, null if summed is None else summed, out, np.int32(n),
+                 np.float32(eps)))
+        return out if add is None else (summed, out)
+
+    def rope(self, x: Any, cos: Any, sin: Any, pos: Any, dim: int, neox: bool) -> Any:
+        """x (T, heads, hd) float32, token t rotated by the angles of position pos[t]
+        (pos: (T,) int32 on the device; cos, sin: (max_len, dim / 2) float32 tables): the
+        leading `dim` entries of each head, in NEOX halves or interleaved pairs."""
+        cp = self.cp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        out = cp.empty_like(x)
+        if x.size:
+            _, heads, hd = x.shape
+            self._step("rope")(
+                (self._grid(x.size),), (_STEP_THREADS,),
+                (x, cos, sin, cp.ascontiguousarray(pos, dtype=cp.int32), out,
+                 np.int32(heads), np.int32(hd), np.int32(dim), np.int32(neox),
+                 np.int64(x.size)))
+        return out
+
+    def glu(self, gu: Any, gelu: bool) -> Any:
+        """gu (T, 2 n_ff) float32, gate then up -> act(gate) * up (T, n_ff), act SiLU or
+        (`gelu`) tanh GELU."""
+        cp = self.cp
+        gu = cp.ascontiguousarray(gu, dtype=cp.float32)
+        out = cp.empty((gu.shape[0], gu.shape[1] // 2), dtype=cp.float32)
+        if out.size:
+            self._step("glu")((self._grid(out.size),), (_STEP_THREADS,),
+                              (gu, out, np.int32(out.shape[1]), np.int32(gelu),
+                               np.int64(out.size)))
+        return out
+
+    @staticmethod
+    def _grid(total: int) -> int:
+        return min((total + _STEP_THREADS - 1) // _STEP_THREADS, _STEP_MAX_BLOCKS)
+
+    @staticmethod
+    def _step(name: str) -> Any:
+        try:
+            return _step_kernels()[name]
+        except Exception as e:  # NVRTC's CompileException, said plainly
+            raise RuntimeError(f"the decode step's kernels did not compile: {e}") from e
 
     def _rows(self, w: Any, qtype: Q, ids: Any, n_rows: int, n: int, k: int,
               row_bytes: int) -> Any:
@@ -478,3 +613,29 @@ class ReferenceKernels:
             e = np.exp(scores - scores.max(axis=-1, keepdims=True))
             out[row] = ((e / e.sum(axis=-1, keepdims=True)) @ vv).reshape(-1)  # (n_kv, group, hd)
         return out
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float,
+                 add: np.ndarray | None = None) -> Any:
+        """`CudaKernels.rms_norm`: the formula of `workbench.engine.models.llama.rms_norm`."""
+        from workbench.engine.models.llama import rms_norm
+
+        x = np.asarray(x, dtype=np.float32)
+        if add is None:
+            return rms_norm(x, weight, eps)
+        summed = x + add
+        return summed, rms_norm(summed, weight, eps)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: Any, dim: int,
+             neox: bool) -> np.ndarray:
+        """`CudaKernels.rope`: `workbench.engine.models.rope.rotate` at the positions."""
+        from workbench.engine.models.rope import rotate
+
+        pos = np.asarray(pos)
+        return rotate(np, np.asarray(x, dtype=np.float32), cos[pos][:, None, :],
+                      sin[pos][:, None, :], dim, neox)
+
+    def glu(self, gu: np.ndarray, gelu: bool) -> np.ndarray:
+        """`CudaKernels.glu`: `workbench.engine.models.feed_forward.glu_activation`."""
+        from workbench.engine.models.feed_forward import glu_activation
+
+        return glu_activation(np, np.asarray(gu, dtype=np.float32), gelu)

@@ -4,7 +4,8 @@ expert of the mixture-of-experts models) or tanh GELU (GeGLU: Gemma 3).
 
 `glu` runs it on the host through the Numba activation kernels
 (`workbench.kernels.layers.silu_mul`, `gelu_mul`), `device_glu` on a GPU backend's
-arrays with the formulas those kernels compute. `FeedForward` is a dense layer's;
+arrays (`glu_activation`: the formulas those kernels compute, over an array module).
+`FeedForward` is a dense layer's;
 `workbench.engine.models.moe` sends each expert through the same two functions.
 """
 
@@ -26,9 +27,9 @@ def glu(gate_up, down, x: np.ndarray, act=layers.silu_mul) -> np.ndarray:
     return down.matmul(h)
 
 
-def device_glu(xp, gate_up, down, x, gelu: bool = False):
-    """x (T, D) -> (T, D) on a backend's arrays (`xp` its array module)."""
-    gu = gate_up.matmul(x)  # (T, 2 F): gate, then up
+def glu_activation(xp, gu, gelu: bool = False):
+    """gu (T, 2 F), gate then up -> act(gate) * up (T, F) on an array module `xp`: the
+    formulas the host kernels compute (SiLU, or tanh GELU with `gelu`)."""
     n_ff = gu.shape[1] // 2
     gate, up = gu[:, :n_ff], gu[:, n_ff:]
     if gelu:  # tanh GELU
@@ -36,7 +37,12 @@ def device_glu(xp, gate_up, down, x, gelu: bool = False):
             gate + 0.044715 * gate * gate * gate)))
     else:
         act = gate / (1.0 + xp.exp(-gate))
-    return down.matmul(act * up)
+    return act * up
+
+
+def device_glu(backend, gate_up, down, x, gelu: bool = False):
+    """x (T, D) -> (T, D) on a backend's arrays (`Backend.glu`: one kernel on CUDA)."""
+    return down.matmul(backend.glu(gate_up.matmul(x), gelu))
 
 
 class FeedForward:

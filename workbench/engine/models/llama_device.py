@@ -1,8 +1,9 @@
 """The llama-family forward pass (Gemma 3 included) on a GPU backend's arrays
 (`workbench.engine.backend`: CuPy on CUDA, MLX), built from a loaded `LlamaModel`.
 
-The math is the host model's, written over the backend's array module: the same
-`rms_norm` and RoPE `rotate`, the family's quirks read from the same blocks (Gemma 3's
+The math is the host model's, written over the backend's array module and its
+operations (`Backend.rms_norm`, `rope` and `glu`: the host's formulas, one kernel each on
+CUDA), the family's quirks read from the same blocks (Gemma 3's
 post-norms and GeGLU, sliding windows, Qwen's Q/K norms and biases). The tests check
 it against transformers' logits on the "cuda-on-numpy" and "mlx" devices
 (tests/test_tiny_models.py, tests/test_tiny_families.py).
@@ -24,12 +25,10 @@ from workbench.engine.models.llama import (
     check_chunks,
     check_ids,
     masked_keys,
-    rms_norm,
     split_heads,
 )
 from workbench.engine.models.llama_config import LlamaConfig
 from workbench.engine.models.moe import DeviceMoEFeedForward, MoEFeedForward
-from workbench.engine.models.rope import rotate
 
 _RECORDING_ERRORS = (RuntimeError,)  # what CuPy raises when a CUDA graph cannot be made
 
@@ -137,23 +136,25 @@ class DeviceLlamaModel:
 
     def _stack(self, x, attend):
         """The layers and the final norm; `attend(i, layer, h)` is layer i's attention of
-        its normed input h."""
-        cfg, be = self.config, self.backend
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, cfg.norm_eps, be.xp)
+        its normed input h. Each residual add goes with the norm after it (one kernel on
+        CUDA: `Backend.rms_norm` with `add`)."""
+        cfg, be, layers = self.config, self.backend, self.layers
+        eps = cfg.norm_eps
+        h = be.rms_norm(x, layers[0].attn_norm, eps)
+        for i, layer in enumerate(layers):
             a = attend(i, layer, h)
             if layer.post_attn_norm is not None:
-                a = rms_norm(a, layer.post_attn_norm, cfg.norm_eps, be.xp)
-            x = x + a
-            h = rms_norm(x, layer.ffn_norm, cfg.norm_eps, be.xp)
+                a = be.rms_norm(a, layer.post_attn_norm, eps)
+            x, h = be.rms_norm(x, layer.ffn_norm, eps, add=a)
             if layer.moe is not None:
                 f = layer.moe(h)
             else:
-                f = device_glu(be.xp, layer.gate_up, layer.down, h, self.gelu)
+                f = device_glu(be, layer.gate_up, layer.down, h, self.gelu)
             if layer.post_ffn_norm is not None:
-                f = rms_norm(f, layer.post_ffn_norm, cfg.norm_eps, be.xp)
-            x = x + f
-        return rms_norm(x, self.norm, cfg.norm_eps, be.xp)
+                f = be.rms_norm(f, layer.post_ffn_norm, eps)
+            after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
+            x, h = be.rms_norm(x, after, eps, add=f)
+        return h
 
     # -- the decode step, recorded -----------------------------------------------------------
     def step_logits(self, tokens: Sequence[int], caches: list, device_tokens: list) -> list:
@@ -347,16 +348,20 @@ class _DeviceLayer:
         self.cos, self.sin = cos, sin  # (max_len, rope_dim / 2)
         self.rope_dim, self.neox = attn.rope.dim, attn.rope.neox
 
-    def _rope(self, xp, x, cos, sin):
-        """x (T, heads, head_dim) rotated by the angles' cos and sin (T, 1, rope_dim / 2)."""
-        return rotate(xp, x, cos, sin, self.rope_dim, self.neox)
+    def _rope(self, be, x, pos):
+        """x (T, heads, head_dim), token t rotated to position pos[t] ((T,) int32)."""
+        return be.rope(x, self.cos, self.sin, pos, self.rope_dim, self.neox)
 
     def _qkv(self, be, cfg: LlamaConfig, h):
         """h (T, D) normed input -> q (T, n_head, hd), k and v (T, n_kv, hd), before RoPE."""
         qkv = self.wqkv.matmul(h)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
-        return split_heads(qkv, cfg, self.q_norm, self.k_norm, be.xp)
+        q, k, v = split_heads(qkv, cfg, None, None, be.xp)
+        if self.q_norm is not None:  # per head (Qwen3, Gemma 3)
+            q = be.rms_norm(q, self.q_norm, cfg.norm_eps)
+            k = be.rms_norm(k, self.k_norm, cfg.norm_eps)
+        return q, k, v
 
     def _attend(self, be, cfg: LlamaConfig, q, kk, vv, hidden):
         """q (T, n_head, hd) over keys and values kk, vv (n_kv, S, hd), with `hidden`
@@ -389,8 +394,8 @@ class _DeviceLayer:
         xp = be.xp
         start, T = cache.offset, q.shape[0]
         end = start + T
-        cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]
-        q, k = self._rope(xp, q, cos, sin), self._rope(xp, k, cos, sin)
+        pos = xp.arange(start, end, dtype=xp.int32)
+        q, k = self._rope(be, q, pos), self._rope(be, k, pos)
         keys, values = cache.pool.keys[layer], cache.pool.values[layer]
         keys[cache.slot, :, start:end] = k.transpose(1, 0, 2)
         values[cache.slot, :, start:end] = v.transpose(1, 0, 2)
@@ -412,8 +417,7 @@ class _DeviceLayer:
         cupy.matmul calls cuBLAS, which CuPy refuses while a CUDA graph is being
         captured)."""
         q, k, v = self._qkv(be, cfg, h)  # (B, n_head, hd), (B, n_kv, hd)
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (B, 1, rope_dim / 2)
-        q, k = self._rope(be.xp, q, cos, sin), self._rope(be.xp, k, cos, sin)
+        q, k = self._rope(be, q, pos), self._rope(be, k, pos)
         out = be.attend_step(q, k, v, keys, values, slots, pos, self.window,
                              1.0 / float(np.sqrt(cfg.head_dim)))
         return self.wo.matmul(out)

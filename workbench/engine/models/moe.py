@@ -103,11 +103,11 @@ class DeviceMoEFeedForward:
         for e in np.unique(routes):
             rows, rank = np.nonzero(routes == e)  # the tokens routed to expert e (once each)
             r, k = be.asarray(rows.astype(np.int32)), be.asarray(rank.astype(np.int32))
-            y = device_glu(xp, self.gate_up[e], self.down[e], x[r])
+            y = device_glu(be, self.gate_up[e], self.down[e], x[r])
             out[r] = out[r] + weights[r, k][:, None] * y
         if self.shared is not None:
             gate_up, down, gate = self.shared
-            y = device_glu(xp, gate_up, down, x)
+            y = device_glu(be, gate_up, down, x)
             if gate is not None:
                 y = y * (1.0 / (1.0 + xp.exp(-(x @ gate))))[:, None]
             out = out + y
