@@ -616,26 +616,31 @@ class ReferenceKernels:
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float,
                  add: np.ndarray | None = None) -> Any:
-        """`CudaKernels.rms_norm`: the formula of `workbench.engine.models.llama.rms_norm`."""
-        from workbench.engine.models.llama import rms_norm
-
+        """`CudaKernels.rms_norm` in NumPy."""
         x = np.asarray(x, dtype=np.float32)
-        if add is None:
-            return rms_norm(x, weight, eps)
-        summed = x + add
-        return summed, rms_norm(summed, weight, eps)
+        summed = x if add is None else x + add
+        mean_square = np.mean(summed * summed, axis=-1, keepdims=True)
+        out = summed * (1.0 / np.sqrt(mean_square + np.float32(eps))) * weight
+        return out if add is None else (summed, out)
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: Any, dim: int,
              neox: bool) -> np.ndarray:
-        """`CudaKernels.rope`: `workbench.engine.models.rope.rotate` at the positions."""
-        from workbench.engine.models.rope import rotate
-
+        """`CudaKernels.rope` in NumPy: each pair's two entries by index."""
+        x = np.asarray(x, dtype=np.float32)
         pos = np.asarray(pos)
-        return rotate(np, np.asarray(x, dtype=np.float32), cos[pos][:, None, :],
-                      sin[pos][:, None, :], dim, neox)
+        c, s = cos[pos][:, None, :], sin[pos][:, None, :]  # (T, 1, dim / 2)
+        first = np.arange(dim // 2) if neox else np.arange(0, dim, 2)  # each pair's first
+        second = first + dim // 2 if neox else first + 1
+        a, b = x[..., first], x[..., second]
+        out = x.copy()  # entries past `dim` stay
+        out[..., first] = a * c - b * s
+        out[..., second] = a * s + b * c
+        return out
 
     def glu(self, gu: np.ndarray, gelu: bool) -> np.ndarray:
-        """`CudaKernels.glu`: `workbench.engine.models.feed_forward.glu_activation`."""
-        from workbench.engine.models.feed_forward import glu_activation
-
-        return glu_activation(np, np.asarray(gu, dtype=np.float32), gelu)
+        """`CudaKernels.glu` in NumPy."""
+        gate, up = np.split(np.asarray(gu, dtype=np.float32), 2, axis=1)
+        if gelu:
+            inner = np.float32(np.sqrt(2 / np.pi)) * (gate + np.float32(0.044715) * gate ** 3)
+            return np.float32(0.5) * gate * (1 + np.tanh(inner)) * up
+        return gate / (1 + np.exp(-gate)) * up
