@@ -1,8 +1,9 @@
 """`workbench bench`: our engine against llama.cpp on the same GGUF, side by side.
 
 Runs `LLM` and llama-cpp-python (the Python binding of llama.cpp) on the same
-model file with the same number of threads in one process, warms both up,
-then alternates them round by round and prints the medians and their ratio:
+model file with the same number of threads, llama.cpp in a child process of its own
+(two thread pools in one process slow each other down), warms both up, then
+alternates them round by round and prints the medians and their ratio:
 
 - prefill tokens/s for a `--prompt-tokens` (512) token prompt;
 - decode tokens/s over `--decode-tokens` (128) greedy tokens, after a short prompt
@@ -96,40 +97,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rss_child:
         print(json.dumps(_rss_child(args.rss_child, path, args)))
         return 0
-    Bench(path, args).run()
+    bench = Bench(path, args)
+    try:
+        bench.run()
+    finally:
+        bench.peer.close()
     return 0
 
 
 class Bench:
     def __init__(self, path: str, args: argparse.Namespace):
-        from llama_cpp import Llama
-
         from workbench import LLM
 
         self.args = args
         self.path = path
         n_ctx = max(args.prompt_tokens + args.decode_tokens + 64, 1024)
         self.ours = LLM.load(path, device=args.device, kv_cache_size=n_ctx)
-        self.peer = Llama(path, n_ctx=n_ctx, n_batch=512, n_threads=args.threads,
-                          n_threads_batch=args.threads, verbose=False)
         filler = self.ours.tokenize("The quick brown fox jumps over the lazy dog. " * 200)
         self.long_ids = filler[: args.prompt_tokens]
         # no end-of-turn tokens: every run generates exactly the tokens asked for
         self.no_eos = {int(t): float("-inf") for t in self.ours.tokenizer.eot_ids}
         self.chat_text = self.ours.apply_chat_template(CHAT)
+        self.peer = PeerProcess(path, n_ctx, args, [int(t) for t in self.long_ids],
+                                self.chat_text)
 
     # -- single sequence ----------------------------------------------------------------------
     def ours_prefill(self) -> float:
         self.ours.reset()
         t = time.perf_counter()
         next(iter(self.ours.generate(self.long_ids, max_tokens=1, temperature=0).iter_events()))
-        return len(self.long_ids) / (time.perf_counter() - t)
-
-    def peer_prefill(self) -> float:
-        self.peer.reset()
-        t = time.perf_counter()
-        self.peer.eval(self.long_ids)
-        _peer_greedy(self.peer)
         return len(self.long_ids) / (time.perf_counter() - t)
 
     def ours_decode(self, after_long: bool = False) -> float:
@@ -145,33 +141,11 @@ class Bench:
         k = sum(1 for ev in events if ev.id is not None)
         return k / (time.perf_counter() - t)
 
-    def peer_decode(self, after_long: bool = False) -> float:
-        peer = self.peer
-        peer.reset()
-        peer.eval(self.long_ids if after_long
-                  else peer.tokenize(PROMPTS[0].encode(), add_bos=False))
-        n = self.args.decode_tokens
-        t = time.perf_counter()
-        for _ in range(n - 1):
-            peer.eval([_peer_greedy(peer)])
-        return (n - 1) / (time.perf_counter() - t)
-
     def ours_ttft(self) -> float:
         self.ours.reset()
         t = time.perf_counter()
         next(iter(self.ours.generate(self.chat_text, max_tokens=8, temperature=0)))
         return (time.perf_counter() - t) * 1e3
-
-    def peer_ttft(self) -> float:
-        self.peer.reset()
-        t = time.perf_counter()
-        stream = self.peer.create_completion(self.chat_text, max_tokens=8, temperature=0,
-                                             stream=True)
-        next(iter(stream))
-        elapsed = (time.perf_counter() - t) * 1e3
-        for _ in stream:
-            pass
-        return elapsed
 
     # -- N sequences --------------------------------------------------------------------------
     def ours_parallel(self, n: int) -> float:
@@ -181,24 +155,21 @@ class Bench:
                                         temperature=0, logit_bias=self.no_eos)
         return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
-    def peer_parallel(self, n: int) -> float:
-        return _llama_cpp_parallel(self.peer, [PROMPTS[i % len(PROMPTS)] for i in range(n)],
-                                   self.args.decode_tokens, self.args.threads)
-
     # -- report -------------------------------------------------------------------------------
     def run(self) -> None:
         a = self.args
         rows: list[tuple[str, Callable[[], float], Callable[[], float], str]] = [
             (f"prefill tok/s ({len(self.long_ids)} tokens)", self.ours_prefill,
-             self.peer_prefill, "higher"),
-            (f"decode tok/s ({a.decode_tokens} tokens)", self.ours_decode, self.peer_decode,
-             "higher"),
+             lambda: self.peer.measure("prefill"), "higher"),
+            (f"decode tok/s ({a.decode_tokens} tokens)", self.ours_decode,
+             lambda: self.peer.measure("decode"), "higher"),
             (f"  the same after {len(self.long_ids)} tokens", lambda: self.ours_decode(True),
-             lambda: self.peer_decode(True), "higher"),
-            ("time to first token ms (chat)", self.ours_ttft, self.peer_ttft, "lower"),
+             lambda: self.peer.measure("decode", True), "higher"),
+            ("time to first token ms (chat)", self.ours_ttft,
+             lambda: self.peer.measure("ttft"), "lower"),
         ]
         rows += [(f"{n} sequences: aggregate tok/s", lambda n=n: self.ours_parallel(n),
-                  lambda n=n: self.peer_parallel(n), "higher") for n in a.parallel]
+                  lambda n=n: self.peer.measure("parallel", n), "higher") for n in a.parallel]
         size_mb = os.path.getsize(self.path) / 1e6
         print(f"{os.path.basename(self.path)} ({size_mb:.0f} MB), {a.threads} threads, "
               f"workbench on {self.ours.device.peek()}, "
@@ -231,6 +202,109 @@ class Bench:
                "--decode-tokens", str(a.decode_tokens)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         return json.loads(out.strip().splitlines()[-1])["peak_rss_mb"]
+
+
+class LlamaCppSide:
+    """llama.cpp's side of each row, run in `PeerProcess`'s child: the same measurements
+    as `Bench`'s own, through llama-cpp-python."""
+
+    def __init__(self, path: str, n_ctx: int, threads: int, decode_tokens: int,
+                 long_ids: list[int], chat_text: str):
+        from llama_cpp import Llama
+
+        self.peer = Llama(path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+        self.threads, self.decode_tokens = threads, decode_tokens
+        self.long_ids, self.chat_text = long_ids, chat_text
+
+    def prefill(self) -> float:
+        self.peer.reset()
+        t = time.perf_counter()
+        self.peer.eval(self.long_ids)
+        _peer_greedy(self.peer)
+        return len(self.long_ids) / (time.perf_counter() - t)
+
+    def decode(self, after_long: bool = False) -> float:
+        peer = self.peer
+        peer.reset()
+        peer.eval(self.long_ids if after_long
+                  else peer.tokenize(PROMPTS[0].encode(), add_bos=False))
+        n = self.decode_tokens
+        t = time.perf_counter()
+        for _ in range(n - 1):
+            peer.eval([_peer_greedy(peer)])
+        return (n - 1) / (time.perf_counter() - t)
+
+    def ttft(self) -> float:
+        self.peer.reset()
+        t = time.perf_counter()
+        stream = self.peer.create_completion(self.chat_text, max_tokens=8, temperature=0,
+                                             stream=True)
+        next(iter(stream))
+        elapsed = (time.perf_counter() - t) * 1e3
+        for _ in stream:
+            pass
+        return elapsed
+
+    def parallel(self, n: int) -> float:
+        return _llama_cpp_parallel(self.peer, [PROMPTS[i % len(PROMPTS)] for i in range(n)],
+                                   self.decode_tokens, self.threads)
+
+
+class PeerProcess:
+    """`LlamaCppSide` in a child process: llama.cpp's worker threads and ours never share
+    a process (sharing one, our one-sequence batched decode was once measured at a third
+    of its speed), and the rows still alternate between the two. The child inherits the
+    thread settings (`set_threads`)."""
+
+    def __init__(self, path: str, n_ctx: int, args: argparse.Namespace, long_ids: list[int],
+                 chat_text: str):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_peer, daemon=True, args=(
+            child, (path, n_ctx, args.threads, args.decode_tokens, long_ids, chat_text)))
+        self._proc.start()
+        child.close()
+        self._reply()  # loaded
+
+    def measure(self, row: str, *args) -> float:
+        """Run `LlamaCppSide.<row>(*args)` in the child; its result."""
+        self._conn.send((row, args))
+        return self._reply()
+
+    def _reply(self):
+        try:
+            ok, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the llama.cpp process ended (exit code "
+                               f"{self._proc.join(5) or self._proc.exitcode})") from None
+        if not ok:
+            raise RuntimeError(f"llama.cpp side: {value}")
+        return value
+
+    def close(self) -> None:
+        self._conn.close()
+        self._proc.join(10)
+
+
+def _serve_peer(conn, options: tuple) -> None:
+    """The child's loop: load llama.cpp, then answer each (row, args) with (ok, value)."""
+    try:
+        side = LlamaCppSide(*options)
+        conn.send((True, None))
+        while True:
+            try:
+                row, args = conn.recv()
+            except EOFError:
+                return
+            try:
+                conn.send((True, getattr(side, row)(*args)))
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                conn.send((False, f"{type(exc).__name__}: {exc}"))
+    except Exception as exc:  # noqa: BLE001 - the load failed
+        conn.send((False, f"{type(exc).__name__}: {exc}"))
 
 
 def _llama_cpp_parallel(peer, prompts: list[str], steps: int, threads: int) -> float:
