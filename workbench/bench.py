@@ -2,7 +2,7 @@
 
 Runs `LLM` and llama-cpp-python (the Python binding of llama.cpp) on the same
 model file with the same number of threads, llama.cpp in a child process of its own
-(two thread pools in one process slow each other down), warms both up, then
+(two thread pools in one process can slow each other down), warms both up, then
 alternates them round by round and prints the medians and their ratio:
 
 - prefill tokens/s for a `--prompt-tokens` (512) token prompt;
@@ -271,15 +271,19 @@ class PeerProcess:
 
     def measure(self, row: str, *args) -> float:
         """Run `LlamaCppSide.<row>(*args)` in the child; its result."""
-        self._conn.send((row, args))
+        try:
+            self._conn.send((row, args))
+        except OSError:
+            pass  # the child is gone: the reply below says how it ended
         return self._reply()
 
     def _reply(self):
         try:
             ok, value = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the child ended, or its end of the pipe broke
+            self._proc.join(5)
             raise RuntimeError(f"the llama.cpp process ended (exit code "
-                               f"{self._proc.join(5) or self._proc.exitcode})") from None
+                               f"{self._proc.exitcode})") from None
         if not ok:
             raise RuntimeError(f"llama.cpp side: {value}")
         return value
