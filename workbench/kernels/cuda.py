@@ -62,15 +62,14 @@ of their kernels' names in gguf.cu."""
 GROUP = 32  # weights one thread decodes at once; every K must be a multiple
 _GEMV_THREADS = 128  # 4 warps per block, one row of W each
 _DEQUANT_THREADS = 256
-_DEQUANT_MAX_BLOCKS = 1 << 16  # the kernel's grid-stride loop covers the rest
+_MAX_BLOCKS = 1 << 16  # grid-stride kernels (dequantize, rope, glu): their loops cover the rest
 _INT32_MAX = 2**31 - 1
 
 ATTEND_MAX_HEAD_DIM = 256
 """Largest head size `attend_step` takes (ATT_MAX_HD in `STEP_SOURCE`)."""
-_ATTEND_THREADS = 256  # ATT_THREADS in STEP_SOURCE
+_STEP_THREADS = 256  # ATT_THREADS in STEP_SOURCE: attend_step, rms_norm (their reductions
+# are over its warps), rope and glu
 _STORE_THREADS = 64  # store_kv's threads stride over a head's dimensions
-_STEP_THREADS = 256  # rms_norm (ATT_THREADS: its reduction's warps), rope, glu
-_STEP_MAX_BLOCKS = 1 << 16  # rope and glu: a grid-stride loop covers the rest
 
 STEP_SOURCE = r"""
 // The decode step's kernels besides the weights' products. store_kv writes each row's new
@@ -339,6 +338,12 @@ def _module() -> Any:
     return cupy.RawModule(code=SOURCE.read_text(), options=("--std=c++17",))
 
 
+def _blocks(total: int, threads: int) -> int:
+    """Blocks of `threads` for a grid-stride kernel over `total` items: one item per
+    thread, up to `_MAX_BLOCKS` blocks (the loop covers the rest)."""
+    return min((total + threads - 1) // threads, _MAX_BLOCKS)
+
+
 @functools.cache
 def _step_kernels() -> dict[str, Any]:
     """The kernels of STEP_SOURCE by name, compiled and loaded (once per process)."""
@@ -484,7 +489,7 @@ class CudaKernels:
               (k, v, keys, values, slots, pos, np.int32(n_kv), np.int32(hd),
                np.int32(max_len)))
         out = cp.empty((b, n_head * hd), dtype=cp.float32)
-        attend((n_head, b), (_ATTEND_THREADS,),
+        attend((n_head, b), (_STEP_THREADS,),
                (q, keys, values, slots, pos, out, np.int32(n_head), np.int32(n_kv),
                 np.int32(hd), np.int32(max_len), np.int32(window), np.float32(scale)))
         return out
@@ -516,7 +521,7 @@ class CudaKernels:
         if x.size:
             _, heads, hd = x.shape
             self._step("rope")(
-                (self._grid(x.size),), (_STEP_THREADS,),
+                (_blocks(x.size, _STEP_THREADS),), (_STEP_THREADS,),
                 (x, cos, sin, cp.ascontiguousarray(pos, dtype=cp.int32), out,
                  np.int32(heads), np.int32(hd), np.int32(dim), np.int32(neox),
                  np.int64(x.size)))
@@ -529,14 +534,10 @@ class CudaKernels:
         gu = cp.ascontiguousarray(gu, dtype=cp.float32)
         out = cp.empty((gu.shape[0], gu.shape[1] // 2), dtype=cp.float32)
         if out.size:
-            self._step("glu")((self._grid(out.size),), (_STEP_THREADS,),
+            self._step("glu")((_blocks(out.size, _STEP_THREADS),), (_STEP_THREADS,),
                               (gu, out, np.int32(out.shape[1]), np.int32(gelu),
                                np.int64(out.size)))
         return out
-
-    @staticmethod
-    def _grid(total: int) -> int:
-        return min((total + _STEP_THREADS - 1) // _STEP_THREADS, _STEP_MAX_BLOCKS)
 
     @staticmethod
     def _step(name: str) -> Any:
@@ -553,7 +554,7 @@ class CudaKernels:
         if n_rows == 0:
             return out
         total = n_rows * (k // GROUP)  # one thread per group of 32 weights
-        grid = min((total + _DEQUANT_THREADS - 1) // _DEQUANT_THREADS, _DEQUANT_MAX_BLOCKS)
+        grid = _blocks(total, _DEQUANT_THREADS)
         ids_arg = np.uint64(0) if ids is None else ids  # 8 zero bytes: a null pointer
         self._kernel("dequantize", qtype)(
             (grid,), (_DEQUANT_THREADS,),
