@@ -454,6 +454,21 @@ def test_chat_json_too_few_tokens_is_refused_before_generating(smollm2):
         smollm2.chat_json([{"role": "user", "content": "hi"}], TOOL_SCHEMA, max_tokens=3)
 
 
+def test_a_grammar_that_outgrows_the_context_is_refused_before_generating(smollm2):
+    """The budget is the smaller of max_tokens and what the context can still take: in a
+    64-token context after a 60-token prompt 5 tokens fit, fewer than TOOL_SCHEMA's
+    shortest object (9), so the call says so before the first token (it used to run into
+    the context's end and return cut JSON); after a 40-token prompt it fits and ends valid."""
+    from workbench import GrammarBudgetError, LLM
+
+    with LLM.load(smollm2.path, kv_cache_size=64) as small:
+        ids = small.tokenize("Record: " + "filler " * 80)[:60]
+        with pytest.raises(GrammarBudgetError, match=r"takes \d+ tokens.*5 tokens the context"):
+            small.generate(ids, schema=TOOL_SCHEMA, max_tokens=100)
+        c = small.generate(ids[:40], schema=TOOL_SCHEMA, max_tokens=100, temperature=0)
+        jsonschema.validate(json.loads(c.text), TOOL_SCHEMA)
+
+
 def test_grammar_and_schema_are_exclusive(smollm2):
     with pytest.raises(ValueError, match="not both"):
         smollm2.chat([{"role": "user", "content": "hi"}], grammar='root ::= "a"',

@@ -15,8 +15,8 @@ and makes the output end valid:
   smallest value a required property takes, and ends valid at or before
   `max_tokens`. Close to that point every token the model picks is tried on a copy
   first, and kept only if a completion still fits after it. A grammar whose
-  shortest completion does not fit `max_tokens` is refused before the first token
-  (`GrammarBudgetError`).
+  shortest completion does not fit `max_tokens` (or the context left after the
+  prompt) is refused before the first token (`GrammarBudgetError`).
 - **In free text that runs long** (`Closing.free_text_tokens`): a stretch of
   tokens where the grammar allows most of the vocabulary, as inside a JSON string,
   is closed once it is that long, and the model goes on after it. A JSON Schema can
@@ -349,7 +349,9 @@ class Closer:
     """
 
     def __init__(self, matcher: GrammarMatcher, options: Closing, max_tokens: int,
-                 end_ids: np.ndarray):
+                 end_ids: np.ndarray, room: int | None = None):
+        """`room`: the tokens the context can still take after the prompt (None: only
+        `max_tokens` limits the output); the budget is the smaller of the two."""
         self.matcher = matcher
         self.options = options
         self.end_ids = end_ids
@@ -377,12 +379,15 @@ class Closer:
         self._json = _JSONPosition(budgets) if budgets else None
         self._string_tokens = 0
         start = time.perf_counter()
-        self._replan(max_tokens)
-        if options.budget and self.plan is not None and len(self.plan) > max_tokens:
+        budget = max_tokens if room is None else min(max_tokens, room)
+        self._replan(budget)
+        if options.budget and self.plan is not None and len(self.plan) > budget:
+            limit = (f"max_tokens={max_tokens}" if budget == max_tokens else
+                     f"the {budget} tokens the context (kv_cache_size) has left after the "
+                     f"prompt")
             raise GrammarBudgetError(
                 f"the shortest output found for this grammar takes {len(self.plan)} tokens "
-                f"({self.plan.data.decode('utf-8', 'replace')[:80]!r}), more than "
-                f"max_tokens={max_tokens}")
+                f"({self.plan.data.decode('utf-8', 'replace')[:80]!r}), more than {limit}")
         self._carry = time.perf_counter() - start  # counted in the first step's time
 
     def steer(self, allowed: np.ndarray, remaining: int) -> np.ndarray:

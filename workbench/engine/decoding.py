@@ -31,7 +31,7 @@ class Decoding:
                  max_tokens: int, stop: list[str], end_ids: frozenset[int],
                  logprobs: int | None, matcher: GrammarMatcher | None = None,
                  processors: list[LogitsProcessor] | None = None,
-                 closing: Closing | None = None):
+                 closing: Closing | None = None, room: int | None = None):
         if any(not callable(fn) for fn in processors or ()):
             raise TypeError("logits_processors must be functions fn(ids, logits) -> logits")
         self.processors = processors or []
@@ -42,7 +42,7 @@ class Decoding:
         self.stop = stop
         self.end_ids = end_ids  # the tokens that end the sequence (not emitted)
         self._end_array = np.fromiter(self.end_ids, dtype=np.int64)
-        self.closer = (Closer(matcher, closing, max_tokens, self._end_array)
+        self.closer = (Closer(matcher, closing, max_tokens, self._end_array, room)
                        if matcher is not None and closing is not None and max_tokens > 0
                        else None)
         self.logprobs = logprobs
@@ -57,9 +57,11 @@ class Decoding:
     def start(cls, tokenizer: Tokenizer, prompt_ids: list[int], options: GenerationOptions,
               n_vocab: int, *, backend: Any = None, grammar: Grammar | None = None,
               logits_processors: Sequence[LogitsProcessor] = (),
-              closing: Closing | bool = True) -> Decoding:
+              closing: Closing | bool = True, room: int | None = None) -> Decoding:
         """The checked state of a sequence about to follow `prompt_ids`, sampled on
-        `backend`'s device (None: the host) and constrained by `grammar`."""
+        `backend`'s device (None: the host) and constrained by `grammar`; `room`: the
+        tokens its context can take after the prompt (a grammar's budget is the smaller
+        of it and `max_tokens`)."""
         if options.stop_tokens is None:
             end_ids = tokenizer.eot_ids
         else:
@@ -79,7 +81,8 @@ class Decoding:
         return cls(tokenizer, prompt_ids, sampler, max_tokens=options.max_tokens,
                    stop=options.stop_strings(), end_ids=end_ids,
                    logprobs=options.logprobs, matcher=matcher,
-                   processors=list(logits_processors), closing=Closing.of(closing))
+                   processors=list(logits_processors), closing=Closing.of(closing),
+                   room=room)
 
     def step(self, logits: np.ndarray, room: int, on_device: bool = False
              ) -> tuple[int | None, list[TokenEvent]]:

@@ -484,10 +484,12 @@ class LLM(Prompting, LocalEngine):
                   options: GenerationOptions, *,
                   logits_processors: Sequence[LogitsProcessor] = (),
                   closing: Closing | bool = True) -> Decoding:
-        """The checked state of one sequence about to be generated."""
+        """The checked state of one sequence about to be generated. It can write one
+        token more than the context has positions left: the last is never read back."""
         return Decoding.start(self.tokenizer, prompt_ids, options, self.config.n_vocab,
                               backend=self.backend, grammar=grammar,
-                              logits_processors=logits_processors, closing=closing)
+                              logits_processors=logits_processors, closing=closing,
+                              room=self.kv_cache_size - len(prompt_ids) + 1)
 
     def _generate_events(self, prompt_ids: list[int], seq: Decoding,
                          prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
