@@ -291,6 +291,32 @@ def test_store_prefill_checks_before_it_runs(smollm2):
     assert store.forward_passes == 1 and b.logits is None and a.logits is not None
 
 
+def test_store_commit_checks_before_any_branch_changes(smollm2):
+    """A token out of the vocabulary or refused by a branch's grammar raises and leaves
+    every branch as it was (history, perplexity, grammar state): the branches go on to
+    produce what they would have without the bad call."""
+    from workbench.engine.grammar import GrammarError
+
+    store = BranchStore(smollm2, max_active=2, max_len=64)
+    free = Branch.create(smollm2, {"temperature": 0}, store=store)
+    yes_no = Branch.create(smollm2, {"temperature": 0}, store=store,
+                           grammar='root ::= " yes" | " no"')
+    prompt = smollm2.tokenize("Is Paris in France? Answer:")
+    store.prefill([(free, prompt), (yes_no, prompt)])
+    banana = smollm2.tokenize(" banana", add_bos=False)[0]
+    before = [(b.generated[:], b.perplexity, b.cache.offset) for b in (free, yes_no)]
+    for bad in ([(free, -1)], [(free, smollm2.config.n_vocab)], [(free, 0), (yes_no, banana)]):
+        with pytest.raises(ValueError, match="vocabulary|not allowed"):  # GrammarError too
+            store.commit(bad)
+        assert [(b.generated, b.perplexity, b.cache.offset) for b in (free, yes_no)] == before
+    with pytest.raises(GrammarError, match="not allowed"):
+        yes_no.accept(banana)
+    assert store.forward_passes == 1
+    answer = "".join(e.text for e in yes_no)
+    assert answer in (" yes", " no")
+    assert _greedy(free, 4) == _fresh(smollm2, prompt, 4)
+
+
 # -- hidden_batch against hidden, on tiny models (fast) -------------------------------------
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench.engine.grammar import Grammar, resolve_grammar
+from workbench.engine.grammar import Grammar, GrammarError, resolve_grammar
 from workbench.engine.kv_cache import KVCache
 from workbench.engine.llm import LLM, PREFILL_CHUNK
 from workbench.engine.metrics import Perplexity
@@ -73,11 +73,12 @@ class BranchStore:
             return
         if len({id(b) for b, _ in pairs}) != len(pairs):
             raise ValueError("each branch may commit one token per call")
-        for branch, _ in pairs:  # check everything before any branch changes
+        for branch, token in pairs:  # check everything before any branch changes
             branch._check_alive()
             if branch.store is not self:
                 raise ValueError("every branch must belong to this store")
             branch.cache.check_room(1)
+            branch._check_token(token)
         for branch, token in pairs:
             branch.accept(token)
         net = self.model._require_model()
@@ -281,9 +282,22 @@ class Branch:
         return self.model.is_stop_token(token) or (
             self.matcher is not None and self.matcher.is_finished)
 
+    def _check_token(self, token: int) -> None:
+        """Raise (ValueError, or `GrammarError` from the grammar) unless `token` may come
+        next on this branch."""
+        n_vocab = self.model.config.n_vocab
+        if not 0 <= int(token) < n_vocab:
+            raise ValueError(f"token {int(token)} is outside the vocabulary [0, {n_vocab})")
+        if self.matcher is not None and not self.matcher.allows(token):
+            raise GrammarError(f"token {int(token)} is not allowed here by this branch's "
+                               "grammar")
+
     def accept(self, token: int) -> None:
-        """Record `token` as this branch's next (perplexity, grammar), without running it."""
+        """Record `token` as this branch's next (perplexity, grammar), without running it.
+        A token out of the vocabulary or refused by the grammar raises and changes
+        nothing."""
         self._check_alive()
+        self._check_token(token)
         token = int(token)
         if self.logits is not None:
             self.perplexity_tracker.add(float(log_softmax(self.logits)[token]))

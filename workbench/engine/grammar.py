@@ -254,10 +254,17 @@ class GrammarMatcher:
             raise GrammarError(f"the grammar matcher failed: {self._matcher.get_error()}")
         return allowed
 
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next (nothing is consumed)."""
+        return self._matcher.validate_tokens([int(token)]) == 1
+
     def consume(self, token: int) -> None:
-        """Advance past `token`; raises `GrammarError` if the grammar does not allow it."""
+        """Advance past `token`; raises `GrammarError` if the grammar does not allow it,
+        and the matcher then stays where it was."""
+        if not self.allows(token):
+            raise GrammarError(f"token {token} is not allowed here by the grammar")
         if not self._matcher.consume_token(int(token)):
-            raise GrammarError(f"token {token} is not allowed here: {self._matcher.get_error()}")
+            raise GrammarError(f"the grammar matcher failed: {self._matcher.get_error()}")
 
     def accepts(self, tokens: Iterable[int]) -> int:
         """Feed `tokens` while the grammar allows them; returns how many it took (the
