@@ -118,6 +118,16 @@ def test_invalid_schema_is_a_clear_error(schema, keyword):
     assert err.value.keyword == keyword
 
 
+def test_the_boolean_schemas(smollm2):
+    """`true` accepts any JSON value (as `{}`, OpenAI's json_schema without a schema);
+    `false` accepts none, which is said up front rather than by llguidance."""
+    m = compile_schema(True).matcher(smollm2.tokenizer)
+    ids = smollm2.tokenize('[1, "a", null]', add_bos=False)
+    assert m.accepts(ids) == len(ids) and m.is_accepting
+    with pytest.raises(SchemaError, match="false accepts no JSON value"):
+        compile_schema(False)
+
+
 def test_schema_text_that_is_not_json_names_line_and_column():
     with pytest.raises(SchemaError) as err:
         compile_schema('{\n  "type": "object",\n  "properties": {\n}')

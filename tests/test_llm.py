@@ -205,6 +205,13 @@ def test_bad_requests(smollm2):
         smollm2.generate("word " * 5000)
     with pytest.raises(TypeError, match="messages"):
         smollm2.chat("just a string")
+    for prompt in (123, None, [1.5, 2]):
+        with pytest.raises(TypeError, match="text or a sequence of token ids"):
+            smollm2.generate(prompt)
+    with pytest.raises(TypeError, match="list of seeds is for generate_batch"):
+        smollm2.generate(PROMPT, seed=[1, 2])
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        smollm2.generate(PROMPT, temperature=float("nan"))
     c = smollm2.generate(PROMPT, max_tokens=0)
     assert c.text == "" and c.finish_reason == "length"
 
@@ -332,6 +339,8 @@ def test_generate_batch_requests(smollm2):
         smollm2.generate_batch([PROMPT], max_tokens=-1)
     with pytest.raises(TypeError, match="messages"):
         smollm2.chat_batch(["just a string"])
+    with pytest.raises(TypeError, match="list of prompts; for one prompt use generate"):
+        smollm2.generate_batch("one prompt, not five characters")
 
 
 def test_generate_batch_context_full():

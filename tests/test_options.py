@@ -37,6 +37,38 @@ def test_of_applies_overrides_and_checks_them():
         GenerationOptions.of({"temperature": 0})
 
 
+@pytest.mark.parametrize("field, value, error, message", [
+    ("temperature", float("nan"), ValueError, "finite"),
+    ("top_p", float("inf"), ValueError, "finite"),
+    ("temperature", "0.5", TypeError, "number, not str"),
+    ("presence_penalty", True, TypeError, "number, not bool"),
+    ("max_tokens", "5", TypeError, "integer, not str"),
+    ("max_tokens", 2.5, TypeError, "integer, not float"),
+    ("top_k", 4.0, TypeError, "integer, not float"),
+    ("logprobs", -1, ValueError, "logprobs must be >= 0"),
+    ("repeat_last_n", -2, ValueError, "repeat_last_n"),
+    ("seed", -2, ValueError, "seed must be >= 0, or -1"),
+    ("seed", 1.5, TypeError, "integer"),
+    ("seed", [1, -3], ValueError, "seed must be >= 0"),
+])
+def test_values_of_the_wrong_type_or_out_of_range_are_refused(field, value, error, message):
+    """Each option says what it takes instead of failing later inside the sampler
+    (NumPy's "Probabilities contain NaN", a str compared with an int)."""
+    with pytest.raises(error, match=message):
+        GenerationOptions(**{field: value})
+
+
+def test_seeds_numpy_numbers_and_llama_cpps_random_seed():
+    import numpy as np
+
+    assert GenerationOptions(seed=-1).seed is None  # llama.cpp's spelling of "random"
+    opts = GenerationOptions(top_k=np.int64(3), temperature=np.float32(0.5), seed=np.int64(7))
+    assert opts.sampling().top_k == 3 and opts.sampling().seed == 7
+    assert GenerationOptions(seed=[1, 2]).seed == [1, 2]  # one per prompt of a batch
+    with pytest.raises(TypeError, match="list of seeds is for generate_batch"):
+        GenerationOptions(seed=[1, 2]).sampling()
+
+
 def test_sampling_part_stops_and_changed_fields():
     opts = GenerationOptions(temperature=0, seed=3, logit_bias=None, stop=["", "\n"])
     params = opts.sampling()

@@ -210,6 +210,9 @@ class Encoder(LocalEngine):
         pool: "mean", "cls" or "last" (default: the model's own pooling).
         normalize: scale to unit length (the default).
         """
+        if not isinstance(text, str):
+            raise TypeError(f"embed takes one text (str), not {type(text).__name__}; "
+                            "use embed_batch for a list of texts")
         return self.embed_batch([text], batch_size=1, pool=pool, normalize=normalize)[0]
 
     def embed_batch(self, texts: Sequence[str], *, batch_size: int = 32,

@@ -152,6 +152,10 @@ class Grammar:
         if not isinstance(schema, (Mapping, bool)):
             raise SchemaError(f"a JSON Schema is an object or a boolean, got "
                               f"{type(schema).__name__}")
+        if schema is False:
+            raise SchemaError("the schema false accepts no JSON value")
+        if schema is True:  # any JSON value: the empty schema
+            schema = {}
         relaxed: list[str] = []
         prepared = _safe_integers(_rewrite(copy.deepcopy(schema)))
         while True:

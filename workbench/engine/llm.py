@@ -363,12 +363,15 @@ class LLM(Prompting, LocalEngine):
         and each decode step; once it is set the call raises `Cancelled`.
         """
         opts = GenerationOptions.of(options, **overrides)
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("generate_batch takes a list of prompts; for one prompt use "
+                            "generate")
         prompts = list(prompts)
         if not prompts:
             return []
         seed = opts.seed
-        if seed is None or isinstance(seed, int):
-            seeds = [None if seed is None else seed + i for i in range(len(prompts))]
+        if seed is None or not isinstance(seed, Sequence):
+            seeds = [None if seed is None else int(seed) + i for i in range(len(prompts))]
         else:
             seeds = [int(x) for x in seed]
             if len(seeds) != len(prompts):

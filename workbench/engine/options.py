@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -35,9 +37,15 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token seen in the window
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the window
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added logit
-    seed: int | None = None  # same seed, same text
+    seed: int | None = None  # same seed, same text; -1 (llama.cpp's "random") is None
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _check_real(name, getattr(self, name))
+        for name in ("top_k", "repeat_last_n"):
+            _check_integer(name, getattr(self, name))
+        self._check_seed()
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -48,9 +56,21 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repeat_penalty <= 0:
             raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if self.repeat_last_n < -1:
+            raise ValueError(f"repeat_last_n must be >= -1 (-1: the whole history), got "
+                             f"{self.repeat_last_n}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    def _check_seed(self) -> None:
+        if self.seed is not None:
+            _check_integer("seed", self.seed)
+            if self.seed == -1:
+                object.__setattr__(self, "seed", None)
+            elif self.seed < 0:
+                raise ValueError(f"seed must be >= 0, or -1 / None for a random one, got "
+                                 f"{self.seed}")
 
 
 @dataclass(frozen=True)
@@ -72,8 +92,21 @@ class GenerationOptions(SamplingParams):
 
     def __post_init__(self):
         super().__post_init__()
+        _check_integer("max_tokens", self.max_tokens)
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.logprobs is not None:
+            _check_integer("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                raise ValueError(f"logprobs must be >= 0 (alternatives per token), got "
+                                 f"{self.logprobs}")
+
+    def _check_seed(self) -> None:
+        if isinstance(self.seed, Sequence) and not isinstance(self.seed, str):
+            for seed in self.seed:  # one per prompt of a batch
+                SamplingParams(seed=seed)
+        else:
+            super()._check_seed()
 
     @classmethod
     def of(cls, options: GenerationOptions | None = None, **overrides: Any
@@ -90,6 +123,9 @@ class GenerationOptions(SamplingParams):
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)}
         values["logit_bias"] = dict(self.logit_bias or {})
         values["seed"] = self.seed if seed is None else seed
+        if isinstance(values["seed"], Sequence):
+            raise TypeError("a list of seeds is for generate_batch and chat_batch (one per "
+                            "prompt); one generation takes one integer")
         return SamplingParams(**values)
 
     def changed(self) -> dict[str, Any]:
@@ -101,6 +137,18 @@ class GenerationOptions(SamplingParams):
         """`stop` as a list, without empty strings (which would stop before any text)."""
         stop = self.stop
         return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
+
+
+def _check_real(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
+def _check_integer(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
 
 
 DEFAULTS = GenerationOptions()

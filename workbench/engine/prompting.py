@@ -4,6 +4,7 @@ prompt token ids (the tokenizer, the chat template, the context's limits)."""
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,7 +60,11 @@ class Prompting:
             ids = self.tokenize(prompt, add_bos=add_bos)
             text = prompt
         else:
-            ids = [int(i) for i in prompt]
+            try:
+                ids = [operator.index(i) for i in prompt]
+            except TypeError:
+                raise TypeError(f"a prompt is text or a sequence of token ids (integers), "
+                                f"not {type(prompt).__name__}") from None
             text = self.detokenize(ids) if include_prompt else ""
         if not ids:
             raise ValueError("the prompt is empty (no tokens); pass text or token ids")
