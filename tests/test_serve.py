@@ -158,6 +158,28 @@ def test_stop_logit_bias_and_n(client, smollm2):
     assert [c.index for c in r.choices] == [0, 1, 2]
 
 
+def test_a_stream_of_n_choices_interleaves_them(client, smollm2):
+    """A streamed answer with n choices sends each choice's tokens as they are made, not
+    one choice after the other once all are done: every choice has text before the first
+    finishes. Each gets what a batch of n gives it (seed s + i); the prompt counts once."""
+    chunks = list(client.chat.completions.create(
+        model="smollm2-135m", messages=QUESTION, n=3, seed=5, max_tokens=12, stream=True,
+        stream_options={"include_usage": True}))
+    texts, first_finish = ["", "", ""], None
+    for k, c in enumerate(chunks):
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason and first_finish is None:
+                first_finish = k
+    with_text = {ch.index for c in chunks[:first_finish] for ch in c.choices
+                 if ch.delta.content}
+    assert with_text == {0, 1, 2}
+    batch = smollm2.chat_batch([QUESTION] * 3, **served(seed=5, max_tokens=12))
+    assert texts == [c.text for c in batch]
+    assert chunks[-1].usage.prompt_tokens == batch[0].usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == sum(c.usage.completion_tokens for c in batch)
+
+
 def test_completions_equal_llm_generate(client, smollm2):
     prompt = "The capital of France is"
     r = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=12,

@@ -1,8 +1,9 @@
 """Chat and text completions: the engine calls behind `/v1/chat/completions` and
 `/v1/completions`, and the JSON answers and server-sent event streams built from them.
 
-`n` choices (times the prompts of a text completion) run as one job: the engine's batch
-method where it has one, else one call per choice. A stream that fails after its headers
+`n` choices (times the prompts of a text completion) run as one job: a non-streamed
+answer takes the engine's batch method where it has one, a stream one call per choice,
+read together so that the choices' tokens interleave. A stream that fails after its headers
 are out reports the error as its last event, as OpenAI does.
 """
 
@@ -19,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
-from workbench.engine.cancel import check_cancel
+from workbench.engine.cancel import Cancelled, check_cancel
 from workbench.engine.results import TokenEvent
 from workbench.server.jobs import JOB_DONE, ClientGone, Job, ServerState, engine_accepts, start_job
 from workbench.server.schemas import (
@@ -52,51 +53,80 @@ def _usage(prompt: int, completion: int) -> dict:
 def _run_choices(completions_for: Callable[[threading.Event], list[Any]]):
     """A `produce` for chat or text completions: start the engine's completions, then hand
     over ("ready", completions), one (index, event) per token, and ("end", index, finish
-    reason, usage) per choice. A choice streams as it is generated; `n` choices of an
-    engine with a batch path arrive already finished. Raises `Cancelled` once `cancelled`
-    is set (checked after every token)."""
+    reason, usage) per choice. Several choices are read each from a thread of its own, so
+    their tokens come out interleaved as the engine makes them (a stream of `n` choices
+    does not wait for all of them); one that fails stops the others. Raises `Cancelled`
+    once `cancelled` is set (checked after every token)."""
 
     def produce(put, cancelled: threading.Event) -> None:
         completions = completions_for(cancelled)
         put(("ready", len(completions)))
-        for i, completion in enumerate(completions):
-            echo = getattr(completion, "prompt_text", "")
-            if echo:  # the prompt, in front of the output (completions' `echo`)
-                put((i, TokenEvent(None, echo, "")))
+        if len(completions) == 1:
+            _read_choice(put, cancelled, None, 0, completions[0])
+            return
+        failed = threading.Event()
+        errors: list[BaseException] = []
+
+        def read(i: int, completion: Any) -> None:
             try:
-                for event in completion.iter_events():
-                    check_cancel(cancelled)
-                    put((i, event))
-            finally:
-                completion.close()
-            put(("end", i, completion.finish_reason, completion.usage))
+                _read_choice(put, cancelled, failed, i, completion)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the job's thread
+                errors.append(exc)
+                failed.set()
+
+        readers = [threading.Thread(target=read, args=(i, c), daemon=True,
+                                    name=f"workbench-serve-choice-{i}")
+                   for i, c in enumerate(completions)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        if errors:
+            raise next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
 
     return produce
 
 
+def _read_choice(put, cancelled: threading.Event, failed: threading.Event | None, i: int,
+                 completion: Any) -> None:
+    """Hand over choice `i`'s events, then its end; stop early (without an end) once
+    another choice has `failed`."""
+    echo = getattr(completion, "prompt_text", "")
+    if echo:  # the prompt, in front of the output (completions' `echo`)
+        put((i, TokenEvent(None, echo, "")))
+    try:
+        for event in completion.iter_events():
+            check_cancel(cancelled)
+            if failed is not None and failed.is_set():
+                return
+            put((i, event))
+    finally:
+        completion.close()
+    put(("end", i, completion.finish_reason, completion.usage))
+
+
 def _choices(engine: Any, method: str, batch_method: str, inputs: list[Any], n: int,
-             options: dict) -> Callable[[threading.Event], list[Any]]:
-    """Start `n` completions of each input: the engine's batch method when it has one
-    (seed s gives choice i the seed s + i, as the batch does; `cancel=` stops it between
-    decode steps), else one call each (a single one gets `cancel=` where it names it,
-    which also stops its prefill between chunks)."""
+             options: dict, stream: bool) -> Callable[[threading.Event], list[Any]]:
+    """Start `n` completions of each input: one call each (choice i gets seed s + i, as a
+    batch gives it; each call gets `cancel=` where it names it, which also stops its
+    prefill between chunks), except a non-streamed answer from an engine with a batch
+    method, which takes that (`cancel=` stops it between decode steps). Calls to a local
+    `LLM` return at once and generate while they are read, together in its batch."""
 
     def start(cancelled: threading.Event) -> list[Any]:
-        if len(inputs) * n == 1:
-            call = getattr(engine, method)
-            extra = {"cancel": cancelled} if engine_accepts(call, "cancel", by_name=True) else {}
-            return [call(inputs[0], **options, **extra)]
         repeated = [x for x in inputs for _ in range(n)]
-        if hasattr(engine, batch_method):
+        if len(repeated) > 1 and not stream and hasattr(engine, batch_method):
             batch = getattr(engine, batch_method)
             extra = {"cancel": cancelled} if engine_accepts(batch, "cancel") else {}
             return batch(repeated, **options, **extra)
+        call = getattr(engine, method)
+        extra = {"cancel": cancelled} if engine_accepts(call, "cancel", by_name=True) else {}
         seed = options.pop("seed", None)
         completions = []
         for i, x in enumerate(repeated):
             check_cancel(cancelled)
-            completions.append(getattr(engine, method)(
-                x, seed=None if seed is None else seed + i, **options))
+            completions.append(call(x, seed=None if seed is None else seed + i, **options,
+                                    **extra))
         return completions
 
     return start
@@ -156,7 +186,7 @@ async def answer_chat(state: ServerState, engine: Any, body: ChatCompletionReque
             from workbench.engine.structured import with_schema_instruction
 
             messages = with_schema_instruction(messages, fmt.json_schema.schema_)
-    start = _choices(engine, "chat", "chat_batch", [messages], body.n, options)
+    start = _choices(engine, "chat", "chat_batch", [messages], body.n, options, body.stream)
     job = await start_job(state, request, _run_choices(start))
     meta = {"id": _id("chatcmpl"), "created": int(time.time()), "model": body.model}
     first = await job.next()  # the engine accepted the request (or not)
@@ -262,7 +292,8 @@ async def answer_completion(state: ServerState, engine: Any, body: CompletionReq
         options["logprobs"] = body.logprobs
     if body.echo:
         options["include_prompt"] = True
-    start = _choices(engine, "generate", "generate_batch", prompts, body.n, options)
+    start = _choices(engine, "generate", "generate_batch", prompts, body.n, options,
+                     body.stream)
     job = await start_job(state, request, _run_choices(start))
     meta = {"id": _id("cmpl"), "created": int(time.time()), "model": body.model}
     ready = await job.next()
