@@ -204,6 +204,42 @@ def test_completions_equal_llm_generate(client, smollm2):
                                            for p in (prompt, "One, two,")]
 
 
+def test_null_fields_seeds_usage_and_offsets(server, client, smollm2):
+    """OpenAI's nullable fields take their defaults when sent as null; seed -1 samples
+    with a random seed (llama.cpp); a text completion's usage counts each prompt once
+    however many choices it has; text offsets count the characters sent, the same
+    streamed or not, where tokens hold parts of a UTF-8 character."""
+    r = _post(server, "/v1/chat/completions", json={
+        "model": "smollm2-135m", "messages": QUESTION, "temperature": 0, "max_tokens": 6,
+        "n": None, "stream": None, "logprobs": None, "seed": None, "stop": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == \
+        smollm2.chat(QUESTION, temperature=0, max_tokens=6).text
+    r = _post(server, "/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi",
+                                               "max_tokens": None, "echo": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16  # the default
+    r = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, seed=-1,
+                                       max_tokens=4)
+    assert r.choices[0].message.content
+    prompts = ["Hello", "The capital of France is"]
+    r = client.completions.create(model="smollm2-135m", prompt=prompts, n=3, max_tokens=2)
+    once = sum(len(smollm2.tokenize(p)) for p in prompts)
+    assert r.usage.prompt_tokens == once and len(r.choices) == 6
+    streamed = list(client.completions.create(model="smollm2-135m", prompt=prompts, n=3,
+                                              max_tokens=2, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens == once
+    chinese = {"model": "smollm2-135m", "prompt": "Chinese: 你好世界. Again: 你好",
+               "max_tokens": 10, "temperature": 0, "logprobs": 1}
+    whole = client.completions.create(**chinese).choices[0]
+    offsets = []
+    for c in client.completions.create(**chinese, stream=True):
+        if c.choices and c.choices[0].logprobs:
+            offsets += c.choices[0].logprobs.text_offset
+    assert whole.logprobs.text_offset == offsets
+    assert offsets[-1] <= len(whole.text) and any(ord(ch) > 0x2000 for ch in whole.text)
+
+
 def test_json_schema_response_format(client):
     schema = {"type": "object", "properties": {"city": {"type": "string"},
                                                "population": {"type": "integer"}},
@@ -308,7 +344,26 @@ BAD_JSON = [
             "required": ["city"]}}}}, 400, None),
     ("tools", {"model": "smollm2-135m", "messages": QUESTION,
                "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("a seed below -1", {"model": "smollm2-135m", "messages": QUESTION, "seed": -2}, 400,
+     "seed"),
+    ("a body that is a list", [{"model": "smollm2-135m"}], 400, None),
 ]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"stop": [str(i) for i in range(17)]}, "at most 16 items"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "'text'"),
+    (None, "must be a JSON object"),
+])
+def test_errors_say_what_is_wrong(server, body, message):
+    """A field that takes several shapes reports the broken bound, not the first shape's
+    type error ("Input should be a valid string" for 17 stop strings); a body that is not
+    an object says so rather than naming a field None."""
+    json_body = None if body is None else {"model": "smollm2-135m", "messages": QUESTION,
+                                           **body}
+    r = _post(server, "/v1/chat/completions", json=json_body)
+    assert message in _assert_openai_error(r, 400)["message"]
 
 
 @pytest.mark.parametrize("body,status,param", [b[1:] for b in BAD_JSON],

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import numpy as np
@@ -145,6 +145,24 @@ def _audio_route(state: ServerState, task: str, what: str):
 
 
 # -- plumbing ---------------------------------------------------------------------------------
+def _telling_error(errors: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any], str | None]:
+    """The validation error to report, and the request field it is about (None: the body
+    as a whole). A field that may take several shapes (`stop`: a string or a list) gets
+    one error per shape; the one that says most is a broken bound (too many items, out
+    of range) rather than a wrong type, and the deepest of those (the list's item)."""
+    if not errors:
+        return {}, None
+
+    def field(error: Mapping[str, Any]) -> str | None:
+        loc = [p for p in error.get("loc", ()) if p not in ("body", "form")]
+        return str(loc[0]) if loc else None  # deeper parts name union branches and indices
+
+    param = field(errors[0])
+    same = [e for e in errors if field(e) == param]
+    bounds = [e for e in same if not str(e.get("type", "")).endswith("_type")]
+    return max(bounds or same[:1], key=lambda e: len(e.get("loc", ()))), param
+
+
 def _install_errors(app: FastAPI) -> None:
     """Every error leaves as OpenAI's error JSON."""
 
@@ -154,16 +172,15 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [p for p in first.get("loc", ()) if p not in ("body", "form")]
-        param = str(loc[0]) if loc else None  # the request field (deeper parts name union
-        # branches and list indices, not fields a client knows)
-        if first.get("type") == "json_invalid":
+        error, param = _telling_error(exc.errors())
+        if error.get("type") == "json_invalid":
             message, param = "the request body is not valid JSON", None
-        elif first.get("type") == "missing":
+        elif param is None:
+            message = "the request body must be a JSON object"
+        elif error.get("type") == "missing":
             message = f"missing required parameter: {param!r}"
         else:
-            message = f"invalid value for {param!r}: {first.get('msg', 'invalid')}"
+            message = f"invalid value for {param!r}: {error.get('msg', 'invalid')}"
         return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
     @app.exception_handler(HTTPException)

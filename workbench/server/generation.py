@@ -223,7 +223,7 @@ async def _chat_response(engine: Any, job: Job, meta: dict, n: int, logprobs: bo
                                         "refusal": None},
                 "logprobs": {"content": tokens[i], "refusal": None} if logprobs else None,
                 "finish_reason": reasons[i]} for i in range(n)]
-    prompt = usages[0].prompt_tokens if usages[0] else 0
+    prompt = next((u.prompt_tokens for u in usages if u), 0)
     generated = sum(u.completion_tokens for u in usages if u)
     return JSONResponse({**meta, "object": "chat.completion", "choices": choices,
                          "usage": _usage(prompt, generated), "system_fingerprint": None})
@@ -299,49 +299,55 @@ async def answer_completion(state: ServerState, engine: Any, body: CompletionReq
     ready = await job.next()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(_text_stream(job, meta, include_usage),
+        return EventSourceResponse(_text_stream(job, meta, body.n, include_usage),
                                    ping=15)
-    return await _text_response(job, meta, ready[1], body.logprobs is not None)
+    return await _text_response(job, meta, ready[1], body.n, body.logprobs is not None)
 
 
 def _legacy_logprobs(events: list[Any], offset: int) -> dict:
-    """Completions' old logprobs form: parallel lists, text offsets from `offset`."""
+    """Completions' old logprobs form: parallel lists, text offsets from `offset` (in
+    characters of the text as sent: a piece that is part of a UTF-8 character has none
+    of its own)."""
     tokens, lps, tops, offsets = [], [], [], []
     for event in events:
         tokens.append(event.piece)
         lps.append(event.logprob)
         tops.append({a.text: a.logprob for a in event.top or ()})
         offsets.append(offset)
-        offset += len(event.piece)
+        offset += len(event.text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
             "text_offset": offsets}
 
 
-async def _text_response(job: Job, meta: dict, n: int, logprobs: bool) -> Response:
-    texts, scored, reasons, usages = await _gather(job, n)
+async def _text_response(job: Job, meta: dict, count: int, n: int, logprobs: bool
+                         ) -> Response:
+    """`count` choices, `n` per prompt (choice i answers prompt i // n)."""
+    texts, scored, reasons, usages = await _gather(job, count)
     choices = []
-    for i in range(n):
+    for i in range(count):
         events = [e for e in scored[i] if e.id is not None]
         choices.append({"index": i, "text": texts[i],
                         "logprobs": _legacy_logprobs(events, 0) if logprobs else None,
                         "finish_reason": reasons[i]})
-    prompt = sum(u.prompt_tokens for u in usages if u)
+    prompt = sum({i // n: u.prompt_tokens for i, u in enumerate(usages) if u}.values())
     generated = sum(u.completion_tokens for u in usages if u)
     return JSONResponse({**meta, "object": "text_completion", "choices": choices,
                          "usage": _usage(prompt, generated), "system_fingerprint": None})
 
 
-async def _text_stream(job: Job, meta: dict, include_usage: bool) -> AsyncIterator[str]:
+async def _text_stream(job: Job, meta: dict, n: int, include_usage: bool
+                       ) -> AsyncIterator[str]:
     def chunk(choices: list, usage: dict | None = None) -> str:
         return _chunk(meta, "text_completion", choices, include_usage, usage)
 
-    prompt = generated = 0
+    generated = 0
+    prompts: dict[int, int] = {}  # each prompt's tokens, counted once for its n choices
     offsets: dict[int, int] = {}
     try:
         while (item := await job.next()) is not JOB_DONE:
             if item[0] == "end":
                 _, i, reason, usage = item
-                prompt += usage.prompt_tokens
+                prompts[i // n] = usage.prompt_tokens
                 generated += usage.completion_tokens
                 yield chunk([{"index": i, "text": "", "logprobs": None,
                               "finish_reason": reason}])
@@ -355,7 +361,7 @@ async def _text_stream(job: Job, meta: dict, include_usage: bool) -> AsyncIterat
                 yield chunk([{"index": i, "text": event.text, "logprobs": lp,
                               "finish_reason": None}])
         if include_usage:
-            yield chunk([], _usage(prompt, generated))
+            yield chunk([], _usage(sum(prompts.values()), generated))
         yield "[DONE]"
     except APIError as exc:
         yield json.dumps(exc.body())

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workbench.engine.options import OPTION_NAMES
 
@@ -48,6 +48,15 @@ class APIError(Exception):
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        """null means the field's default: OpenAI marks its optional fields nullable, and
+        some clients write every field out (`"n": null`, `"stream": null`)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
     def options(self, *names: str) -> dict[str, Any]:
         """The named fields this request set (None counts as not set)."""
@@ -108,7 +117,7 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-1)] | None = None  # -1: a random seed, as in llama.cpp
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
