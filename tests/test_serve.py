@@ -188,6 +188,9 @@ def test_completions_equal_llm_generate(client, smollm2):
                                                  logprobs=2))
     assert r.choices[0].text == expected.text
     assert r.choices[0].logprobs.tokens == [ev.piece for ev in expected.events if ev.id]
+    for token, lp, top in zip(r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs,
+                              r.choices[0].logprobs.top_logprobs):
+        assert top[token] == lp and len(top) <= 3  # the 2 best and the sampled one (OpenAI)
     r = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=5,
                                   temperature=0, echo=True)
     assert r.choices[0].text == prompt + smollm2.generate(prompt, max_tokens=5,

@@ -312,7 +312,9 @@ def _legacy_logprobs(events: list[Any], offset: int) -> dict:
     for event in events:
         tokens.append(event.piece)
         lps.append(event.logprob)
-        tops.append({a.text: a.logprob for a in event.top or ()})
+        # the k best, and the sampled token where it is not among them (OpenAI: up to
+        # logprobs + 1 entries)
+        tops.append({a.text: a.logprob for a in event.top or ()} | {event.piece: event.logprob})
         offsets.append(offset)
         offset += len(event.text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
