@@ -396,6 +396,31 @@ def test_bad_embedding_and_completion_requests(server, client):
     _still_serving(client)
 
 
+def test_web_origins_are_opt_in(server, smollm2):
+    """A browser page may call the API only from the origins the server names: its
+    preflight (sent without the key) is answered, and the answers carry the origin;
+    the default server names none."""
+    import workbench
+
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(server.base_url + "/chat/completions", headers=preflight)
+    assert "access-control-allow-origin" not in r.headers
+    with workbench.serve(smollm2, port=0, api_key=KEY,
+                         cors_origins=["http://localhost:3000"]) as web:
+        r = httpx.options(web.base_url + "/chat/completions", headers=preflight)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = _post(web, "/v1/chat/completions", headers={"Origin": "http://localhost:3000"},
+                  json={"model": "smollm2-135m", "messages": QUESTION, "max_tokens": 2})
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        r = httpx.options(web.base_url + "/chat/completions",
+                          headers={**preflight, "Origin": "https://evil.example"})
+        assert r.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
 def test_api_key_is_required(server, client):
     for key in (None, "wrong-key", KEY + "x"):
         r = _post(server, "/v1/chat/completions", key=key,

@@ -154,6 +154,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--open-docs", action="store_true",
                      help="with --api-key, leave /docs, /redoc, /openapi.json and /health's "
                           "details open")
+    srv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                     help="let web pages from ORIGIN call the API from a browser (repeat "
+                          "for several; '*' for any); none by default")
     srv.add_argument("--max-concurrent", type=int, default=limits.MAX_CONCURRENT,
                      help="engine calls at once; a chat model decodes them together "
                           f"(default: {limits.MAX_CONCURRENT})")
@@ -449,7 +452,7 @@ def _serve(args) -> int:
           max_body_bytes=int(args.max_body_mb * 1024 * 1024),
           max_tokens_limit=args.max_tokens_limit or None,
           request_timeout=args.request_timeout or None, body_timeout=args.body_timeout or None,
-          max_audio_seconds=args.max_audio_seconds or None,
+          max_audio_seconds=args.max_audio_seconds or None, cors_origins=args.cors_origin,
           protect_docs=False if args.open_docs else None, background=False)
     return 0
 

@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
@@ -49,7 +50,8 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
                request_timeout: float | None = limits.REQUEST_TIMEOUT,
                body_timeout: float | None = limits.BODY_TIMEOUT,
                max_audio_seconds: float | None = limits.MAX_AUDIO_SECONDS,
-               protect_docs: bool | None = None) -> FastAPI:
+               protect_docs: bool | None = None, cors_origins: Sequence[str] = ()
+               ) -> FastAPI:
     """The FastAPI app serving `engines` ({model id: engine}) with OpenAI's API.
 
     api_key: when set, `/v1/*` routes need `Authorization: Bearer <api_key>`
@@ -68,6 +70,10 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
         the engine call is cancelled and the client gets a 504 error (or an error
         event in a stream). None: no deadline.
     max_audio_seconds: longer uploads to `/v1/audio/*` get 400 (default one hour).
+    cors_origins: the web origins whose pages may call the API from a browser
+        ("http://localhost:3000", or "*" for any); none by default, so a web page the
+        user visits cannot drive the models. Preflight requests are answered before
+        the key is checked (browsers send them without it).
     The state (gate, counters) is `app.state.workbench`.
     """
     state = ServerState(engines, api_key=api_key, max_concurrent=max_concurrent,
@@ -80,6 +86,9 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
     app.state.workbench = state
     _install_errors(app)
     app.add_middleware(Gatekeeper, state=state)
+    if cors_origins:  # added last, so it runs first: preflights never meet the gate
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
 
     @app.get("/health")
     async def health(request: Request) -> dict:

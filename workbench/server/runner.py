@@ -7,7 +7,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from workbench.engine.lifecycle import Closeable
@@ -114,8 +114,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
           max_concurrent: int | None = None, max_queue: int = 64, max_body_bytes: int | None = None,
           max_tokens_limit: int | None = _DEFAULT, request_timeout: float | None = _DEFAULT,
           body_timeout: float | None = _DEFAULT, max_audio_seconds: float | None = _DEFAULT,
-          protect_docs: bool | None = None, background: bool = True,
-          log_level: str | None = None) -> Server:
+          protect_docs: bool | None = None, cors_origins: Sequence[str] = (),
+          background: bool = True, log_level: str | None = None) -> Server:
     """Serve `engine` with OpenAI's HTTP API (chat, completions, embeddings, transcription).
 
         >>> server = workbench.serve(m, port=0)          # a free port
@@ -148,6 +148,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
         longer gets 400). The defaults are in `workbench.server.limits`.
     None for any of the last four means no limit. A client that disconnects stops
     its engine call within a token, a batch of texts or an audio window.
+    cors_origins: web origins whose pages may call the API from a browser (e.g.
+        ["http://localhost:3000"], or ["*"]); none by default.
     background: serve on a daemon thread and return the running `Server` (stop it
         with `.stop()` or a `with` block); False serves until Ctrl-C.
     A server this process started on the same host and port is stopped first, so
@@ -166,7 +168,7 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
                      max_concurrent=(limits.MAX_CONCURRENT if max_concurrent is None
                                      else max_concurrent),
                      max_queue=max_queue, max_body_bytes=max_body_bytes or limits.MAX_BODY_BYTES,
-                     protect_docs=protect_docs, **chosen)
+                     protect_docs=protect_docs, cors_origins=cors_origins, **chosen)
     old = _running.get((host, port))
     if old is not None:
         old.stop()
