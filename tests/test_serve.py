@@ -390,8 +390,11 @@ def test_bad_embedding_and_completion_requests(server, client):
         "model": "minilm-l6", "input": "x", "dimensions": 3}), 400, "dimensions")
     _assert_openai_error(_post(server, "/v1/completions", json={
         "model": "smollm2-135m", "prompt": "x", "suffix": "y"}), 400, "suffix")
-    _assert_openai_error(_post(server, "/v1/completions", json={
-        "model": "smollm2-135m", "prompt": "x" * 40000}), 400)  # longer than the context
+    for prompt in ("x" * 40000, "x " * 5000):  # past the context: refused before and
+        # after tokenizing
+        error = _assert_openai_error(_post(server, "/v1/completions", json={
+            "model": "smollm2-135m", "prompt": prompt}), 400)
+        assert error["code"] == "context_length_exceeded"
     _assert_openai_error(_post(server, "/v1/nothing-here", json={}), 404)
     _still_serving(client)
 

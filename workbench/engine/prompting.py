@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from workbench.engine.chat_template import render as render_chat
+from workbench.engine.kv_cache import ContextFullError
 from workbench.engine.profiling import span
 from workbench.engine.tokenizers import Tokenizer
 
@@ -71,7 +72,7 @@ class Prompting:
         if max(ids) >= self.config.n_vocab or min(ids) < 0:
             raise ValueError(f"prompt token ids must lie in [0, {self.config.n_vocab})")
         if len(ids) >= self.kv_cache_size:
-            raise ValueError(f"the prompt has {len(ids)} tokens and the context holds "
+            raise ContextFullError(f"the prompt has {len(ids)} tokens and the context holds "
                              f"{self.kv_cache_size}; load with a larger kv_cache_size")
         return ids, text if include_prompt else ""
 
@@ -102,6 +103,6 @@ class Prompting:
         token, so a text longer than `limit` times that needs at least `limit` tokens
         (this bounds the tokenizer's work to a few hundred kB per prompt)."""
         if len(text) > limit * self._longest_token:
-            raise ValueError(f"the {what} has {len(text)} characters, far more than the "
+            raise ContextFullError(f"the {what} has {len(text)} characters, far more than the "
                              f"{self.kv_cache_size} tokens the context holds; shorten it or "
                              "load with a larger kv_cache_size")

@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import Request
 
 from workbench.engine.cancel import Cancelled
+from workbench.engine.kv_cache import ContextFullError
 from workbench.engine.options import DEFAULTS
 from workbench.server import limits
 from workbench.server.schemas import APIError
@@ -294,6 +295,8 @@ class ClientGone(Exception):
 def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ContextFullError):  # OpenAI's code for a prompt past the context
+        return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, (ValueError, TypeError)):
         return APIError(400, str(exc) or type(exc).__name__)
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
