@@ -180,7 +180,7 @@ from pathlib import Path
 from tests.test_hostile_files import {load}
 load = lambda: {load}(Path({str(path)!r}))
 """, "GGUFError", f"'{arch}.block_count' is {n_layer}, but the file holds tensors for 2 "
-        "layers", within=2.0)
+        "layers")
 
 
 def test_huge_heads_without_a_query_projection_in_limited_memory(tiny_gguf, tmp_path):
@@ -196,7 +196,7 @@ def test_huge_heads_without_a_query_projection_in_limited_memory(tiny_gguf, tmp_
 from pathlib import Path
 from tests.test_hostile_files import load_llm
 load = lambda: load_llm(Path({str(path)!r}))
-""", "GGUFError", "no tensor 'blk.0.attn_q.weight'", within=2.0)
+""", "GGUFError", "no tensor 'blk.0.attn_q.weight'")
 
 
 def test_empty_token_texts_are_told_apart(tiny_gguf, tmp_path):
