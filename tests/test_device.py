@@ -217,9 +217,11 @@ def test_a_failed_recording_falls_back_to_the_unrecorded_step(tiny_path, capture
     assert message in messages[0]
 
 
-def test_batched_decode_copies_one_token_id_per_sequence_and_step(tiny_path):
-    """`generate_batch` on the device: every copy down is one token id, one per sequence
-    and step, and what goes up does not grow with the number of steps."""
+def test_batched_decode_copies_the_token_ids_once_per_step(tiny_path):
+    """`generate_batch` on the device, greedy: each step the sequences' picks come down in
+    one copy of their ids (one argmax over their rows, with each one's logit bias, not an
+    argmax and a wait for the device each); what goes up does not grow with the number of
+    steps; each sequence gets the tokens it gets alone."""
     from workbench import LLM
     from workbench.engine.backend import CupyBackend
     from workbench.engine.gguf import open_gguf
@@ -227,17 +229,20 @@ def test_batched_decode_copies_one_token_id_per_sequence_and_step(tiny_path):
 
     xp = CountingNumPy()
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
+    bias = {VOCAB.eos_id: -100.0, int(PROMPT[0]): 3.0}
     ups = []
     with LLM(open_gguf(tiny_path), backend=CupyBackend(xp, ReferenceKernels())) as m:
+        alone = [m.generate(p, max_tokens=7, temperature=0, logit_bias=bias).token_ids
+                 for p in prompts]
         DeviceArray.traffic = xp.log
         try:
             for n in (3, 7):
                 xp.log.clear()
                 outs = m.generate_batch(prompts, max_tokens=n, temperature=0,
-                                        logit_bias={VOCAB.eos_id: -100.0})
-                assert [len(o.token_ids) for o in outs] == [n] * 3
+                                        logit_bias=bias)
+                assert [o.token_ids for o in outs] == [a[:n] for a in alone]
                 down = [b for d, _, b in xp.log if d == "down"]
-                assert len(down) == 3 * n and max(down) <= 8, xp.log
+                assert down == [3 * 8] * n, xp.log
                 ups.append(sum(d == "up" for d, _, _ in xp.log))
         finally:
             DeviceArray.traffic = None

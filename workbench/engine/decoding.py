@@ -129,6 +129,23 @@ class Decoding:
             closing_ms = closer.times[-1] * 1e3
         return self._emit(token, room, logp, ent, mask_ms, closed, closing_ms)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the next token is the argmax of the (biased) logits alone: no grammar,
+        penalties, logits processors or logprobs. The scheduler picks such sequences'
+        tokens on a GPU together (`DeviceSampler.argmax_rows`) and hands each its own
+        with `take`."""
+        return (self.matcher is None and not self.processors and self.logprobs is None
+                and self.sampler.argmax_only)
+
+    def take(self, token: int, device_token: Any, room: int
+             ) -> tuple[int | None, list[TokenEvent]]:
+        """Record `token`, picked for this `argmax_only` sequence outside `step`
+        (`device_token`: the same id on the device, shape (1,)); returns what `step`
+        does."""
+        self.device_token = device_token
+        return self._emit(int(token), room, None, None)
+
     def push(self, token: int, logits: np.ndarray, room: int
              ) -> tuple[int | None, list[TokenEvent]]:
         """Take `token`, chosen elsewhere from the model's `logits` (n_vocab,) at this

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,14 @@ class Sampler:
                                  f"[0, {n_vocab})")
             bias[tok] = b
         self._bias = bias if params.logit_bias else None
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the pick is the argmax of the logits plus the bias alone (greedy, no
+        penalties): then several sequences' picks can be taken together."""
+        p = self.params
+        return p.temperature == 0 and p.repeat_penalty == 1.0 and not (
+            p.presence_penalty or p.frequency_penalty)
 
     def reseed(self, seed: int) -> None:
         """Start a fresh random state from `seed`, as a sampler made with
@@ -185,6 +194,19 @@ class DeviceSampler(Sampler):
         else:
             token = self._draw(x)
         return int(be.to_host(token)[0]), token
+
+    @staticmethod
+    def argmax_rows(samplers: Sequence[DeviceSampler], rows: Sequence) -> tuple[list[int], Any]:
+        """The picks of several `argmax_only` samplers on one backend, from their device
+        logits `rows` (each (n_vocab,)), with one argmax and one copy to the host for all
+        of them instead of one each. Returns the token ids, and the same ids on the
+        device, (len(rows),)."""
+        be = samplers[0].backend
+        xp = be.xp
+        x = xp.stack([row if s._dev_bias is None else row + s._dev_bias
+                      for s, row in zip(samplers, rows)])  # (k, n_vocab)
+        ids = xp.argmax(x, axis=1)  # (k,): ties go to the lowest id, as in sample_device
+        return [int(t) for t in be.to_host(ids)], ids
 
     def _draw(self, x):
         """top-k -> top-p -> min-p -> temperature -> draw, on the device."""

@@ -43,6 +43,7 @@ from workbench.engine.kv_cache import ContextFullError, KVCache
 from workbench.engine.prefix_cache import PrefixCache, common_prefix
 from workbench.engine.profiling import span
 from workbench.engine.results import TokenEvent
+from workbench.engine.sampling import DeviceSampler
 
 if TYPE_CHECKING:
     from workbench.engine.llm import LLM
@@ -233,14 +234,19 @@ class Scheduler:
                 self._end(r, Cancelled("cancelled") if not r.gone else None)
         self._admit()
         feed: list[tuple[Request, int]] = []
+        picked = self._pick_together()
         for r in list(self._running):
             if r.stepwise and r.pending:  # a short tail read on the decode path
                 feed.append((r, r.pending.pop(0)))
             elif r.row is not None:
+                room = r.cache.max_len - r.cache.offset
                 try:
                     with span("token", cat="token", seq=id(r) & 0xFFFF) as args:
-                        token, evs = r.seq.step(r.row, room=r.cache.max_len - r.cache.offset,
-                                                on_device=self.llm.backend is not None)
+                        if r in picked:
+                            token, evs = r.seq.take(*picked[r], room=room)
+                        else:
+                            token, evs = r.seq.step(r.row, room=room,
+                                                    on_device=self.llm.backend is not None)
                         args["id"] = next((e.id for e in evs if e.id is not None), None)
                 except Exception as exc:  # noqa: BLE001 - the caller's to see
                     self._end(r, exc)
@@ -258,6 +264,25 @@ class Scheduler:
         if reading:
             self._guarded(reading, lambda: self._read(reading, bool(feed)))
         self.steps += 1
+
+    def _pick_together(self) -> dict[Request, tuple[int, Any]]:
+        """On a GPU, the next tokens of the sequences whose pick is a plain argmax
+        (`Decoding.argmax_only`), taken in one argmax with one copy to the host: each
+        sequence's own pick would wait for the device once per sequence. {request:
+        (token id, the id on the device)}."""
+        if self.llm.backend is None:
+            return {}
+        ready = [r for r in self._running if r.row is not None and not r.gone
+                 and not (r.stepwise and r.pending) and r.seq.argmax_only]
+        if len(ready) < 2:
+            return {}
+        try:
+            with span("sample", sequences=len(ready)):
+                ids, on_device = DeviceSampler.argmax_rows([r.seq.sampler for r in ready],
+                                                           [r.row for r in ready])
+        except Exception:  # noqa: BLE001 - each sequence's own pick then reports it
+            return {}
+        return {r: (t, on_device[i : i + 1]) for i, (r, t) in enumerate(zip(ready, ids))}
 
     def _guarded(self, requests: list[Request], run) -> None:
         """Run a forward pass; if it fails, every request in it gets the error."""
