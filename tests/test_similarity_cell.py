@@ -109,3 +109,38 @@ def test_errors_show_in_the_cell():
     with pytest.raises(TypeError, match="list of strings"):
         SimilarityCell(Broken(), "one string", autorun=False)
     cell.close()
+
+
+def test_dollar_signs_are_drawn_as_written():
+    """Sentences (and tokens) are labels matplotlib would read as math between two `$`:
+    "$$5" raised a ParseException that replaced the heatmap and the neighbour table with
+    an error, "$5 or $6" came out in math italics. They are drawn as written now; one
+    sentence shows no neighbour table, and what is not a string is refused up front."""
+    from workbench.signals import Signal
+
+    class Fake:
+        busy = Signal(False)
+        device = Signal("cpu")
+
+        def embed_batch(self, texts):
+            return np.random.default_rng(0).standard_normal((len(texts), 8))
+
+    sentences = ["It costs $$5", "$5 or $6", "cheap"]
+    cell = SimilarityCell(Fake(), sentences)
+    cell.wait(timeout=30)
+    assert "3 sentences embedded" in cell.status.value
+    assert "nearest neighbour" in cell.results.value and len(cell.output.outputs) == 1
+    fig = cell.heatmap_figure()
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == [s.replace("$", r"\$") for s in sentences]  # mathtext's literal "$"
+    fig.savefig(BytesIO(), format="png")
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        cell.search("x", k=0)
+    cell.close()
+    one = SimilarityCell(Fake(), ["alone"])
+    one.wait(timeout=30)
+    assert one.results.value == ""
+    one.close()
+    with pytest.raises(TypeError, match="strings, not int"):
+        SimilarityCell(Fake(), ["a", 3], autorun=False)
+

@@ -22,3 +22,9 @@ def png_output(fig: Figure, dpi: int = 90) -> dict[str, Any]:
     data = base64.b64encode(buf.getvalue()).decode("ascii")
     return {"output_type": "display_data", "metadata": {},
             "data": {"image/png": data, "text/plain": "<Figure>"}}
+
+
+def literal(text: str) -> str:
+    """`text` as a label matplotlib draws as written: it reads a pair of `$` as math (a
+    token "$$" raised a ParseException, "$5 or $6" came out in math italics)."""
+    return text.replace("$", r"\$")

@@ -27,7 +27,7 @@ import ipywidgets
 import traitlets
 from matplotlib.figure import Figure
 
-from workbench.widgets.figures import png_output
+from workbench.widgets.figures import literal, png_output
 from workbench.widgets.worker import Worker
 
 if TYPE_CHECKING:
@@ -253,7 +253,7 @@ class LogitsCell(Worker, ipywidgets.VBox):
             raise IndexError(f"token index {index} out of range (0..{len(tokens) - 1})")
         token = tokens[index]
         top = token["top"]
-        labels = [repr(a["text"]) for a in top]
+        labels = [literal(repr(a["text"])) for a in top]
         probs = [a["prob"] for a in top]
         colors = ["tab:orange" if a["id"] == token["id"] else "tab:blue" for a in top]
         fig = Figure(figsize=(7.0, 0.4 * len(top) + 1.2), layout="constrained")
@@ -264,8 +264,8 @@ class LogitsCell(Worker, ipywidgets.VBox):
         ax.invert_yaxis()
         ax.set_xlim(0, 1)
         ax.set_xlabel("probability")
-        ax.set_title(f"Step {index}: top-{len(top)} next tokens (took {token['text']!r}, "
-                     f"p={token['prob']:.3f})")
+        ax.set_title(literal(f"Step {index}: top-{len(top)} next tokens (took "
+                             f"{token['text']!r}, p={token['prob']:.3f})"))
         for yi, p in zip(y, probs):
             ax.text(min(p + 0.01, 0.9), yi, f"{p:.3f}", va="center", fontsize="small")
         return fig

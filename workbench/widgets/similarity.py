@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 
 from workbench.engine.encoder import Embedder, cosine_similarity
 from workbench.widgets.badges import BusyBadge
-from workbench.widgets.figures import png_output
+from workbench.widgets.figures import literal, png_output
 from workbench.widgets.worker import Worker
 
 EXAMPLE_SENTENCES = [
@@ -136,6 +136,8 @@ class SimilarityCell(Worker, ipywidgets.VBox):
         """
         self.wait()
         k = self.k if k is None else int(k)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
         vectors = self.embeddings
         if not len(vectors):
             raise RuntimeError("no sentences are embedded yet")
@@ -157,7 +159,7 @@ class SimilarityCell(Worker, ipywidgets.VBox):
     def heatmap_figure(self) -> Figure:
         """The similarity matrix as a heatmap, sentences labelled on both axes."""
         sims = self.matrix
-        labels = [_short(s) for s in self.sentences]
+        labels = [literal(_short(s)) for s in self.sentences]
         n = len(labels)
         size = 2.5 + 0.45 * n
         fig = Figure(figsize=(size + 2.5, size), layout="constrained")
@@ -202,7 +204,7 @@ class SimilarityCell(Worker, ipywidgets.VBox):
                 self.output.outputs = (png_output(self.heatmap_figure()),)
                 rows = [(s, self.neighbours(i, 1)[0]) for i, s in enumerate(sentences)
                         if len(sentences) > 1]
-                self.results.value = _neighbour_table(rows)
+                self.results.value = _neighbour_table(rows) if rows else ""
             else:
                 self.output.outputs = ()
                 self.results.value = ""
@@ -226,7 +228,11 @@ class SimilarityCell(Worker, ipywidgets.VBox):
 def _clean(sentences: Sequence[str]) -> list[str]:
     if isinstance(sentences, str):
         raise TypeError("sentences must be a list of strings")
-    return [s.strip() for s in sentences if s and s.strip()]
+    sentences = list(sentences)
+    other = next((s for s in sentences if not isinstance(s, str)), None)
+    if other is not None:
+        raise TypeError(f"sentences must be strings, not {type(other).__name__}")
+    return [s.strip() for s in sentences if s.strip()]
 
 
 def _short(text: str, width: int = 40) -> str:
