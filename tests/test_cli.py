@@ -39,6 +39,33 @@ def test_one_shot_chat_answers(capsys):
 
 
 @pytest.mark.slow
+def test_a_conversation_past_the_context_keeps_the_session(capsys, monkeypatch):
+    """Interactive chat: a turn that no longer fits the context is reported (naming --ctx)
+    and dropped; the session goes on, and /reset makes room again."""
+    lines = ["Hello there, how are you?", "Tell me more about yourself please " * 10,
+             "/reset", "Hi"]
+
+    def typed(prompt: str = "") -> str:
+        if not lines:
+            raise EOFError  # Ctrl-D
+        return lines.pop(0)
+
+    monkeypatch.setattr("builtins.input", typed)
+    assert main(["chat", "-t", "0", "-n", "8", "--ctx", "80"]) == 0
+    out, err = capsys.readouterr()
+    assert "the context holds 80" in err and "(on the command line: --ctx); /reset" in err
+    assert len([a for a in out.split("\n") if a.strip()]) == 2  # the first and last turn
+
+
+def test_os_errors_are_one_line(capsys, tmp_path):
+    """A directory where a file goes, a port out of range: one line, no traceback."""
+    assert main(["batch", "-i", str(tmp_path), "-o", str(tmp_path / "out.jsonl")]) == 1
+    assert main(["serve", "--port", "99999", "no-such-model"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("workbench: error: ") for line in err), err
+
+
+@pytest.mark.slow
 def test_generate_streams_a_completion(capsys):
     assert main(["generate", "-t", "0", "-n", "3", "The capital of France is"]) == 0
     # three tokens " Paris", ".", "\n", then the newline the CLI ends its output with

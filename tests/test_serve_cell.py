@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from tests.support.polling import wait_for
@@ -37,10 +39,17 @@ def test_serve_cell_serves_counts_and_stops(smollm2):
         assert not cell.start_button.disabled and cell.stop_button.disabled
         with pytest.raises(openai.APIConnectionError):
             openai.OpenAI(base_url=url, api_key="-", max_retries=0).models.list()
-        cell.start()  # again, on a new free port
-        assert cell.running
-        assert [m.id for m in openai.OpenAI(base_url=cell.base_url, api_key="-",
-                                            max_retries=0).models.list()] == ["smol"]
+        cell.start()  # again, on the port it had: the client made for it still works
+        assert cell.running and cell.base_url == url
+        assert [m.id for m in client.models.list()] == ["smol"]
+        # a port another program holds: Start says so in the cell
+        with socket.create_server(("127.0.0.1", 0)) as taken:
+            busy = ServeCell(smollm2, model_id="smol", port=taken.getsockname()[1],
+                             autostart=False)
+            busy.start_button.click()
+            assert not busy.running and "could not start" in busy.url_label.value
+            assert "cannot listen" in busy.url_label.value
+            busy.close()
     finally:
         cell.close()
     assert not cell.running

@@ -38,9 +38,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except (FileNotFoundError, ValueError, registry.PullError) as exc:
-        print(f"workbench: error: {exc}", file=sys.stderr)
+    except BrokenPipeError:  # `workbench list | head`: the reader has gone, say nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except (OSError, ValueError, registry.PullError) as exc:  # a file, a port, a value
+        print(f"workbench: error: {_hint(exc)}", file=sys.stderr)
+        return 1
+
+
+def _hint(exc: BaseException) -> str:
+    """The error's message, naming the command line's option where the engine names its
+    own keyword."""
+    from workbench.engine.kv_cache import ContextFullError
+
+    if isinstance(exc, ContextFullError):
+        return f"{exc} (on the command line: --ctx)"
+    return str(exc)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -497,7 +510,12 @@ def _chat(args) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        completion = m.chat(system + history, options=_options(args), grammar=grammar)
+        try:
+            completion = m.chat(system + history, options=_options(args), grammar=grammar)
+        except ValueError as exc:  # the conversation outgrew the context ...: keep the session
+            history.pop()
+            print(f"workbench: error: {_hint(exc)}; /reset starts over", file=sys.stderr)
+            continue
         _stream(completion)
         history.append({"role": "assistant", "content": completion.text})
 

@@ -158,6 +158,9 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     from workbench.server import limits
     from workbench.server.app import create_app
 
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
+
     engines = _engines(engine) if isinstance(engine, Mapping) else {
         model_id or default_model_id(engine): engine}
     chosen = {name: value for name, value in (
@@ -175,8 +178,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     try:
         sock = socket.create_server((host, port), reuse_port=False)
     except OSError as exc:
-        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}); pass another port, "
-                      "or port=0 for a free one") from None
+        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}); pass another port "
+                      "(0 picks a free one)") from None
     server = Server(app, sock, log_level=log_level or ("warning" if background else "info"),
                     access_log=not background)
     if not background:

@@ -40,7 +40,7 @@ class ServeCell(ipywidgets.VBox):
                  self.engines.items() if hasattr(e, "busy")]
         self.start_button = ipywidgets.Button(description="Start", icon="play")
         self.stop_button = ipywidgets.Button(description="Stop", icon="stop")
-        self.start_button.on_click(lambda _: self.start())
+        self.start_button.on_click(lambda _: self._start_clicked())
         self.stop_button.on_click(lambda _: self.stop())
         models = ipywidgets.HBox([w for pair in zip(names, self.badges) for w in pair])
         super().__init__(children=[
@@ -67,10 +67,15 @@ class ServeCell(ipywidgets.VBox):
         return self.server.base_url if self.running else ""
 
     def start(self) -> Server:
-        """Start serving (a no-op while running); returns the `Server`."""
+        """Start serving (a no-op while running); returns the `Server`. Started again
+        after `stop`, a server asked for a free port (`port=0`) takes the port it had, so
+        clients made for its `base_url` still reach it."""
         if self.running:
             return self.server
-        self.server = serve(self.engines, background=True, **self.options)
+        options = dict(self.options)
+        if self.server is not None and options.get("port") == 0:
+            options["port"] = self.server.port
+        self.server = serve(self.engines, background=True, **options)
         for signal in (self.server.requests, self.server.running, self.server.queued):
             self._unsubscribe.append(signal.subscribe(lambda _: self._show()))
         self._show()
@@ -93,6 +98,13 @@ class ServeCell(ipywidgets.VBox):
         super().close()
 
     # -- internals -----------------------------------------------------------------------------
+    def _start_clicked(self) -> None:
+        try:
+            self.start()
+        except Exception as exc:  # noqa: BLE001 - shown in the cell (a busy port ...)
+            self.url_label.value = (f"<span class='wb-error'>could not start: "
+                                    f"{html.escape(str(exc))}</span>")
+
     def _show(self) -> None:
         running = self.running
         self.start_button.disabled = running
