@@ -75,10 +75,17 @@ def test_gbnf_mode_with_an_example_grammar(smollm2):
 
 
 def test_bad_schema_and_grammar_are_reported(smollm2):
-    cell = JSONCell(smollm2, {"type": "object", "not": {"type": "string"}})
+    cell = JSONCell(smollm2, {"type": "object", "properties": {"a": {"type": "integer"}},
+                              "required": ["a"]}, max_tokens=16)
+    cell.run()
+    cell.wait()
+    assert cell.validity == "valid" and cell.text
+    cell.schema_text = '{"type": "object", "not": {"type": "string"}}'
     with pytest.raises(SchemaError):
         cell.run()
     assert "not" in cell.error and not cell.generating
+    # the last answer is gone: no "valid" badge over a schema that never ran
+    assert (cell.validity, cell.text, cell.value_json, cell.stats) == ("", "", "", "")
     cell.mode = "gbnf"
     cell.gbnf_text = 'root ::= ("a"'
     frontend(cell, {"type": "run"})  # from the browser: shown, not raised

@@ -122,6 +122,7 @@ def test_chat_refuses_send_while_busy_regenerate_and_clear(smollm2):
     frontend(cell, {"type": "send", "text": "again"})  # refused, shown in the cell
     assert "generated" in cell.error or not cell.generating
     cell.wait()
+    assert cell.error == ""  # the refusal is over once the reply is
     first = cell.messages[-1]["content"]
     cell.temperature = 1.5
     cell.options["seed"] = 7

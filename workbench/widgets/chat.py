@@ -47,6 +47,8 @@ def render_markdown(text: str) -> str:
         return _markdown.render(text)
 
 
+BUSY_NOTICE = "a reply is being generated; wait() for it or stop() it first"
+
 class ChatCell(StoppableWorker, anywidget.AnyWidget):
     """A chat with `model`: system prompt, sampling controls, a Markdown message log,
     an input box, Send / Stop / Regenerate / Clear, token statistics and a busy badge.
@@ -157,7 +159,7 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
     # -- internals ---------------------------------------------------------------------------
     def _require_idle(self) -> None:
         if self.generating:
-            raise RuntimeError("a reply is being generated; wait() for it or stop() it first")
+            raise RuntimeError(BUSY_NOTICE)
 
     @staticmethod
     def _render(message: dict[str, str], streaming: bool = False) -> dict[str, Any]:
@@ -239,6 +241,8 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
                                "seconds": time.perf_counter() - start}
             self.stats = self._format_stats(n_prompt, n_tokens, start, first, last, reason)
             self._push_log()
+            if self.error == BUSY_NOTICE:  # a send refused while this reply ran: over now
+                self.error = ""
             self.generating = False
 
     @staticmethod

@@ -131,6 +131,9 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
         or schema is reported in `error` (and raised); RuntimeError while one runs."""
         if self.generating:
             raise RuntimeError("an answer is being generated; wait() for it or stop() it")
+        self.error = self.validation = self.validity = self.closed = self.stats = ""
+        self.text = self.value_json = ""  # the last answer goes, whether or not this one runs
+        self._value = None
         try:
             grammar = self.grammar()
         except ValueError as exc:
@@ -139,9 +142,6 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
         options = {**self.options, "temperature": float(self.temperature),
                    "max_tokens": int(self.max_tokens)}
         self._stop.clear()
-        self.error = self.validation = self.validity = self.closed = ""
-        self.text = self.value_json = ""
-        self._value = None
         self.generating = True
         thread = threading.Thread(target=self._generate, args=(grammar, self.prompt, options),
                                   name="workbench-json", daemon=True)

@@ -50,6 +50,8 @@ def _json_float(x: float | None, cap: float = 1e6) -> float | None:
     return max(-cap, min(cap, float(x)))
 
 
+BUSY_NOTICE = "still generating; choose again when it has finished"
+
 class TokenView(anywidget.AnyWidget):
     """Generated tokens as coloured spans (`wb-token`, `data-index`) after the prompt.
 
@@ -348,6 +350,8 @@ class LogitsCell(Worker, ipywidgets.VBox):
                 self._show_figures()
             except Exception as exc:  # noqa: BLE001 - a plotting problem must not hide tokens
                 self.view.error = f"figure: {type(exc).__name__}: {exc}"
+            if self.view.error == BUSY_NOTICE:  # a choice refused while this ran: over now
+                self.view.error = ""
             self.view.running = False
 
     def _show_figures(self) -> None:
@@ -372,7 +376,7 @@ class LogitsCell(Worker, ipywidgets.VBox):
         if not isinstance(content, dict) or content.get("type") != "choose":
             return
         if self.running:
-            self.view.error = "still generating; choose again when it has finished"
+            self.view.error = BUSY_NOTICE
             return
         try:
             self.choose(int(content["index"]), int(content["token_id"]))
