@@ -139,6 +139,14 @@ def test_remote_engine_surface_against_our_server(ours, smollm2):
                     max_tokens=80)
     assert c.finish_reason == "stop", c.text
     assert "answer" in json.loads(c.text)
+    # the JSON cell hands a compiled schema over as its grammar: it goes as the schema
+    from workbench.widgets import JSONCell
+
+    cell = JSONCell(remote, schema, prompt=QUESTION, max_tokens=80)
+    cell.run()
+    cell.wait()
+    assert cell.error == "" and cell.validity == "valid", (cell.error, cell.text)
+    assert cell.text == c.text
     with pytest.raises(ValueError, match="max_tokens"):
         remote.chat([{"role": "user", "content": "hi"}], max_tokens=-5).wait()
     with pytest.raises(TypeError, match="unsupported option"):

@@ -272,6 +272,8 @@ def test_logits_figures_render(smollm2):
 def test_logits_cell_rejects_bad_arguments():
     with pytest.raises(ValueError):
         LogitsCell(FakeModel(), color_by="rainbow", autorun=False)
+    with pytest.raises(TypeError, match="local model's token ids"):  # e.g. a RemoteEngine
+        LogitsCell(FakeModel(), autorun=False)
 
 
 @pytest.mark.slow

@@ -220,13 +220,16 @@ def _request_options(options: dict, *, chat: bool = True) -> dict:
     grammar = options.pop("grammar", None)
     if schema is not None and grammar is not None:
         raise ValueError("pass either grammar or schema, not both")
+    if getattr(grammar, "kind", None) == "json_schema":  # a compiled schema (the JSON cell's)
+        schema, grammar = grammar, None
     if schema is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "response", "schema": _schema_dict(schema), "strict": True}}
     if grammar is not None:
         extra["grammar"] = getattr(grammar, "source", grammar)
         if getattr(grammar, "kind", "gbnf") != "gbnf":
-            raise ValueError("a remote server takes GBNF grammars; use schema= for JSON")
+            raise ValueError("a remote server takes GBNF grammars and JSON Schemas, not "
+                             f"{grammar.kind} grammars")
     if options.pop("stop_tokens", None) is not None:
         raise TypeError("stop_tokens (token ids) are not part of the OpenAI API; use stop")
     if options:

@@ -65,7 +65,7 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
     _esm = STATIC / "json.js"
     _css = STATIC / "widgets.css"
 
-    mode = traitlets.Unicode("schema").tag(sync=True)
+    mode = traitlets.Enum(("schema", "gbnf"), "schema").tag(sync=True)
     schema_text = traitlets.Unicode("").tag(sync=True)
     gbnf_text = traitlets.Unicode("").tag(sync=True)
     examples = traitlets.Dict().tag(sync=True)

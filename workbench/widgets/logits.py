@@ -91,6 +91,9 @@ class LogitsCell(Worker, ipywidgets.VBox):
             raise ValueError(f"color_by must be one of {COLOR_MODES}, got {color_by!r}")
         if top_k < 1:
             raise ValueError("top_k must be >= 1")
+        if not (hasattr(model, "tokenize") and hasattr(model, "forward")):
+            raise TypeError(f"the logits cell reads a local model's token ids and logits; "
+                            f"{type(model).__name__} has none (load an LLM)")
         self.model = model
         self.prompt = prompt
         self.max_tokens = int(max_tokens)
