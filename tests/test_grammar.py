@@ -469,7 +469,7 @@ def test_a_grammar_that_outgrows_the_context_is_refused_before_generating(smollm
     64-token context after a 60-token prompt 5 tokens fit, fewer than TOOL_SCHEMA's
     shortest object (9), so the call says so before the first token (it used to run into
     the context's end and return cut JSON); after a 40-token prompt it fits and ends valid."""
-    from workbench import GrammarBudgetError, LLM
+    from workbench import LLM, GrammarBudgetError
 
     with LLM.load(smollm2.path, kv_cache_size=64) as small:
         ids = small.tokenize("Record: " + "filler " * 80)[:60]

