@@ -471,9 +471,9 @@ def _serve(args) -> int:
 
 
 def _generate(args) -> int:
-    grammar = _constraint(args)
+    options, grammar = _options(args), _constraint(args)  # checked before the model loads
     m = _load(args)
-    _stream(m.generate(args.prompt, options=_options(args), grammar=grammar))
+    _stream(m.generate(args.prompt, options=options, grammar=grammar))
     return 0
 
 
@@ -487,12 +487,12 @@ def _batch(args) -> int:
 
 
 def _chat(args) -> int:
-    grammar = _constraint(args)
+    options, grammar = _options(args), _constraint(args)  # checked before the model loads
     m = _load(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
         question = {"role": "user", "content": args.message}
-        _stream(m.chat(system + [question], options=_options(args), grammar=grammar))
+        _stream(m.chat(system + [question], options=options, grammar=grammar))
         return 0
     history: list[dict] = []
     print(f"{m.path.name} - /reset clears the conversation, /exit leaves", file=sys.stderr)
@@ -511,7 +511,7 @@ def _chat(args) -> int:
             continue
         history.append({"role": "user", "content": line})
         try:
-            completion = m.chat(system + history, options=_options(args), grammar=grammar)
+            completion = m.chat(system + history, options=options, grammar=grammar)
         except ValueError as exc:  # the conversation outgrew the context ...: keep the session
             history.pop()
             print(f"workbench: error: {_hint(exc)}; /reset starts over", file=sys.stderr)
