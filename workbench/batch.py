@@ -68,64 +68,69 @@ def read_lines(path: str | os.PathLike, options: GenerationOptions, grammar: Any
     lines: list[BatchLine] = []
     seen: dict[str, int] = {}
     compiled: dict[str, Grammar] = {}  # lines with the same constraint share its grammar
-    with path.open(encoding="utf-8") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}, line {number}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}); a batch is a JSONL "
+                         "file") from None
+    for number, raw in enumerate(text.split("\n"), 1):  # (splitlines would also cut at
+        #                                                  U+2028, which JSON strings hold)
+        if not raw.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            item = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg} at column {exc.colno})"
+                             ) from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: a line must be a JSON object, not "
+                             f"{type(item).__name__}")
+        unknown = sorted(set(item) - set(LINE_FIELDS) - set(OPTION_NAMES))
+        if unknown:
+            raise ValueError(f"{where}: unknown field {', '.join(map(repr, unknown))}; "
+                             f"a line has {', '.join(LINE_FIELDS)} and the generation "
+                             f"options {', '.join(OPTION_NAMES)}")
+        prompt, messages = item.get("prompt"), item.get("messages")
+        if (prompt is None) == (messages is None):
+            raise ValueError(f"{where}: a line needs either \"prompt\" (a completion) or "
+                             "\"messages\" (a chat), not "
+                             + ("both" if prompt is not None else "neither"))
+        if prompt is not None and (not isinstance(prompt, str) or not prompt):
+            raise ValueError(f"{where}: \"prompt\" must be a non-empty string")
+        if messages is not None and not _is_conversation(messages):
+            raise ValueError(f"{where}: \"messages\" must be a non-empty list of "
+                             "{\"role\": ..., \"content\": ...} objects")
+        line_id = item.get("id", number)
+        if isinstance(line_id, bool) or not isinstance(line_id, (str, int)):
+            raise ValueError(f"{where}: \"id\" must be a string or an integer")
+        key = id_key(line_id)
+        if key in seen:
+            raise ValueError(f"{where}: id {line_id!r} is already line {seen[key]}'s")
+        seen[key] = number
+        fields = {k: v for k, v in item.items() if k in OPTION_NAMES}
+        if isinstance(fields.get("logit_bias"), dict):  # JSON keys are strings
             try:
-                item = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not JSON ({exc.msg} at column {exc.colno})"
+                fields["logit_bias"] = {int(k): float(v)
+                                        for k, v in fields["logit_bias"].items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: logit_bias maps token ids to numbers"
                                  ) from None
-            if not isinstance(item, dict):
-                raise ValueError(f"{where}: a line must be a JSON object, not "
-                                 f"{type(item).__name__}")
-            unknown = sorted(set(item) - set(LINE_FIELDS) - set(OPTION_NAMES))
-            if unknown:
-                raise ValueError(f"{where}: unknown field {', '.join(map(repr, unknown))}; "
-                                 f"a line has {', '.join(LINE_FIELDS)} and the generation "
-                                 f"options {', '.join(OPTION_NAMES)}")
-            prompt, messages = item.get("prompt"), item.get("messages")
-            if (prompt is None) == (messages is None):
-                raise ValueError(f"{where}: a line needs either \"prompt\" (a completion) or "
-                                 "\"messages\" (a chat), not "
-                                 + ("both" if prompt is not None else "neither"))
-            if prompt is not None and (not isinstance(prompt, str) or not prompt):
-                raise ValueError(f"{where}: \"prompt\" must be a non-empty string")
-            if messages is not None and not _is_conversation(messages):
-                raise ValueError(f"{where}: \"messages\" must be a non-empty list of "
-                                 "{\"role\": ..., \"content\": ...} objects")
-            line_id = item.get("id", number)
-            if isinstance(line_id, bool) or not isinstance(line_id, (str, int)):
-                raise ValueError(f"{where}: \"id\" must be a string or an integer")
-            key = id_key(line_id)
-            if key in seen:
-                raise ValueError(f"{where}: id {line_id!r} is already line {seen[key]}'s")
-            seen[key] = number
-            fields = {k: v for k, v in item.items() if k in OPTION_NAMES}
-            if isinstance(fields.get("logit_bias"), dict):  # JSON keys are strings
+        try:
+            line_options = GenerationOptions.of(options, **fields)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        line_grammar = grammar
+        if item.get("grammar") is not None or item.get("schema") is not None:
+            spec = id_key([item.get("grammar"), item.get("schema")])
+            if spec not in compiled:
                 try:
-                    fields["logit_bias"] = {int(k): float(v)
-                                            for k, v in fields["logit_bias"].items()}
-                except (TypeError, ValueError):
-                    raise ValueError(f"{where}: logit_bias maps token ids to numbers"
-                                     ) from None
-            try:
-                line_options = GenerationOptions.of(options, **fields)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{where}: {exc}") from None
-            line_grammar = grammar
-            if item.get("grammar") is not None or item.get("schema") is not None:
-                spec = id_key([item.get("grammar"), item.get("schema")])
-                if spec not in compiled:
-                    try:
-                        compiled[spec] = resolve_grammar(item.get("grammar"), item.get("schema"))
-                    except (TypeError, ValueError) as exc:
-                        raise ValueError(f"{where}: {exc}") from None
-                line_grammar = compiled[spec]
-            lines.append(BatchLine(line_id, number, prompt, messages, line_options,
-                                   line_grammar))
+                    compiled[spec] = resolve_grammar(item.get("grammar"), item.get("schema"))
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{where}: {exc}") from None
+            line_grammar = compiled[spec]
+        lines.append(BatchLine(line_id, number, prompt, messages, line_options,
+                               line_grammar))
     return lines
 
 
