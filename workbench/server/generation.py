@@ -125,8 +125,8 @@ def _choices(engine: Any, method: str, batch_method: str, inputs: list[Any], n: 
         completions = []
         for i, x in enumerate(repeated):
             check_cancel(cancelled)
-            completions.append(call(x, seed=None if seed is None else seed + i, **options,
-                                    **extra))
+            seeded = {} if seed is None else {"seed": seed + i}
+            completions.append(call(x, **options, **seeded, **extra))
         return completions
 
     return start

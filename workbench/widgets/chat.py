@@ -49,6 +49,7 @@ def render_markdown(text: str) -> str:
 
 BUSY_NOTICE = "a reply is being generated; wait() for it or stop() it first"
 
+
 class ChatCell(StoppableWorker, anywidget.AnyWidget):
     """A chat with `model`: system prompt, sampling controls, a Markdown message log,
     an input box, Send / Stop / Regenerate / Clear, token statistics and a busy badge.

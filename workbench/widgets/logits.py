@@ -52,6 +52,7 @@ def _json_float(x: float | None, cap: float = 1e6) -> float | None:
 
 BUSY_NOTICE = "still generating; choose again when it has finished"
 
+
 class TokenView(anywidget.AnyWidget):
     """Generated tokens as coloured spans (`wb-token`, `data-index`) after the prompt.
 
