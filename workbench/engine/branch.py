@@ -80,7 +80,7 @@ class BranchStore:
             branch.cache.check_room(1)
             branch._check_token(token)
         for branch, token in pairs:
-            branch.accept(token)
+            branch._record(int(token))
         net = self.model._require_model()
         with self.model._busy, self.model._forward_lock:
             hidden = net.decode(np.asarray([t for _, t in pairs]), [b.cache for b, _ in pairs])
@@ -285,9 +285,7 @@ class Branch:
     def _check_token(self, token: int) -> None:
         """Raise (ValueError, or `GrammarError` from the grammar) unless `token` may come
         next on this branch."""
-        n_vocab = self.model.config.n_vocab
-        if not 0 <= int(token) < n_vocab:
-            raise ValueError(f"token {int(token)} is outside the vocabulary [0, {n_vocab})")
+        check_ids([token], self.model.config.n_vocab)
         if self.matcher is not None and not self.matcher.allows(token):
             raise GrammarError(f"token {int(token)} is not allowed here by this branch's "
                                "grammar")
@@ -298,7 +296,10 @@ class Branch:
         nothing."""
         self._check_alive()
         self._check_token(token)
-        token = int(token)
+        self._record(int(token))
+
+    def _record(self, token: int) -> None:
+        """`accept` once `token` is checked."""
         if self.logits is not None:
             self.perplexity_tracker.add(float(log_softmax(self.logits)[token]))
         if self.matcher is not None:

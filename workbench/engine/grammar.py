@@ -265,10 +265,10 @@ class GrammarMatcher:
     def consume(self, token: int) -> None:
         """Advance past `token`; raises `GrammarError` if the grammar does not allow it,
         and the matcher then stays where it was."""
-        if not self.allows(token):
+        if self._matcher.try_consume_tokens([int(token)]) != 1:  # refused: nothing consumed
+            if self._matcher.is_error():
+                raise GrammarError(f"the grammar matcher failed: {self._matcher.get_error()}")
             raise GrammarError(f"token {token} is not allowed here by the grammar")
-        if not self._matcher.consume_token(int(token)):
-            raise GrammarError(f"the grammar matcher failed: {self._matcher.get_error()}")
 
     def accepts(self, tokens: Iterable[int]) -> int:
         """Feed `tokens` while the grammar allows them; returns how many it took (the

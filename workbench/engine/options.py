@@ -64,13 +64,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
 
     def _check_seed(self) -> None:
-        if self.seed is not None:
-            _check_integer("seed", self.seed)
-            if self.seed == -1:
-                object.__setattr__(self, "seed", None)
-            elif self.seed < 0:
-                raise ValueError(f"seed must be >= 0, or -1 / None for a random one, got "
-                                 f"{self.seed}")
+        object.__setattr__(self, "seed", _checked_seed(self.seed))
 
 
 @dataclass(frozen=True)
@@ -104,7 +98,7 @@ class GenerationOptions(SamplingParams):
     def _check_seed(self) -> None:
         if isinstance(self.seed, Sequence) and not isinstance(self.seed, str):
             for seed in self.seed:  # one per prompt of a batch
-                SamplingParams(seed=seed)
+                _checked_seed(seed)
         else:
             super()._check_seed()
 
@@ -149,6 +143,16 @@ def _check_real(name: str, value: Any) -> None:
 def _check_integer(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
+
+
+def _checked_seed(seed: Any) -> int | None:
+    """`seed` checked; None (a random one) for None and -1 (llama.cpp's spelling)."""
+    if seed is None:
+        return None
+    _check_integer("seed", seed)
+    if seed < -1:
+        raise ValueError(f"seed must be >= 0, or -1 / None for a random one, got {seed}")
+    return None if seed == -1 else seed
 
 
 DEFAULTS = GenerationOptions()

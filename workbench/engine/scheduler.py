@@ -272,7 +272,7 @@ class Scheduler:
         (token id, the id on the device)}."""
         if self.llm.backend is None:
             return {}
-        ready = [r for r in self._running if r.row is not None and not r.gone
+        ready = [r for r in self._running if r.row is not None
                  and not (r.stepwise and r.pending) and r.seq.argmax_only]
         if len(ready) < 2:
             return {}
