@@ -3,7 +3,30 @@ that several modules use live in tests/support/)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+# The peers the goldens were made from (tests/goldens). `WORKBENCH_BLOCK_PEERS=1` makes
+# importing them fail even where they are installed, to check that the gate runs without
+# them (as `.ci/run`'s environment, which never installs them, does).
+PEER_MODULES = ("torch", "transformers", "ctranslate2", "pywhispercpp", "llama_cpp",
+                "sentence_transformers", "faster_whisper")
+
+
+class _PeerBlocker:
+    """A meta path finder that refuses the peer modules."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in PEER_MODULES:
+            raise ImportError(f"{name} is a peer: the test gate compares against the stored "
+                              "goldens (tests/goldens) and must not import it")
+        return None
+
+
+if os.environ.get("WORKBENCH_BLOCK_PEERS") == "1":
+    sys.meta_path.insert(0, _PeerBlocker())
 
 
 def _model_fixture(name: str, kind: str, alias: str):
@@ -35,8 +58,16 @@ def engines(smollm2, minilm):
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
-def pytest_collection_modifyitems(items):
-    """A browser test is slow too: the inner loop, `-m "not slow"`, leaves it out."""
+def pytest_collection_modifyitems(config, items):
+    """A browser test is slow too: the inner loop, `-m "not slow"`, leaves it out. The
+    peers tier (tests/test_peers.py) runs only when `-m` names it (`-m peers`): the gate
+    compares against the stored goldens and installs no peer."""
     for item in items:
         if item.get_closest_marker("browser") is not None:
             item.add_marker(pytest.mark.slow)
+    if "peers" in (config.option.markexpr or ""):
+        return
+    peers = [item for item in items if item.get_closest_marker("peers") is not None]
+    if peers:
+        config.hook.pytest_deselected(items=peers)
+        items[:] = [item for item in items if item.get_closest_marker("peers") is None]
