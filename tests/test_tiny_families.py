@@ -1,5 +1,9 @@
 """Tiny random-weight Gemma 3, Phi-3, Mistral, Mixtral, Qwen2-MoE and Qwen3-MoE models:
-transformers -> GGUF (tests/hf_to_gguf.py) -> our engine, logits compared.
+transformers -> GGUF (tests/hf_to_gguf.py) -> our engine, logits compared against the
+stored goldens `tiny-family-<variant>` (tests/goldens/make_tiny_families.py builds the
+models and runs transformers on them; the test gate runs no peer): each holds the GGUF
+file, transformers' logits over the whole 600-token prompt, its greedy `generate` ids and,
+for LongRoPE, its logits with the short factors.
 
 The Gemma 3, Phi-3, Mistral and Mixtral variants have a sliding window of 8
 positions, and the prompt is 600 tokens long: longer than the window and than
@@ -19,73 +23,30 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
-from tests.hf_to_gguf import F32, tiny_vocab
+from tests import goldens
+from tests.goldens.make_tiny_families import PROMPT, VARIANTS, WINDOW, golden_name
 from tests.support.devices import DEVICES, open_llm
 from tests.support.tiny_llama import assert_close as _assert_close
-from tests.support.tiny_llama import build_tiny
 from workbench.engine.kv_cache import RING_SLACK
-
-WINDOW = 8
-VOCAB = tiny_vocab()
-V = len(VOCAB.tokens)
-PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, V - 1, 600)]  # no EOS
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-              attn_implementation="eager")
-Q8_0 = 8
-
-# name -> (GGUF arch, config class, model class, config kwargs, storage type)
-VARIANTS = {
-    "gemma3": ("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
-        rms_norm_eps=1e-6), F32),
-    "gemma3-q8_0": ("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=WINDOW,
-        rms_norm_eps=1e-6), Q8_0),
-    "phi3": ("phi3", "Phi3Config", "Phi3ForCausalLM", dict(sliding_window=WINDOW), F32),
-    "mistral": ("llama", "MistralConfig", "MistralForCausalLM", dict(
-        sliding_window=WINDOW, head_dim=16), F32),
-    # LongRoPE (Phi-3.5 / Phi-4-mini style): original context 64, so the 600-token prompt
-    # and a 1024-position cache use the long factors; `test_longrope_short_factors` the short
-    "phi3-longrope": ("phi3", "Phi3Config", "Phi3ForCausalLM", dict(
-        original_max_position_embeddings=64, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
-        "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
-        "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.6, 1.8, 2.0]}), F32),
-    # Q8_0 matrices: decode runs through the fused stack (`kernels.decode`) with the windows
-    "mistral-q8_0": ("llama", "MistralConfig", "MistralForCausalLM", dict(
-        sliding_window=WINDOW, head_dim=32), Q8_0),
-    "phi3-q8_0": ("phi3", "Phi3Config", "Phi3ForCausalLM", dict(sliding_window=WINDOW), Q8_0),
-    "mixtral": ("llama", "MixtralConfig", "MixtralForCausalLM", dict(
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW), F32),
-    "qwen2moe": ("qwen2moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, norm_topk_prob=False), F32),
-    "qwen3moe": ("qwen3moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-        head_dim=16), F32),
-}
 
 
 class Built:
-    def __init__(self, name: str, tmp_dir):
-        arch, cfg_name, model_name, kwargs, qtype = VARIANTS[name]
-        config = getattr(transformers, cfg_name)(
-            **{**COMMON, **kwargs}, bos_token_id=VOCAB.eos_id, eos_token_id=VOCAB.eos_id,
-            pad_token_id=VOCAB.eos_id)
+    """The golden of one of `VARIANTS`: its GGUF `path`, transformers' logits `ref`
+    (600, V) over `PROMPT`, and the rest of what transformers answered (`golden`)."""
+
+    def __init__(self, name: str):
         self.name = name
-        self.path = tmp_dir / f"{name}.gguf"
-        self.model, self.ref = build_tiny(getattr(transformers, model_name), config,
-                                          4321 + sum(map(ord, name)), arch, qtype, self.path,
-                                          PROMPT)
+        self.golden = goldens.load(golden_name(name))
+        assert self.golden.inputs["prompt"] == PROMPT, \
+            f"the golden {golden_name(name)} was made from another prompt: regenerate it"
+        self.path = self.golden.file("model.gguf")
+        self.ref = self.golden.arrays["logits"]
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def built(request, tmp_path_factory):
-    return Built(request.param, tmp_path_factory.mktemp("families"))
+def built(request):
+    return Built(request.param)
 
 
 @pytest.fixture
@@ -112,7 +73,7 @@ def _windowed(engine) -> bool:
 
 def test_the_files_say_what_the_models_are(built, engine):
     cfg = engine.config
-    kwargs = VARIANTS[built.name][3]
+    kwargs = built.golden.inputs["config"]  # what transformers' model was built with
     assert cfg.sliding_window == kwargs.get("sliding_window", 0)
     assert cfg.n_expert == kwargs.get("num_experts", kwargs.get("num_local_experts", 0))
     if built.name.startswith("gemma3"):
@@ -181,14 +142,14 @@ def test_recorded_decode_steps(built, device):
                           f"{built.name}: the row at position {end - 1} of 3 decoded together")
 
 
-def test_longrope_short_factors(tmp_path):
+def test_longrope_short_factors():
     """A cache no longer than the original context (64) selects the short factors, as
-    transformers does for sequences that short."""
+    transformers does for sequences that short (the golden's `short_factor_logits`: a
+    fresh model over these 40 tokens)."""
     from workbench import LLM
 
-    built = Built("phi3-longrope", tmp_path)
-    with torch.no_grad():
-        ref = built.model(torch.tensor([PROMPT[:40]])).logits[0].float().numpy()
+    built = Built("phi3-longrope")
+    ref = built.golden.arrays["short_factor_logits"]
     with LLM.load(built.path, kv_cache_size=64) as m:
         _assert_close(np.asarray(m.forward(PROMPT[:40], m.new_cache())), ref,
                       "phi3-longrope: 40 tokens, short factors")
@@ -196,13 +157,13 @@ def test_longrope_short_factors(tmp_path):
 
 @pytest.mark.slow
 def test_greedy_generation(built, any_engine):
+    """Against transformers' greedy `generate` (the golden's `generated` ids)."""
     engine = any_engine
     prompt, n = PROMPT[:100], 8  # (longer than LongRoPE's original context: long factors)
-    with torch.no_grad():
-        out = built.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                                   eos_token_id=VOCAB.eos_id, pad_token_id=VOCAB.eos_id)
-    ref = [int(t) for t in out[0, len(prompt):]]
-    if ref and ref[-1] == VOCAB.eos_id:
+    stored = built.golden.inputs["generate"]
+    assert (stored["prompt_tokens"], stored["max_new_tokens"]) == (len(prompt), n)
+    ref = built.golden.outputs["generated"]
+    if ref and ref[-1] == built.golden.inputs["eos_id"]:
         ref = ref[:-1]
     assert engine.generate(prompt, max_tokens=n, temperature=0).token_ids == ref
 
