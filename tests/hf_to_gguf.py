@@ -34,6 +34,9 @@ random-weight models without downloading anything:
 them; matrices are F32, or F16/BF16/Q8_0... with `qtype` (`gguf.quants.quantize`).
 `snap_to_qtype` rounds a model's matrices through that format in place, so that
 transformers computes with exactly the weights the file holds.
+
+The writer runs where the goldens are made (tests/goldens); torch is imported only by
+`snap_to_qtype`, so the test gate may import the vocabulary and the row order from here.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from gguf import (
     GGMLQuantizationType,
     GGUFWriter,
@@ -219,20 +221,22 @@ def _is_matrix(gguf_name: str, ndim: int) -> bool:
             and not gguf_name.endswith(("_norm.weight", "ffn_gate_inp.weight")))
 
 
-@torch.no_grad()
 def snap_to_qtype(model, qtype: GGMLQuantizationType) -> None:
     """Round every matrix of `model` (in place) through `qtype` and back to float32, so a
     transformers reference computes with exactly the values `write_gguf(..., qtype)` stores."""
+    import torch
+
     if qtype == F32:
         return
-    for name, p in model.named_parameters():
-        if p.ndim == 3 or (p.ndim == 2 and not name.endswith("mlp.gate.weight")):
-            raw = _encode(p.detach().float().numpy(), qtype)
-            if qtype == F16:
-                back = raw.astype(np.float32)
-            else:
-                back = quants.dequantize(raw, qtype).reshape(p.shape)
-            p.copy_(torch.from_numpy(np.asarray(back, dtype=np.float32)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 3 or (p.ndim == 2 and not name.endswith("mlp.gate.weight")):
+                raw = _encode(p.detach().float().numpy(), qtype)
+                if qtype == F16:
+                    back = raw.astype(np.float32)
+                else:
+                    back = quants.dequantize(raw, qtype).reshape(p.shape)
+                p.copy_(torch.from_numpy(np.asarray(back, dtype=np.float32)))
 
 
 # -- writer ----------------------------------------------------------------------------------

@@ -322,25 +322,17 @@ def test_store_commit_checks_before_any_branch_changes(smollm2):
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def tiny(request, tmp_path_factory):
     """A tiny random-weight model of the family (Gemma 3: 6 layers, 5 with a sliding
-    window of 8 and a rotating cache), as `LLM`."""
-    import transformers
-
+    window of 8 and a rotating cache), as `LLM`; the files are the goldens
+    `tiny-llama-llama` and `tiny-llama-branch-gemma3` (tests/goldens/make_tiny_llama.py)."""
+    from tests import goldens
+    from tests.goldens.make_tiny_llama import BRANCH_GEMMA3
     from tests.support import tiny_llama
     from workbench import LLM
 
-    tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "llama":
-        path = tiny_llama.Built("llama", tmp).path
+        path = tiny_llama.Built("llama", tmp_path_factory.mktemp(request.param)).path
     else:
-        vocab = tiny_llama.VOCAB
-        config = transformers.Gemma3TextConfig(**{
-            **tiny_llama.COMMON, "max_position_embeddings": 1024, "num_hidden_layers": 6,
-            "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
-            "rms_norm_eps": 1e-6, "bos_token_id": vocab.eos_id, "eos_token_id": vocab.eos_id,
-            "pad_token_id": vocab.eos_id})
-        path = tmp / "gemma3.gguf"
-        tiny_llama.build_tiny(transformers.Gemma3ForCausalLM, config, 77, "gemma3",
-                              tiny_llama.F32, path, tiny_llama.PROMPT)
+        path = goldens.load(BRANCH_GEMMA3).file("model.gguf")
     m = LLM.load(path, kv_cache_size=1024, prepare_kernels=False)
     yield m
     m.close()

@@ -18,11 +18,11 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.hf_to_gguf import F32, tiny_vocab
+from tests import goldens
+from tests.goldens.make_tiny_llama import DEVICE_QWEN3
 from tests.support.devices import DEVICES, cuda_on_numpy, open_llm, require_device
-from tests.support.tiny_llama import COMMON, VARIANTS, build_tiny
+from tests.support.tiny_llama import VOCAB
 
-VOCAB = tiny_vocab()
 PROMPT = [266, 55, 3, 201, 87, 260, 12, 140, 99, 7, 265, 33]
 
 
@@ -59,16 +59,10 @@ def test_an_absent_device_is_a_clear_error(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    import transformers
-
-    arch, cfg_name, kwargs, _ = VARIANTS["qwen3"]
-    config = getattr(transformers, cfg_name)(
-        **{**COMMON, **kwargs}, bos_token_id=VOCAB.eos_id, eos_token_id=VOCAB.eos_id,
-        pad_token_id=VOCAB.eos_id)
-    path = tmp_path_factory.mktemp("device") / "qwen3.gguf"
-    build_tiny(transformers.Qwen3ForCausalLM, config, 99, arch, F32, path, PROMPT)
-    return path
+def tiny_path():
+    """A tiny random-weight qwen3 (tests/support/tiny_llama.py's variant, weight seed 99),
+    from the golden `tiny-llama-device-qwen3`."""
+    return goldens.load(DEVICE_QWEN3).file("model.gguf")
 
 
 def test_mlx_is_the_device_signal(tiny_path):

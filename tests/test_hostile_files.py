@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -44,16 +45,13 @@ KV_CACHE_SIZE = 64
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    """A tiny random-weight llama (2 layers, width 64, 4 heads over 2 KV heads, 269 tokens)."""
-    import transformers
+    """A tiny random-weight llama (2 layers, width 64, 4 heads over 2 KV heads, 269 tokens,
+    weight seed 7): the speculative tests' target, from the golden `tiny-llama-speculative`."""
+    from tests.goldens import load
+    from tests.goldens.make_tiny_llama import SPECULATIVE
 
-    from tests.support.tiny_llama import COMMON, PROMPT, VARIANTS, VOCAB, build_tiny
-
-    arch, _, kwargs, qtype = VARIANTS["llama"]
-    config = transformers.LlamaConfig(**COMMON, **kwargs, bos_token_id=VOCAB.eos_id,
-                                      eos_token_id=VOCAB.eos_id, pad_token_id=VOCAB.eos_id)
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
-    build_tiny(transformers.LlamaForCausalLM, config, 7, arch, qtype, path, PROMPT[:4])
+    shutil.copyfile(load(SPECULATIVE).file("target.gguf"), path)
     return path
 
 

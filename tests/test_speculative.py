@@ -2,7 +2,9 @@
 
 Tiny random-weight llama models (tests/support/tiny_llama.py, 269-token vocabulary): the
 target, and as draft a copy whose matrices carry extra noise (same vocabulary, a
-different distribution, so the draft's proposals are both kept and rejected).
+different distribution, so the draft's proposals are both kept and rejected); built with
+transformers once and stored as the golden `tiny-llama-speculative`
+(tests/goldens/make_tiny_llama.py).
 - The sampled output's joint distribution over the first three tokens equals the
   target sampler's, computed exactly from the target's logits (chi-square over 3000
   seeds, with 2 proposals per round: kept proposals, corrections at either position
@@ -21,13 +23,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
-from tests.hf_to_gguf import Vocab, write_gguf
+from tests import goldens
+from tests.goldens.make_tiny_llama import SPECULATIVE
 from tests.support.chi_square import chi_square_p
 from tests.support.devices import open_llm
-from tests.support.tiny_llama import COMMON, PROMPT, VARIANTS, VOCAB, build_tiny
+from tests.support.tiny_llama import PROMPT
 from workbench.engine.cancel import Cancelled
 from workbench.engine.convert import requantize_gguf
 from workbench.engine.kv_cache import ContextFullError
@@ -41,26 +42,11 @@ END = -1  # stands for an end token in an outcome shorter than N_TOKENS
 
 
 @pytest.fixture(scope="module")
-def tiny_paths(tmp_path_factory):
-    """GGUF paths: the target, a noisy copy as draft, and a copy with two tokens swapped
-    in its vocabulary."""
-    folder = tmp_path_factory.mktemp("spec")
-    arch, cfg_name, kwargs, qtype = VARIANTS["llama"]
-    config = transformers.LlamaConfig(**COMMON, **kwargs, bos_token_id=VOCAB.eos_id,
-                                      eos_token_id=VOCAB.eos_id, pad_token_id=VOCAB.eos_id)
-    model, _ = build_tiny(transformers.LlamaForCausalLM, config, 7, arch, qtype,
-                          folder / "target.gguf", PROMPT)
-    tokens = list(VOCAB.tokens)
-    tokens[100], tokens[101] = tokens[101], tokens[100]
-    write_gguf(model, folder / "other_vocab.gguf", arch, qtype=qtype,
-               vocab=Vocab(tokens, VOCAB.token_types, VOCAB.merges, VOCAB.eos_id))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.add_(0.25 * p.std() * torch.randn(p.shape, generator=g))
-    write_gguf(model, folder / "draft.gguf", arch, qtype=qtype)
-    return {name: folder / f"{name}.gguf" for name in ("target", "draft", "other_vocab")}
+def tiny_paths():
+    """GGUF paths (the golden's files): the target, a noisy copy as draft, and a copy with
+    two tokens swapped in its vocabulary."""
+    golden = goldens.load(SPECULATIVE)
+    return {name: golden.file(f"{name}.gguf") for name in ("target", "draft", "other_vocab")}
 
 
 @pytest.fixture(scope="module")

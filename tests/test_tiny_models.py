@@ -1,26 +1,30 @@
 """Tiny random-weight Llama / Qwen2 / Qwen3 models: transformers -> GGUF -> our engine.
 
-Each variant builds a transformers model (hidden 64, 2 layers, 4 query heads over
-2 KV heads, a 269-token byte-level vocabulary), gives it seeded random weights
+Each variant is a transformers model (hidden 64, 2 layers, 4 query heads over
+2 KV heads, a 269-token byte-level vocabulary) with seeded random weights
 large enough that attention is far from uniform (so RoPE, GQA and the QK norm
-all move the logits), writes it with `tests.hf_to_gguf.write_gguf` as
-llama.cpp's converter would, and compares logits at every position of a fixed
-20-token prompt.
+all move the logits), written with `tests.hf_to_gguf.write_gguf` as llama.cpp's
+converter would; logits are compared at every position of a fixed 20-token prompt.
+The file and what transformers answered on it (logits, greedy generation, config,
+weights) are the golden `tiny-llama-<variant>` (tests/goldens/make_tiny_llama.py):
+no peer runs here.
 
 Metric for every logits comparison:
     max |ours - ref| <= 1e-4 * max |ref|    (over all T x V entries)
 
 - test_gguf_layout: the converter's file, read back with `gguf.GGUFReader`
-  (names, shapes, types, metadata); no engine needed.
+  (names, shapes, types, metadata against transformers' config; layer 0's Q/K rows and
+  the embedding against transformers' weights); no engine needed.
 - test_numpy_reference_on_gguf: a small NumPy forward pass written here from the
   llama.cpp conventions (interleaved RoPE for llama, NEOX for qwen, rope_freqs
-  divisors, QK norm) on the GGUF tensors matches transformers: this checks the
-  converter itself, independently of the engine.
+  divisors, QK norm) on the GGUF tensors matches transformers' logits: this checks
+  the converter itself, independently of the engine.
 - test_logits_whole_prompt / test_logits_prefill_then_decode: the engine's
   `LLM.forward` on the whole prompt in one call, and 12-token prefill then one
   token at a time with the same cache.
 - test_greedy_generation: `LLM.generate(ids, temperature=0)` gives transformers'
-  `generate(do_sample=False)` tokens.
+  `generate(do_sample=False)` tokens (its scores at each step are stored to judge a
+  near tie).
 - The engine tests run on each of `DEVICES` (tests/support/devices.py): the NumPy engine,
   the MLX backend, and the CuPy backend's code with NumPy standing in for CuPy.
 """
@@ -30,8 +34,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-import torch
 
+from tests.goldens.make_tiny_llama import GREEDY_STEPS
 from tests.hf_to_gguf import interleave_rope_rows
 from tests.support.devices import DEVICES, open_llm
 from tests.support.tiny_llama import PROMPT, RTOL, VARIANTS, VOCAB, Built, V
@@ -49,7 +53,7 @@ def built(request, tmp_path_factory):
 
 def test_gguf_layout(built):
     r = gguf.GGUFReader(built.path)
-    cfg = built.model.config
+    cfg = built.golden.outputs["config"]  # transformers' config
     arch = built.arch
 
     def field(key):
@@ -62,7 +66,7 @@ def test_gguf_layout(built):
             return bytes(f.parts[f.data[0]]).decode()
         return f.parts[f.data[0]][0].item()
 
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = cfg["head_dim"]
     assert field("general.architecture") == arch
     assert field(f"{arch}.block_count") == 2
     assert field(f"{arch}.context_length") == 128
@@ -71,14 +75,14 @@ def test_gguf_layout(built):
     assert field(f"{arch}.attention.head_count") == 4
     assert field(f"{arch}.attention.head_count_kv") == 2
     assert field(f"{arch}.rope.dimension_count") == head_dim
-    assert field(f"{arch}.rope.freq_base") == pytest.approx(cfg.rope_parameters["rope_theta"])
-    assert field(f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(cfg.rms_norm_eps)
+    assert field(f"{arch}.rope.freq_base") == pytest.approx(cfg["rope_parameters"]["rope_theta"])
+    assert field(f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(cfg["rms_norm_eps"])
     if head_dim != 16:
         assert field(f"{arch}.attention.key_length") == head_dim
         assert field(f"{arch}.attention.value_length") == head_dim
     else:
         assert f"{arch}.attention.key_length" not in r.fields
-    scaling = cfg.rope_parameters.get("rope_type")
+    scaling = cfg["rope_parameters"].get("rope_type")
     if scaling == "linear":
         assert field(f"{arch}.rope.scaling.type") == "linear"
         assert field(f"{arch}.rope.scaling.factor") == pytest.approx(4.0)
@@ -87,7 +91,7 @@ def test_gguf_layout(built):
 
     assert field("tokenizer.ggml.model") == "gpt2"
     tokens = field("tokenizer.ggml.tokens")
-    assert len(tokens) == V == cfg.vocab_size
+    assert len(tokens) == V == cfg["vocab_size"]
     assert tokens[0] == "!" and tokens[188] == "Ā" and tokens[-1] == "<|endoftext|>"
     assert len(set(tokens)) == V
     types = field("tokenizer.ggml.token_type")
@@ -99,7 +103,7 @@ def test_gguf_layout(built):
     tensors = {t.name: t for t in r.tensors}
     hd, kvd = 4 * head_dim, 2 * head_dim
     expect = {"token_embd.weight": (V, 64), "output_norm.weight": (64,)}
-    if not cfg.tie_word_embeddings:
+    if not cfg["tie_word_embeddings"]:
         expect["output.weight"] = (V, 64)
     if scaling == "llama3":
         expect["rope_freqs.weight"] = (head_dim // 2,)
@@ -124,11 +128,9 @@ def test_gguf_layout(built):
         want = built.qtype if len(shape) == 2 else gguf.GGMLQuantizationType.F32
         assert t.tensor_type == want, name
 
-    sd = built.model.state_dict()
     q = _read(r, "blk.0.attn_q.weight")
     k = _read(r, "blk.0.attn_k.weight")
-    q_hf = sd["model.layers.0.self_attn.q_proj.weight"].numpy()
-    k_hf = sd["model.layers.0.self_attn.k_proj.weight"].numpy()
+    q_hf, k_hf = built.golden.arrays["layer0_q_proj"], built.golden.arrays["layer0_k_proj"]
     if arch == "llama":  # rows permuted per head: row h*d + 2i + j <- h*d + j*d/2 + i
         d = head_dim
         assert np.array_equal(q[1], q_hf[d // 2]) and np.array_equal(q[2], q_hf[1])
@@ -136,7 +138,7 @@ def test_gguf_layout(built):
         assert np.array_equal(k, interleave_rope_rows(k_hf, 2))
     else:
         assert np.array_equal(q, q_hf) and np.array_equal(k, k_hf)
-    assert np.array_equal(_read(r, "token_embd.weight"), sd["model.embed_tokens.weight"].numpy())
+    assert np.array_equal(_read(r, "token_embd.weight"), built.golden.arrays["embed_tokens"])
     if scaling == "llama3":
         f = _read(r, "rope_freqs.weight")
         assert f[0] == 1.0 and 1.0 < f[1] < 8.0 and np.all(f[2:] == 8.0)
@@ -236,27 +238,23 @@ def test_logits_prefill_then_decode(built, engine):
 
 
 def test_greedy_generation(built, engine):
-    n = 8
-    with torch.no_grad():
-        out = built.model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False,
-                                   eos_token_id=VOCAB.eos_id, pad_token_id=VOCAB.eos_id,
-                                   output_scores=True, return_dict_in_generate=True)
-    ref = [int(t) for t in out.sequences[0, len(PROMPT):]]
+    ref = list(built.golden.outputs["greedy_ids"])  # transformers' greedy generate
+    scores = built.golden.arrays["greedy_scores"]  # its logits at each step (steps, V)
     if ref and ref[-1] == VOCAB.eos_id:  # ours stops at EOS without reporting it
         ref = ref[:-1]
-    ours = engine.generate(PROMPT, max_tokens=n, temperature=0).token_ids
+    ours = engine.generate(PROMPT, max_tokens=GREEDY_STEPS, temperature=0).token_ids
     if ours == ref:
         return
     step = next(i for i, (a, b) in enumerate(zip([*ours, None], [*ref, None])) if a != b)
-    scores = out.scores[step][0] if step < len(out.scores) else None
-    if scores is not None and step < len(ours):
+    at = scores[step] if step < len(scores) else None
+    if at is not None and step < len(ours):
         # logits that agree to RTOL may still pick a different argmax where the top two
         # are closer than that: the sequences may then part ways without a fault
-        top2 = torch.topk(scores, 2).values
-        if float(top2[0] - top2[1]) <= 2 * RTOL * float(scores.abs().max()):
-            ours_score = float(scores[ours[step]])
-            assert float(top2[0]) - ours_score <= 2 * RTOL * float(scores.abs().max())
+        top2 = np.sort(at)[::-1][:2]
+        if float(top2[0] - top2[1]) <= 2 * RTOL * float(np.abs(at).max()):
+            ours_score = float(at[ours[step]])
+            assert float(top2[0]) - ours_score <= 2 * RTOL * float(np.abs(at).max())
             return
     pytest.fail(f"{built.name}: greedy ids differ at step {step}: ours {ours}, "
                 f"transformers {ref} (transformers' top-2 logits there: "
-                f"{None if scores is None else torch.topk(scores, 2).values.tolist()})")
+                f"{None if at is None else np.sort(at)[::-1][:2].tolist()})")

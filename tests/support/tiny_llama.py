@@ -5,16 +5,22 @@ engine's logits must meet against them.
 Each variant has hidden size 64, 2 layers, 4 query heads over 2 KV heads and a 269-token
 byte-level vocabulary, and seeded random weights large enough that attention is far from
 uniform (so RoPE, GQA and the QK norm all move the logits).
+
+The tests read each variant from its golden (`tiny-llama-<variant>`, tests/goldens): the
+GGUF file and what transformers computed on it. `build_variant` and `build_tiny` build
+them live with torch and transformers, which they import when called: only the producer
+(tests/goldens/make_tiny_llama.py) calls them, and importing this module needs neither.
 """
 
 from __future__ import annotations
 
+import shutil
+
 import gguf
 import numpy as np
 import pytest
-import torch
-import transformers
 
+from tests import goldens
 from tests.hf_to_gguf import F16, F32, snap_to_qtype, tiny_vocab, write_gguf
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -67,6 +73,8 @@ def _randomize(model, seed: int) -> None:
     """Seeded weights with some spread: matrices N(0, 0.1^2) (embedding N(0, 0.5^2)),
     norm weights 1 + N(0, 0.2^2), biases N(0, 0.2^2). transformers' own init (std 0.02,
     unit norms, zero biases) leaves attention almost uniform and biases untested."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -82,7 +90,9 @@ def _randomize(model, seed: int) -> None:
 def build_tiny(model_cls, config, seed: int, arch: str, qtype, path, prompt: list[int]):
     """A transformers model of `config` with `_randomize`d weights rounded through `qtype`
     (so the reference computes with the stored values), written to GGUF at `path`;
-    returns the model and its logits (T, V) over `prompt`."""
+    returns the model and its logits (T, V) over `prompt`. Needs torch and transformers."""
+    import torch
+
     torch.manual_seed(0)
     model = model_cls(config).float().eval()
     _randomize(model, seed=seed)
@@ -92,20 +102,44 @@ def build_tiny(model_cls, config, seed: int, arch: str, qtype, path, prompt: lis
         return model, model(torch.tensor([prompt])).logits[0].float().numpy()
 
 
+def variant_seed(name: str) -> int:
+    """The weight seed of the variant `name`."""
+    return 1234 + sum(map(ord, name))
+
+
+def build_variant(name: str, path):
+    """The variant `name` of `VARIANTS` built live (`build_tiny` with its config and seed),
+    written to GGUF at `path`; returns the transformers model and its logits (T, V) over
+    `PROMPT`."""
+    import transformers
+
+    arch, cfg_name, kwargs, qtype = VARIANTS[name]
+    cfg_cls = getattr(transformers, cfg_name)
+    model_cls = getattr(transformers, cfg_name.replace("Config", "ForCausalLM"))
+    config = cfg_cls(**COMMON, **kwargs, bos_token_id=VOCAB.eos_id,
+                     eos_token_id=VOCAB.eos_id, pad_token_id=VOCAB.eos_id)
+    return build_tiny(model_cls, config, variant_seed(name), arch, qtype, path, PROMPT)
+
+
+def golden_name(name: str) -> str:
+    """The golden of the variant `name` (tests/goldens/make_tiny_llama.py makes it)."""
+    return f"tiny-llama-{name}"
+
+
 class Built:
-    """One of `VARIANTS` built into `tmp_dir`: its GGUF `path`, transformers `model` and
-    reference logits `ref` (T, V) over `PROMPT`."""
+    """One of `VARIANTS` from its golden, its GGUF copied into `tmp_dir`: the file `path`,
+    reference logits `ref` (T, V) over `PROMPT`, and the `golden` with the rest of what
+    transformers answered (its config, its greedy generation, its Q/K/embedding weights)."""
 
     def __init__(self, name: str, tmp_dir):
-        arch, cfg_name, kwargs, qtype = VARIANTS[name]
-        cfg_cls = getattr(transformers, cfg_name)
-        model_cls = getattr(transformers, cfg_name.replace("Config", "ForCausalLM"))
-        config = cfg_cls(**COMMON, **kwargs, bos_token_id=VOCAB.eos_id,
-                         eos_token_id=VOCAB.eos_id, pad_token_id=VOCAB.eos_id)
+        arch, _, _, qtype = VARIANTS[name]
         self.name, self.arch, self.qtype = name, arch, qtype
+        self.golden = goldens.load(golden_name(name))
+        assert self.golden.inputs["prompt"] == PROMPT, \
+            f"the golden {golden_name(name)} was made on another prompt: regenerate it"
         self.path = tmp_dir / f"{name}.gguf"
-        self.model, self.ref = build_tiny(model_cls, config, 1234 + sum(map(ord, name)),
-                                          arch, qtype, self.path, PROMPT)
+        shutil.copyfile(self.golden.file("model.gguf"), self.path)
+        self.ref = self.golden.arrays["logits"]
 
 
 def assert_close(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
