@@ -2,12 +2,16 @@
 
 - arrays are taken as they are (float in [-1, 1] at 16 kHz; integer PCM is
   scaled), stereo is averaged to mono, NaN or infinite samples are an error;
-- files and bytes go through `soundfile` (WAV, FLAC, OGG/Vorbis and Opus, MP3 ...)
-  and are resampled with `soxr` (high quality) when their rate is not 16 kHz;
+- files and bytes must be one of the audio containers in `CONTAINERS`, told from
+  their first bytes (anything else is refused before any decoder sees it); they go
+  through `soundfile` (WAV, FLAC, OGG/Vorbis and Opus, MP3 ...) and are resampled
+  with `soxr` (high quality) when their rate is not 16 kHz;
 - what libsndfile cannot read (WebM/Opus and MP4/AAC, what browsers record), or
   whose length its header does not tell (a streamed WAV, a FLAC from a pipe), is
   decoded with PyAV (FFmpeg) when it is installed (`pip install av`, part of the
-  `serve` and `notebook` extras).
+  `serve` and `notebook` extras). FFmpeg gets the bytes through memory only, its
+  demuxer forced to the one container found and no protocol allowed, so an upload
+  cannot make it open files or sockets (a concat list, an SDP or HLS playlist).
 
 `open_audio` reads a source in pieces: its header is checked first (sample rate,
 channels, and the duration against `max_seconds`) and `AudioSource.blocks()` then
@@ -17,10 +21,12 @@ memory; `load_audio` is the whole array, for notebooks.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -36,6 +42,53 @@ BLOCK_SAMPLES = 1 << 18  # samples (frames x channels) decoded at a time: 1 MiB 
 class AudioError(ValueError):
     """Audio that cannot be read or used (unknown format, NaN samples, wrong shape,
     an implausible header, longer than allowed)."""
+
+
+# The audio containers read, as FFmpeg's demuxers: WAV, AIFF, FLAC, OGG (Vorbis, Opus),
+# MP3, AAC (ADTS), MP4/M4A and WebM/Matroska. None of them opens other files or URLs
+# (the MP4 demuxer would follow data references, but only with `enable_drefs`, off by
+# default); the concat, playlist, SDP/RTP and image-sequence demuxers would.
+CONTAINERS = ("wav", "aiff", "flac", "ogg", "mp3", "aac", "mov", "matroska")
+NOT_AUDIO = ("not a supported audio file: send WAV, FLAC, OGG (Vorbis or Opus), MP3, "
+             "MP4/M4A, AAC, WebM or AIFF")
+# no protocol for FFmpeg: the input is PyAV's in-memory I/O, which needs none, and what
+# a demuxer might try to open besides (a file, a URL) is refused
+FFMPEG_OPTIONS = {"protocol_whitelist": "none"}
+_MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide")  # an MP4's first box
+
+
+def audio_container(f: BinaryIO) -> str | None:
+    """FFmpeg's demuxer name (one of `CONTAINERS`) for the audio container the seekable
+    binary file `f` holds, told from its first bytes; None for anything else."""
+    offset, head = 0, f.read(12)
+    for _ in range(4):  # ID3v2 tags, before MP3 (or FLAC, AAC) data
+        if not (head[:3] == b"ID3" and len(head) >= 10 and all(b < 0x80 for b in head[6:10])):
+            break
+        size = int.from_bytes(bytes(head[6:10]), "big")
+        size = (size & 0x7F) | (size >> 8 & 0x7F) << 7 | (size >> 16 & 0x7F) << 14 \
+            | (size >> 24 & 0x7F) << 21  # "syncsafe": 7 bits a byte
+        offset += 10 + size + (10 if head[5] & 0x10 else 0)  # header, tag, footer
+        f.seek(offset)
+        head = f.read(12)
+    if head[:4] in (b"RIFF", b"RIFX", b"RF64", b"BW64") and head[8:12] == b"WAVE":
+        return "wav"
+    if head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
+        return "aiff"
+    if head[:4] == b"fLaC":
+        return "flac"
+    if head[:4] == b"OggS":
+        return "ogg"
+    if head[:4] == b"\x1a\x45\xdf\xa3":  # EBML
+        return "matroska"
+    if head[4:8] in _MP4_BOXES:
+        return "mov"
+    if len(head) >= 3 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0:  # MPEG frame sync
+        if head[1] & 0xF6 == 0xF0:  # MPEG-4 (or 2) audio, layer "0": ADTS
+            return "aac"
+        version, layer = head[1] >> 3 & 3, head[1] >> 1 & 3
+        if version != 1 and layer and head[2] >> 4 != 15 and head[2] >> 2 & 3 != 3:
+            return "mp3"
+    return None
 
 
 def format_duration(seconds: float) -> str:
@@ -95,11 +148,18 @@ def open_audio(source: str | os.PathLike | bytes | np.ndarray, *,
         if not data:
             return AudioSource(lambda: iter(()), duration=0.0, sample_rate=SAMPLE_RATE,
                                channels=1, max_seconds=max_seconds)
-        return _open_encoded(lambda: io.BytesIO(data), "the data", max_seconds)
+        container = audio_container(io.BytesIO(data))
+        if container is None:
+            raise AudioError(f"the data: {NOT_AUDIO}")
+        return _open_encoded(lambda: io.BytesIO(data), "the data", container, max_seconds)
     path = Path(source).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"audio file not found: {path}")
-    return _open_encoded(lambda: str(path), str(path), max_seconds)
+    with open(path, "rb") as f:
+        container = audio_container(f)
+    if container is None:
+        raise AudioError(f"{path}: {NOT_AUDIO}")
+    return _open_encoded(lambda: str(path), str(path), container, max_seconds)
 
 
 def load_audio(source: str | os.PathLike | bytes | np.ndarray, *,
@@ -144,16 +204,17 @@ class _Unreadable(AudioError):
 PROBE_SAMPLES = 4096  # samples read when a file is opened: some open, then fail to read
 
 
-def _open_encoded(opener: Callable[[], str | io.BytesIO], where: str,
+def _open_encoded(opener: Callable[[], str | io.BytesIO], where: str, container: str,
                   max_seconds: float | None) -> AudioSource:
-    """libsndfile when it reads the format and knows its length, else PyAV."""
+    """libsndfile when it reads the format and knows its length, else PyAV (FFmpeg's
+    `container` demuxer)."""
     import soundfile
 
     try:
         with soundfile.SoundFile(opener()) as f:
             rate, channels, frames = f.samplerate, f.channels, f.frames
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
-        return _pyav_instead(opener, where, max_seconds, exc)
+        return _pyav_instead(opener, where, container, max_seconds, exc)
     if 0 < frames < 1 << 62 and rate > 0:
         duration = frames / rate
     else:
@@ -164,7 +225,7 @@ def _open_encoded(opener: Callable[[], str | io.BytesIO], where: str,
         # their end, max_seconds checked while decoding. Without PyAV (or where FFmpeg
         # cannot open it) libsndfile it is, as before.
         try:
-            return _open_pyav(opener, where, max_seconds)
+            return _open_pyav(opener, where, container, max_seconds)
         except _Unreadable:
             duration = None
     _check_header(where, rate, channels, duration, max_seconds)
@@ -172,7 +233,7 @@ def _open_encoded(opener: Callable[[], str | io.BytesIO], where: str,
         with soundfile.SoundFile(opener()) as f:
             f.read(max(1, PROBE_SAMPLES // channels), dtype="float32", always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError) as exc:
-        source = _pyav_instead(opener, where, max_seconds, exc)
+        source = _pyav_instead(opener, where, container, max_seconds, exc)
         decoded, failure = source._blocks, f"{where}: could not decode the audio ({exc})"
 
         def pyav_blocks() -> Iterator[np.ndarray]:  # no audio at all: libsndfile's error
@@ -209,35 +270,49 @@ def _open_encoded(opener: Callable[[], str | io.BytesIO], where: str,
                        max_seconds=max_seconds)
 
 
-def _pyav_instead(opener: Callable[[], str | io.BytesIO], where: str,
+def _pyav_instead(opener: Callable[[], str | io.BytesIO], where: str, container: str,
                   max_seconds: float | None, exc: Exception) -> AudioSource:
     """PyAV for what libsndfile cannot open or read (`exc`); header checks raise as they are."""
     try:
-        return _open_pyav(opener, where, max_seconds)
+        return _open_pyav(opener, where, container, max_seconds)
     except _Unreadable as inner:
         reason = getattr(exc, "error_string", None) or exc  # without the file object
         raise AudioError(f"{where}: not audio that soundfile or FFmpeg can read "
                          f"({reason}; {inner})") from None
 
 
-def _open_pyav(opener: Callable[[], str | io.BytesIO], where: str,
+@contextlib.contextmanager
+def _ffmpeg_input(opener: Callable[[], str | io.BytesIO], container: str):
+    """The PyAV container of `opener()`'s bytes, read by FFmpeg's `container` demuxer
+    through PyAV's Python I/O (a path is opened here, not by FFmpeg), no protocol
+    allowed: nothing in the data can make FFmpeg open a file or a socket."""
+    import av
+
+    source = opener()
+    with (open(source, "rb") if isinstance(source, str) else source) as f, \
+            av.open(f, mode="r", format=container, container_options=FFMPEG_OPTIONS) as opened:
+        yield opened
+
+
+def _open_pyav(opener: Callable[[], str | io.BytesIO], where: str, container: str,
                max_seconds: float | None) -> AudioSource:
-    """Compressed audio (WebM, MP4 ...) decoded packet by packet with PyAV."""
+    """Compressed audio (WebM, MP4 ...) decoded packet by packet with PyAV, by FFmpeg's
+    `container` demuxer."""
     try:
         import av
     except ImportError:
         raise _Unreadable("decoding compressed audio needs PyAV: pip install av") from None
     try:
-        with av.open(opener(), mode="r") as container:
-            if not container.streams.audio:
+        with _ffmpeg_input(opener, container) as input_:
+            if not input_.streams.audio:
                 raise _Unreadable("the data holds no audio stream")
-            stream = container.streams.audio[0]
+            stream = input_.streams.audio[0]
             rate = int(stream.codec_context.sample_rate or 0)
             channels = int(stream.codec_context.channels or 0)
             if stream.duration and stream.time_base:
                 duration = float(stream.duration * stream.time_base)
-            elif container.duration:
-                duration = container.duration / av.time_base
+            elif input_.duration:
+                duration = input_.duration / av.time_base
             else:
                 duration = None  # MediaRecorder's WebM: checked while decoding
     except AudioError:
@@ -249,9 +324,9 @@ def _open_pyav(opener: Callable[[], str | io.BytesIO], where: str,
 
     def blocks() -> Iterator[np.ndarray]:
         try:
-            with av.open(opener(), mode="r") as container:
+            with _ffmpeg_input(opener, container) as input_:
                 resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-                for frame in container.decode(audio=0):
+                for frame in input_.decode(audio=0):
                     if not MIN_SOURCE_RATE <= frame.sample_rate <= MAX_SOURCE_RATE:
                         raise AudioError(f"{where}: a frame at {frame.sample_rate} Hz")
                     for out in resampler.resample(frame):
@@ -340,5 +415,5 @@ def _checked(pcm: np.ndarray, offset: int = 0) -> np.ndarray:
     return pcm
 
 
-__all__ = ["SAMPLE_RATE", "AudioError", "AudioSource", "decode_audio",
-           "format_duration", "load_audio", "open_audio"]
+__all__ = ["CONTAINERS", "SAMPLE_RATE", "AudioError", "AudioSource", "audio_container",
+           "decode_audio", "format_duration", "load_audio", "open_audio"]

@@ -72,8 +72,9 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
     max_audio_seconds: longer uploads to `/v1/audio/*` get 400 (default one hour).
     cors_origins: the web origins whose pages may call the API from a browser
         ("http://localhost:3000", or "*" for any); none by default, so a web page the
-        user visits cannot drive the models. Preflight requests are answered before
-        the key is checked (browsers send them without it).
+        user visits cannot drive the models: a browser's request from another origin
+        gets 403, a form or an upload as much as JSON. Preflight requests are answered
+        before the key is checked (browsers send them without it).
     The state (gate, counters) is `app.state.workbench`.
     """
     state = ServerState(engines, api_key=api_key, max_concurrent=max_concurrent,
@@ -85,7 +86,7 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
                   description="An OpenAI-compatible API over local workbench engines.")
     app.state.workbench = state
     _install_errors(app)
-    app.add_middleware(Gatekeeper, state=state)
+    app.add_middleware(Gatekeeper, state=state, cors_origins=cors_origins)
     if cors_origins:  # added last, so it runs first: preflights never meet the gate
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"])

@@ -17,3 +17,9 @@ REQUEST_TIMEOUT = 600.0  # seconds from a request's body to its answer's last by
 # 0.2 MB/s; a stalled client holds a connection this long, never an engine slot
 BODY_TIMEOUT = 120.0
 MAX_AUDIO_SECONDS = 3600.0  # the longest audio one transcription request may carry; then 400
+# open connections at once (lowered to fit the process's file-descriptor limit); past it
+# the connection longest waiting for its headers is closed, or, all busy, the new one: 503
+MAX_CONNECTIONS = 1024
+# seconds a connection has to send a request's headers (from opening, or from its last
+# answer when kept alive); then 408: half-open sockets cannot pile up
+HEADER_TIMEOUT = 10.0

@@ -21,11 +21,16 @@ class Server(Closeable):
     OpenAI clients take), `.stop()`; a context manager that stops it on exit.
 
     `.requests`, `.running` and `.queued` are signals (answered requests, engine calls
-    under way, requests waiting for a slot); `.models` the served model ids.
+    under way, requests waiting for a slot); `.models` the served model ids;
+    `.max_connections` the connections it keeps open at most (fitted under the
+    process's file-descriptor limit).
     """
 
-    def __init__(self, app: Any, sock: socket.socket, *, log_level: str, access_log: bool):
+    def __init__(self, app: Any, sock: socket.socket, *, log_level: str, access_log: bool,
+                 max_connections: int, header_timeout: float | None):
         import uvicorn
+
+        from workbench.server.connections import ACCEPT_BACKLOG, UvicornServer, protocol_class
 
         self.app = app
         self.state = app.state.workbench
@@ -35,9 +40,12 @@ class Server(Closeable):
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{port}"
         self.base_url = f"{self.url}/v1"
+        self.max_connections = max_connections
         config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
-                                timeout_graceful_shutdown=3, lifespan="off")
-        self._server = uvicorn.Server(config)
+                                timeout_graceful_shutdown=3, lifespan="off",
+                                http=protocol_class(max_connections, header_timeout),
+                                backlog=ACCEPT_BACKLOG)
+        self._server = UvicornServer(config)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -115,6 +123,7 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
           max_tokens_limit: int | None = _DEFAULT, request_timeout: float | None = _DEFAULT,
           body_timeout: float | None = _DEFAULT, max_audio_seconds: float | None = _DEFAULT,
           protect_docs: bool | None = None, cors_origins: Sequence[str] = (),
+          max_connections: int | None = None, header_timeout: float | None = _DEFAULT,
           background: bool = True, log_level: str | None = None) -> Server:
     """Serve `engine` with OpenAI's HTTP API (chat, completions, embeddings, transcription).
 
@@ -149,7 +158,17 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     None for any of the last four means no limit. A client that disconnects stops
     its engine call within a token, a batch of texts or an audio window.
     cors_origins: web origins whose pages may call the API from a browser (e.g.
-        ["http://localhost:3000"], or ["*"]); none by default.
+        ["http://localhost:3000"], or ["*"]); none by default: a request a web page
+        makes from another origin (its browser's `Origin` and `Sec-Fetch-Site` say so)
+        gets 403, forms and uploads included. Clients that are not browsers (the
+        `openai` client, curl) send neither header and are not affected.
+    max_connections: connections open at once (default 1024, lowered to fit the
+        process's file-descriptor limit; more than fits raises ValueError). Past it
+        the connection that has waited longest for its request's headers is closed,
+        or, when all are busy with requests, the new one gets 503.
+    header_timeout: seconds a connection has to send a request's headers (default
+        10; slower: 408 and closed), so half-open connections cannot pile up; None:
+        no limit.
     background: serve on a daemon thread and return the running `Server` (stop it
         with `.stop()` or a `with` block); False serves until Ctrl-C.
     A server this process started on the same host and port is stopped first, so
@@ -157,9 +176,21 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     """
     from workbench.server import limits
     from workbench.server.app import create_app
+    from workbench.server.connections import connection_cap
 
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
+    if max_connections is not None and max_connections < 1:
+        raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+    if header_timeout is _DEFAULT:
+        header_timeout = limits.HEADER_TIMEOUT
+    if header_timeout is not None and not header_timeout > 0:
+        raise ValueError(f"header_timeout must be positive or None, got {header_timeout!r}")
+    cap = connection_cap(max_connections or limits.MAX_CONNECTIONS)
+    if max_connections is not None and cap < max_connections:
+        raise ValueError(f"max_connections={max_connections} needs more file descriptors "
+                         f"than this process may open: at most {cap} fit; raise the limit "
+                         "(`ulimit -n` in the shell that starts Python) or ask for fewer")
 
     engines = _engines(engine) if isinstance(engine, Mapping) else {
         model_id or default_model_id(engine): engine}
@@ -181,7 +212,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
         raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}); pass another port "
                       "(0 picks a free one)") from None
     server = Server(app, sock, log_level=log_level or ("warning" if background else "info"),
-                    access_log=not background)
+                    access_log=not background, max_connections=cap,
+                    header_timeout=header_timeout)
     if not background:
         server.serve_forever()
         return server
