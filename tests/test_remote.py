@@ -1,17 +1,19 @@
 """`RemoteEngine` drives the notebook cells unchanged: `ChatCell` and `SimilarityCell`
-against our own server and against llama-cpp-python's server on the same GGUF files
-(when llama-cpp-python is installed), with the answers compared with the local engines."""
+against our own server and against llama-cpp-python's server on the same GGUF files, with
+the answers compared with the local engines. llama-cpp-python's server is its recorded
+answers (the golden `remote-llama-cpp-server`), replayed by tests/support/replay_server.py;
+`python -m pytest -m peers` checks that the live server still gives them."""
 
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import numpy as np
 import pytest
 
+from tests import goldens
+from tests.support.replay_server import ReplayServer, from_records
 from tests.support.shared import shared_file
 
 pytestmark = pytest.mark.slow
@@ -20,6 +22,7 @@ openai = pytest.importorskip("openai")
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.",
              "A man is riding a horse.", "A monkey is playing drums."]
 QUESTION = "What is the capital of France?"
+STORY = "Tell me a long story about a dragon."
 
 
 @pytest.fixture(scope="module")
@@ -32,30 +35,22 @@ def ours(smollm2, minilm):
 
 @pytest.fixture(scope="module")
 def llama_cpp_server(smollm2, minilm):
-    """llama_cpp.server on the same two GGUF files, on a loopback port of its own."""
-    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python[server] is not "
-                        "installed (pip install 'llama-cpp-python[server]')")
-    import uvicorn
-    from llama_cpp.server.app import create_app
-    from llama_cpp.server.settings import ModelSettings, ServerSettings
-
-    models = [ModelSettings(model=str(smollm2.path), model_alias="smollm2-135m", n_ctx=2048,
-                            n_threads=2, verbose=False),
-              ModelSettings(model=str(minilm.path), model_alias="minilm-l6", embedding=True,
-                            n_threads=2, verbose=False)]
-    app = create_app(server_settings=ServerSettings(), model_settings=models)
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "llama_cpp.server did not start"
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    """llama-cpp-python's server, replayed: the answers `llama_cpp.server` gave to these
+    tests' requests on the same two GGUF files (the golden `remote-llama-cpp-server`,
+    recorded by tests/goldens/make_remote.py), served on a loopback port of its own with
+    streams sent event by event. A request it has no answer for fails the test."""
+    golden = goldens.load("remote-llama-cpp-server")
+    for alias, model in (("smollm2-135m", smollm2), ("minilm-l6", minilm)):
+        recorded = golden.inputs["models"][alias]["sha256"]
+        assert goldens.digest(model.path) == recorded, \
+            f"{model.path} is not the file llama.cpp's server answered from (sha256 " \
+            f"{recorded}): regenerate `python -m tests.goldens remote-llama-cpp-server`"
+    exchanges = from_records(golden.outputs["exchanges"],
+                             lambda name: golden.file(name).read_bytes())
+    with ReplayServer(exchanges) as server:
+        yield server.base_url + "/v1"
+    assert not server.unmatched, "requests the golden holds no answer for: " \
+        + "; ".join(server.unmatched)
 
 
 @pytest.fixture(params=["ours", "llama_cpp_server"])
@@ -91,7 +86,7 @@ def test_chat_cell_over_a_remote_engine(request, base_url, smollm2):
 
     # Stop mid-stream: the cell keeps what arrived, the server is free for the next answer
     cell.max_tokens = 300
-    cell.send("Tell me a long story about a dragon.")
+    cell.send(STORY)
     deadline = time.monotonic() + 60
     while not cell.log[-1].get("streaming") and time.monotonic() < deadline:
         time.sleep(0.01)
