@@ -4,11 +4,16 @@
   our converter; its embeddings of the 10 sentences in
   ../shared/reference/minilm_reference.json must match sentence-transformers'
   vectors (minilm_reference.npy) to cosine >= 0.9999 in F32 and >= 0.999 in
-  Q8_0; tokenization must equal the Hugging Face tokenizer's ids.
+  Q8_0; tokenization must equal the Hugging Face tokenizer's ids, and the vectors of
+  an empty and an over-long text must match transformers' to cosine >= 0.9999 (the
+  golden `encoder-minilm-l6`).
 - Tiny random BertModel from transformers, converted by our converter: the last
   hidden state of every token matches transformers' to 1e-4 relative
   (max |ours - ref| <= 1e-4 * max |ref|), from safetensors and from a
-  pytorch_model.bin, alone and in a padded batch.
+  pytorch_model.bin, alone and in a padded batch. The model's folder and
+  transformers' outputs are the golden `encoder-tiny-bert`.
+- The goldens (tests/goldens, made by tests/goldens/make_encoder.py) hold what
+  transformers answered; no peer runs here.
 - Every fidelity test runs on each of `DEVICES`: the NumPy engine, the MLX backend
   and the CuPy backend's code on NumPy (`tests/support/devices.py`).
 - Bad input: empty text, over-long text (truncated, warned; the kept ids those of the
@@ -26,6 +31,14 @@ import zipfile
 import numpy as np
 import pytest
 
+from tests.goldens import Golden, load
+from tests.goldens.make_encoder import (
+    MINILM_GOLDEN,
+    OVERLONG_TEXT,
+    TINY_TEXTS,
+    TOKENIZER_STRINGS,
+    minilm_inputs,
+)
 from tests.support.devices import DEVICES, open_encoder
 from tests.support.long_texts import (
     LONG_TEXT_PIECES,
@@ -34,33 +47,24 @@ from tests.support.long_texts import (
     random_long_texts,
 )
 from tests.support.shared import reference, shared_file
-from tests.support.tiny_encoders import tiny_bert
+from tests.support.tiny_encoders import TINY_BERT_GOLDEN, tiny_bert
 
 RTOL = 1e-4
-
-# 50 strings for tokenizer agreement: accents, punctuation, numbers, CJK, scripts,
-# control and invisible characters, special-token texts, over-long words and inputs
-TOKENIZER_STRINGS = [
-    "hello world", "Héllo Wörld! Ça va?", "naïve café résumé", "$3.50 + 20% = ???",
-    "2024-11-22T10:00:00Z", "中文测试，你好世界", "日本語のテキストです", "한국어 문장입니다",
-    "emoji 😀👍🏽 test", "tabs\tand\nnewlines\r\n", "  leading and trailing  ",
-    "UPPER lower MiXeD", "don't won't it's", "e-mail: someone@example.com",
-    "https://example.org/path?q=1&b=2", "[CLS] inside [SEP] text [MASK]",
-    "[cls] lowercase special", "a" * 150, "supercalifragilisticexpialidocious",
-    "ﬁnancial ligature", "İstanbul ŞEHİR", "Ελληνικά κείμενο", "Русский текст", "עברית",
-    "العربية", "zero\u200bwidth", "soft\u00adhyphen", "nbsp\u00a0space", "em—dash – en",
-    "«quotes» “curly” ‘single’", "x\x00y\ufffdz", "control\x07char", "math ∑ ∫ √ ≈",
-    "1,000,000.00", "v1.2.3-beta+build", "C++ and C#", "under_score snake_case",
-    "CamelCaseWord", "#hashtag @mention", "...!!!???", "", " ", "ß straße", "Ǆ digraph",
-    "x̧ combining", "ｆｕｌｌｗｉｄｔｈ", "ⅷ roman", "℃ degrees", "\u2028line sep",
-    "tokenization " * 400,  # over-long: truncated to 256 tokens
-]
-
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = a / np.linalg.norm(a, axis=-1, keepdims=True)
     b = b / np.linalg.norm(b, axis=-1, keepdims=True)
     return (a * b).sum(-1)
+
+
+def _golden(name: str, **inputs) -> Golden:
+    """The stored golden `name`, failing when it was made from other `inputs` than these."""
+    golden = load(name)
+    for key, value in inputs.items():
+        assert golden.inputs[key] == value, \
+            f"the golden {name} was made from another {key}: regenerate it with " \
+            f"`python -m tests.goldens {name}`"
+    return golden
 
 
 # -- the real model ---------------------------------------------------------------------------
@@ -91,22 +95,14 @@ def minilm_q8_path(minilm_folder, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def hf_minilm(minilm_folder):
-    """transformers' BertModel and tokenizer on the same folder (a second reference)."""
-    import torch
-    from transformers import AutoTokenizer, BertModel
+def hf_minilm():
+    """transformers' BertModel and tokenizer on the same checkpoint (a second reference):
+    the golden `encoder-minilm-l6`, the ids of TOKENIZER_STRINGS and the mean-pooled
+    vectors of "" and OVERLONG_TEXT."""
+    from workbench import registry
 
-    model = BertModel.from_pretrained(minilm_folder, attn_implementation="eager").eval()
-    tok = AutoTokenizer.from_pretrained(minilm_folder)
-
-    def embed(text: str, max_length: int = 256) -> np.ndarray:
-        enc = tok(text, truncation=True, max_length=max_length, return_tensors="pt")
-        with torch.no_grad():
-            h = model(**enc).last_hidden_state[0].numpy()
-        v = h.mean(0)
-        return v / np.linalg.norm(v)
-
-    return tok, embed
+    return _golden(MINILM_GOLDEN, **minilm_inputs(),
+                   model_safetensors_sha256=registry.MODELS["minilm-l6"].sha256)
 
 
 def _minilm_reference():
@@ -152,10 +148,8 @@ def test_q8_0_embeddings_match_sentence_transformers(minilm_q8_path, device):
 
 @pytest.mark.slow
 def test_tokenization_matches_hugging_face(minilm, hf_minilm):
-    tok, _ = hf_minilm
     assert len(TOKENIZER_STRINGS) == 50
-    for text in TOKENIZER_STRINGS:
-        expected = tok(text, truncation=True, max_length=256)["input_ids"]
+    for text, expected in zip(TOKENIZER_STRINGS, hf_minilm.outputs["input_ids"], strict=True):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             assert minilm.tokenize(text) == expected, repr(text)
@@ -165,14 +159,13 @@ def test_tokenization_matches_hugging_face(minilm, hf_minilm):
 def test_overlong_text_is_truncated_with_a_warning(minilm, hf_minilm):
     from workbench.engine.encoder import TruncationWarning
 
-    _, hf_embed = hf_minilm
-    text = " ".join(f"word{i % 97}" for i in range(10_000))
+    text = OVERLONG_TEXT  # 10,000 words
     with pytest.warns(TruncationWarning, match="cut to the model's maximum of 256 tokens"):
         ids = minilm.tokenize(text)
     assert len(ids) == 256 and ids[0] == 101 and ids[-1] == 102
     with pytest.warns(TruncationWarning):
         v = minilm.embed(text)
-    assert _cosines(v, hf_embed(text)) >= 0.9999
+    assert _cosines(v, hf_minilm.arrays["overlong_256"]) >= 0.9999
     with pytest.warns(TruncationWarning, match="2 texts"):
         minilm.embed_batch([text, "short", text])
     # a longer limit, up to the model's 512 positions, as sentence-transformers' max_seq_length
@@ -180,7 +173,7 @@ def test_overlong_text_is_truncated_with_a_warning(minilm, hf_minilm):
 
     with Encoder.load(minilm.path, max_length=512) as longer:
         with pytest.warns(TruncationWarning, match="maximum of 512 tokens"):
-            assert _cosines(longer.embed(text), hf_embed(text, 512)) >= 0.9999
+            assert _cosines(longer.embed(text), hf_minilm.arrays["overlong_512"]) >= 0.9999
     with pytest.raises(ValueError, match=r"max_length must be in \[3, 512\]"):
         Encoder.load(minilm.path, max_length=513)
 
@@ -203,11 +196,10 @@ def test_converted_file_follows_llama_cpp_conventions(minilm):
 
 @pytest.mark.slow
 def test_empty_text_embeds_like_transformers(minilm, hf_minilm):
-    _, hf_embed = hf_minilm
     assert minilm.tokenize("") == [101, 102]
     v = minilm.embed("")
     assert v.shape == (384,) and np.isfinite(v).all()
-    assert _cosines(v, hf_embed("")) >= 0.9999
+    assert _cosines(v, hf_minilm.arrays["empty"]) >= 0.9999
 
 
 @pytest.mark.slow
@@ -288,60 +280,52 @@ def test_cli_convert_and_embed(tmp_path, capsys, minilm_folder):
 
 # -- a tiny random BERT from transformers --------------------------------------------------
 
-TINY_TEXTS = ["The quick brown fox jumps over the lazy dog!", "hello, world", "unjumped foxes?",
-              "x"]
+@pytest.fixture(scope="module")
+def tiny_golden() -> Golden:
+    """transformers on the tiny BERT (the golden `encoder-tiny-bert`): BertTokenizerFast's
+    ids of TINY_TEXTS, the last hidden state of each text run alone, and the padded
+    batch's states pooled by hand (mean over the attention mask, and CLS)."""
+    return _golden(TINY_BERT_GOLDEN, texts=TINY_TEXTS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("safetensors", [True, False], ids=["safetensors", "pytorch_bin"])
-def test_tiny_bert_matches_transformers(tmp_path, safetensors, device):
-    import torch
-    from transformers import BertTokenizerFast
-
+def test_tiny_bert_matches_transformers(tmp_path, safetensors, device, tiny_golden):
     from workbench.engine.convert import hf_bert_to_gguf
 
-    folder = tmp_path / "tiny"
-    model = tiny_bert(folder, safetensors=safetensors)
+    folder = tiny_bert(tmp_path / "tiny", safetensors=safetensors)
     assert (folder / ("model.safetensors" if safetensors else "pytorch_model.bin")).is_file()
     enc = open_encoder(hf_bert_to_gguf(folder, tmp_path / "tiny.gguf"), device)
-    tok = BertTokenizerFast(str(folder / "vocab.txt"), do_lower_case=True)
 
-    for text in TINY_TEXTS:  # one text at a time
-        ids = tok(text)["input_ids"]
-        assert enc.tokenize(text) == ids
-        with torch.no_grad():
-            ref = model(torch.tensor([ids])).last_hidden_state[0].numpy()
+    for i, text in enumerate(TINY_TEXTS):  # one text at a time
+        assert enc.tokenize(text) == tiny_golden.outputs["input_ids"][i]
+        ref = tiny_golden.arrays[f"last_hidden_state_{i}"]
         ours = enc.token_embeddings(text)
         assert np.abs(ours - ref).max() <= RTOL * np.abs(ref).max()
 
     # a padded batch: transformers with an attention mask, pooled by hand
-    batch = tok(TINY_TEXTS, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        h = model(**batch).last_hidden_state.numpy()
-    mask = batch["attention_mask"].numpy()[..., None]
-    for pool, ref in (("mean", (h * mask).sum(1) / mask.sum(1)), ("cls", h[:, 0])):
+    for pool in ("mean", "cls"):
+        ref = tiny_golden.arrays[f"batch_{pool}"]
         ours = enc.embed_batch(TINY_TEXTS, pool=pool, normalize=False)
         assert np.abs(ours - ref).max() <= RTOL * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,min_cos", [("f16", 0.9999), ("q8_0", 0.999)])
-def test_tiny_bert_reduced_precision(tmp_path, dtype, min_cos, device):
-    import torch
+def test_tiny_bert_reduced_precision(tmp_path, dtype, min_cos, device, tiny_golden):
     from gguf import GGMLQuantizationType
 
     from workbench.engine.convert import hf_bert_to_gguf
     from workbench.engine.gguf import open_gguf
 
-    folder = tmp_path / "tiny"
-    model = tiny_bert(folder)
+    folder = tiny_bert(tmp_path / "tiny")
     path = hf_bert_to_gguf(folder, tmp_path / f"tiny.{dtype}.gguf", dtype=dtype)
     assert open_gguf(path).tensor("blk.0.ffn_down.weight").qtype == \
         GGMLQuantizationType[dtype.upper()]
     enc = open_encoder(path, device)
-    ids = enc.tokenize(TINY_TEXTS[0])
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).last_hidden_state[0].numpy()
+    # transformers' states were computed from these ids
+    assert enc.tokenize(TINY_TEXTS[0]) == tiny_golden.outputs["input_ids"][0]
+    ref = tiny_golden.arrays["last_hidden_state_0"]
     assert _cosines(enc.token_embeddings(TINY_TEXTS[0]), ref).min() >= min_cos
 
 

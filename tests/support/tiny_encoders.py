@@ -1,9 +1,14 @@
-"""Tiny random-weight transformers encoders: a BERT saved as users download one, and a
+"""Tiny random-weight transformers encoders: a BERT saved as users download one (the
+gate copies its files from the golden `encoder-tiny-bert` with `tiny_bert`), and a
 Whisper model for tests/whisper_to_bin.py."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
+
+from tests.goldens import load
 
 TINY_WORDS = ["the", "quick", "brown", "fox", "jump", "over", "lazy", "dog", "hello", "world",
               "un", "##ed", "##ing", "##ly", ",", ".", "!", "?", "'"]
@@ -27,8 +32,26 @@ def spread_weights(model, norm: str, wide: str | None = None) -> None:
                 p.normal_(0.0, 0.15)
 
 
-def tiny_bert(folder, *, safetensors: bool = True):
-    """A transformers BertModel with seeded random weights, saved with its vocabulary."""
+TINY_BERT_GOLDEN = "encoder-tiny-bert"
+# the tiny BERT's folder besides its weights (model.safetensors or pytorch_model.bin)
+TINY_BERT_FILES = ("config.json", "tokenizer_config.json", "vocab.txt")
+
+
+def tiny_bert(folder: Path, *, safetensors: bool = True) -> Path:
+    """The tiny random BERT's folder as users download one, written to `folder`: the files
+    `build_tiny_bert` saved, stored in the golden `encoder-tiny-bert` (no peer needed), with
+    its weights as `model.safetensors` or, without `safetensors`, `pytorch_model.bin`."""
+    golden = load(TINY_BERT_GOLDEN)
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = "model.safetensors" if safetensors else "pytorch_model.bin"
+    for name in (*TINY_BERT_FILES, weights):
+        shutil.copyfile(golden.file(name), folder / name)
+    return folder
+
+
+def build_tiny_bert(folder, *, safetensors: bool = True):
+    """A transformers BertModel with seeded random weights, saved with its vocabulary (the
+    producer of `encoder-tiny-bert` runs it; the tests copy its files with `tiny_bert`)."""
     import torch
     from transformers import BertConfig, BertModel
 
@@ -72,3 +95,11 @@ def tiny_whisper(f16: bool):
                 if p.ndim >= 2 and "embed_positions" not in name:
                     p.copy_(p.half().float())
     return model
+
+
+def random_mel(seed: int):
+    """The spectrogram the tiny Whisper is fed: (80, 3000) float32 standard normal draws
+    from `numpy.random.default_rng(seed)`."""
+    import numpy as np
+
+    return np.random.default_rng(seed).standard_normal((80, 3000)).astype(np.float32)
