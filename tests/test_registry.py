@@ -57,10 +57,42 @@ def test_pull_downloads_joins_and_checks(monkeypatch, tmp_path):
     assert path.read_bytes()[:4] == b"GGUF"
     assert registry.cached_path("smollm2-135m") == path
     assert registry.pull("smollm2-135m") == path  # cached: no work
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp leftovers
+    assert cached_files(tmp_path) == [path.name]  # no temp leftovers
     # a checksum mismatch leaves no file behind
     bad = dataclasses.replace(registry.MODELS["smollm2-135m"], sha256="0" * 64)
     monkeypatch.setitem(registry.MODELS, "smollm2-135m", bad)
     with pytest.raises(PullError, match="sha256"):
         registry.pull("smollm2-135m", force=True, progress=False)
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert cached_files(tmp_path) == [path.name]
+
+
+def cached_files(cache) -> list[str]:
+    """The names in the model cache, but for its folder of pull locks."""
+    return sorted(p.name for p in cache.iterdir() if p.name != ".locks")
+
+
+def test_concurrent_pulls_of_one_model_download_it_once(monkeypatch, tmp_path):
+    """Two pulls of one model at once (two notebooks, two test workers): the second waits
+    for the first and finds its file; neither replaces the other's file under its feet."""
+    import threading
+    import time
+
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    downloads = []
+
+    def slow_download(alias, entry, target, force, progress, convert):
+        downloads.append(alias)
+        time.sleep(0.3)
+        target.write_bytes(b"GGUF")
+        return target
+
+    monkeypatch.setattr(registry, "_pull", slow_download)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(registry.pull("smollm2-135m")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert downloads == ["smollm2-135m"]
+    assert paths == [tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"] * 2

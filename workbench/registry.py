@@ -21,7 +21,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,6 +164,15 @@ def pull(alias: str, *, force: bool = False, progress: bool = True,
     if target.is_file() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _one_puller(alias):
+        if target.is_file() and not force:  # another process pulled it while we waited
+            return target
+        return _pull(alias, entry, target, force, progress, convert)
+
+
+def _pull(alias: str, entry: RegisteredModel, target: Path, force: bool, progress: bool,
+          convert: Converter | None) -> Path:
+    """`pull`'s download, join and check, run by one process at a time."""
     if entry.convert:
         if convert is None:
             raise PullError(f"{alias} is converted from a checkpoint folder on pull; use "
@@ -212,6 +222,14 @@ def source_folder(alias: str, *, force: bool = False, progress: bool = True) -> 
     if (folder / entry.checked_file).is_file() and not force:
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
+    with _one_puller(f"{alias}-source"):
+        if (folder / entry.checked_file).is_file() and not force:  # pulled while we waited
+            return folder
+        return _fetch_folder(alias, entry, folder, progress)
+
+
+def _fetch_folder(alias: str, entry: RegisteredModel, folder: Path, progress: bool) -> Path:
+    """`source_folder`'s download, unpack and check, run by one process at a time."""
     with tempfile.TemporaryDirectory(prefix="workbench-pull-", dir=folder.parent) as tmp:
         tmp_dir = Path(tmp)
         wheels = _pip_download([req for req, _ in entry.parts], tmp_dir, progress)
@@ -228,6 +246,26 @@ def source_folder(alias: str, *, force: bool = False, progress: bool = True) -> 
             shutil.rmtree(folder)
         os.replace(unpacked, folder)
     return folder
+
+
+@contextmanager
+def _one_puller(name: str) -> Iterator[None]:
+    """Hold the exclusive lock `name` (a file in the cache's `.locks` folder): two
+    processes pulling the same model (two notebooks, parallel test workers) take turns,
+    and the second finds the first one's file instead of replacing it under its feet."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks; pulls there are not concurrent-safe
+        yield
+        return
+    folder = cache_dir() / ".locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _extract_folder(wheel: Path, req: str, prefix: str, dest: Path) -> None:
