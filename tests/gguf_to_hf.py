@@ -1,9 +1,11 @@
-"""Test helper: a transformers model holding a GGUF file's weights, dequantized to fp32.
+"""A transformers model holding a GGUF file's weights, dequantized to fp32.
 
 It is the exact-arithmetic reference for the real models: llama.cpp quantizes
 activations to 8 bits inside quantized matmuls and keeps the KV cache in fp16,
 so its logits carry noise of a few tenths; transformers on the same dequantized
-weights (`gguf.quants.dequantize`) in fp32 does not.
+weights (`gguf.quants.dequantize`) in fp32 does not. Only the producers of the
+goldens import it (tests/goldens/make_llamacpp.py, a peer: torch); the tests
+compare against what they stored.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def hf_model_from_gguf(g: GGUFFile):
     def weight(name):
         t = g.tensor(name)
         w = quants.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape)
-        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        return torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
     sd = {"model.embed_tokens.weight": weight("token_embd.weight"),
           "model.norm.weight": weight("output_norm.weight") - float(arch == "gemma3"),

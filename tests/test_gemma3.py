@@ -1,7 +1,8 @@
 """Gemma 3 270M, the real file (`workbench pull gemma3-270m`), against llama.cpp.
 
 The tokenizer cases are checked in tests/test_tokenizer.py and the logits against
-the fp32 transformers reference in tests/test_llamacpp_reference.py; here:
+the fp32 transformers reference (its stored golden, `fp32-arbiter-gemma3`) in
+tests/test_llamacpp_reference.py; here:
 
 - greedy ids equal llama.cpp's up to the first step whose top-2 gap is below
   0.05 (from there on the two may part at a near tie);
