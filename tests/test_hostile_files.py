@@ -2,8 +2,8 @@
 (`GGUFError`, `PrefixCacheError`, `WhisperFileError`, all ValueErrors) and a message that
 names the problem, never with an error from deep inside, a blowup or a silent bad load.
 
-The "valid except one field" files start from tiny real models built as the fidelity
-tests build them (`tests.support.tiny_llama.build_tiny`, `tests.whisper_to_bin.write_bin`);
+The "valid except one field" files start from the tiny real models the fidelity tests
+use (stored in the goldens `tiny-llama-speculative` and `whisper-tiny-random-f32`);
 headers the `gguf` writer refuses to produce are written byte by byte. Cases that used to
 allocate gigabytes, and the seeded fuzz loop, run in a subprocess under RLIMIT_AS and a
 timeout, so a blowup or a hang fails the test instead of taking the machine down.
@@ -57,14 +57,13 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_bin(tmp_path_factory) -> Path:
-    """A tiny random-weight Whisper `.bin` (vocab 120, 80 mels, width 64, 2 + 2 layers)."""
-    from tests.support.tiny_encoders import tiny_whisper
-    from tests.whisper_to_bin import F32, write_bin
-    from workbench.engine.convert import mel_filters
+    """A tiny random-weight Whisper `.bin` (vocab 120, 80 mels, width 64, 2 + 2 layers), as
+    `tests.whisper_to_bin.write_bin` wrote it: the golden `whisper-tiny-random-f32`."""
+    from tests.goldens import load
 
     path = tmp_path_factory.mktemp("bin") / "tiny-whisper.bin"
-    return write_bin(tiny_whisper(False), path, mel_filters(80),
-                     [bytes([i]) for i in range(100)], F32)
+    shutil.copyfile(load("whisper-tiny-random-f32").file("tiny.bin"), path)
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,10 @@
 - The real models, pulled from PyPI and converted from CTranslate2 by our converter:
   tiny.en transcribes JFK word for word (greedy and beam 5), espeak-ng speech with word
   error rate <= 0.15, long audio in chunks with silence skipped; base detects English
-  and French. whisper.cpp itself (pywhispercpp) loads the converted file.
+  and French and translates French as CTranslate2 does. whisper.cpp itself loads the
+  converted file.
+- The peers' answers (transformers, CTranslate2, whisper.cpp) are stored goldens
+  (tests/goldens/data/whisper-*, made by tests/goldens/make_whisper.py): no peer runs here.
 - Bad input: stereo 44.1 kHz files, empty audio, NaN samples, truncated files.
 
 The fidelity checks run on every device: the NumPy engine ("cpu"), the MLX backend
@@ -21,16 +24,18 @@ model must stay within 1e-4 relative of the cpu's.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 import wave
 
 import numpy as np
 import pytest
 
+from tests.goldens import digest, load
 from tests.support.devices import DEVICES, cuda_on_numpy, require_device
 from tests.support.shared import reference, shared_file
 from tests.support.speech import FRENCH, JFK, espeak_wav, jfk_pcm, wer, words
-from tests.support.tiny_encoders import tiny_whisper
+from tests.support.tiny_encoders import random_mel
 
 RTOL = 1e-4
 
@@ -48,6 +53,14 @@ def net_on(net, device: str):
     from workbench.engine.models.whisper import DeviceWhisper
 
     return net if device == "cpu" else DeviceWhisper(net, _backend(device))
+
+
+def golden_mel(golden) -> np.ndarray:
+    """The random spectrogram a tiny-model golden was made on (checked by its sha256)."""
+    mel = random_mel(golden.inputs["mel_seed"])
+    assert hashlib.sha256(mel.tobytes()).hexdigest() == golden.inputs["mel_sha256"], \
+        "numpy's generator no longer draws the golden's spectrogram"
+    return mel
 
 
 # -- the file format -------------------------------------------------------------------------
@@ -112,24 +125,16 @@ def test_bad_files_give_clear_errors(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
-def test_tiny_whisper_matches_transformers(tmp_path, f16, device):
-    import torch
-
-    from tests.whisper_to_bin import F16, F32, write_bin
-    from workbench.engine.convert import mel_filters
+def test_tiny_whisper_matches_transformers(f16, device):
+    """The goldens whisper-tiny-random-f32/-f16 hold the tiny model's .bin and
+    transformers' encoder output and logits at every position of `tokens`."""
     from workbench.engine.models.whisper import Whisper
     from workbench.engine.whisper_file import WhisperFile
 
-    model = tiny_whisper(f16)
-    path = write_bin(model, tmp_path / "tiny.bin", mel_filters(80),
-                     [bytes([i]) for i in range(100)], F16 if f16 else F32)
-    net = net_on(Whisper(WhisperFile(path)), device)
-    mel = np.random.default_rng(0).standard_normal((80, 3000)).astype(np.float32)
-    tokens = [1, 5, 7, 9, 11, 13, 17, 19]
-    with torch.no_grad():
-        ref_enc = model.model.encoder(torch.from_numpy(mel)[None]).last_hidden_state[0].numpy()
-        ref_logits = model(input_features=torch.from_numpy(mel)[None],
-                           decoder_input_ids=torch.tensor([tokens])).logits[0].numpy()
+    golden = load(f"whisper-tiny-random-{'f16' if f16 else 'f32'}")
+    net = net_on(Whisper(WhisperFile(golden.file("tiny.bin"))), device)
+    mel, tokens = golden_mel(golden), golden.inputs["tokens"]
+    ref_enc, ref_logits = golden.arrays["encoder_output"], golden.arrays["logits"]
     enc = net.encode(mel)
     if device != "cpu":  # the encoder output stays on the device
         assert not isinstance(enc, np.ndarray) or device == "cuda-on-numpy"
@@ -157,43 +162,38 @@ def test_tiny_whisper_matches_transformers(tmp_path, f16, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_tiny_whisper_q8_0(tmp_path, device):
-    """Q8_0 matrices (whisper.cpp's quantized files) run on the quantized kernels."""
-    import torch
+def test_tiny_whisper_q8_0(device):
+    """Q8_0 matrices (whisper.cpp's quantized files) run on the quantized kernels. The
+    golden whisper-tiny-random-q8_0 holds the model's Q8_0 .bin and the F32 model's
+    transformers logits at the last token."""
     from gguf import GGMLQuantizationType
 
-    from tests.whisper_to_bin import Q8_0, write_bin
-    from workbench.engine.convert import mel_filters
     from workbench.engine.models.whisper import Whisper
     from workbench.engine.whisper_file import WhisperFile
 
-    model = tiny_whisper(False)
-    f = WhisperFile(write_bin(model, tmp_path / "q8.bin", mel_filters(80),
-                              [bytes([i]) for i in range(100)], Q8_0))
+    golden = load("whisper-tiny-random-q8_0")
+    f = WhisperFile(golden.file("q8_0.bin"))
     assert f.tensors["encoder.blocks.0.mlp.0.weight"].qtype == GGMLQuantizationType.Q8_0
     net = Whisper(f)
     assert net.encoder_blocks[0].up.qtype == GGMLQuantizationType.Q8_0
     net = net_on(net, device)
-    mel = np.random.default_rng(1).standard_normal((80, 3000)).astype(np.float32)
-    tokens = [1, 5, 7, 9]
-    with torch.no_grad():
-        ref = model(input_features=torch.from_numpy(mel)[None],
-                    decoder_input_ids=torch.tensor([tokens])).logits[0, -1].numpy()
+    mel, tokens = golden_mel(golden), golden.inputs["tokens"]
+    ref = golden.arrays["last_logits"]
     ours = net.decode(np.array([tokens]), net.new_cache(net.encode(mel)))[0]
     cos = float(ours @ ref / np.linalg.norm(ours) / np.linalg.norm(ref))
     assert cos >= 0.999 and int(np.argmax(ours)) == int(np.argmax(ref))
 
 
 def test_log_mel_matches_transformers_feature_extractor():
-    from transformers import WhisperFeatureExtractor
-
+    """The golden whisper-log-mel-jfk holds transformers' `WhisperFeatureExtractor` on
+    jfk.wav."""
     from workbench.engine.convert import mel_filters
     from workbench.engine.mel import N_SAMPLES, log_mel_spectrogram
 
-    pcm = jfk_pcm()
-    ours = log_mel_spectrogram(pcm, mel_filters(80), padding=N_SAMPLES)[:, :3000]
-    ref = WhisperFeatureExtractor(feature_size=80)(pcm, sampling_rate=16000,
-                                                   return_tensors="np").input_features[0]
+    golden = load("whisper-log-mel-jfk")
+    assert digest(shared_file("data", "whisper", "jfk.wav")) == golden.inputs["audio_sha256"]
+    ours = log_mel_spectrogram(jfk_pcm(), mel_filters(80), padding=N_SAMPLES)[:, :3000]
+    ref = golden.arrays["features"]
     assert ours.shape == ref.shape == (80, 3000)
     assert np.abs(ours - ref).max() < 2e-3  # float32 STFT (theirs) against float64 (ours)
 
@@ -344,45 +344,38 @@ def test_espeak_sentences_beam5(whisper, tmp_path, device):
         base.transcribe(french, language="xx")
 
 
-def _ctranslate2_greedy(model, alias: str, mel: np.ndarray, prompt: list[int]
-                        ) -> tuple[list[int], np.ndarray]:
-    """The peer's greedy tokens after `prompt` and its logits (steps, n_vocab) along them:
-    CTranslate2 (faster-whisper's engine) on the folder `alias` is converted from, fed
-    our spectrogram (the same input), float32, with whisper.cpp's rules (no blank or end
-    first, nothing else suppressed)."""
-    import ctranslate2
-
-    from workbench import registry
-
-    peer = ctranslate2.models.Whisper(str(registry.source_folder(alias)), device="cpu",
-                                      compute_type="float32", intra_threads=2)
-    features = ctranslate2.StorageView.from_array(np.ascontiguousarray(mel[None], np.float32))
-    r = peer.generate(features, [prompt], beam_size=1, suppress_blank=True, suppress_tokens=[],
-                      return_logits_vocab=True, max_length=model.config.n_text_ctx // 2)[0]
-    return r.sequences_ids[0], np.stack([np.asarray(x).reshape(-1) for x in r.logits[0]])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("device", REAL_DEVICES)
-def test_translate_french_speech_to_english(whisper, tmp_path, device):
+def test_translate_french_speech_to_english(whisper, device):
     """whisper-base translates French espeak speech into English token for token as
     CTranslate2 does (greedy, same spectrogram), its logits along the way within float32
-    rounding; the language may be given or detected."""
+    rounding; the language may be given or detected.
+
+    The golden whisper-base-translate-fr-ct2 holds the speech (espeak-ng's french.wav),
+    CTranslate2's tokens after the prompt and, of its logits (steps, n_vocab), every 8th
+    vocabulary column and each step's 16 largest (the whole array is 5 MB), with the
+    largest magnitude of the whole array, which the tolerance is relative to."""
+    from workbench.engine.audio import load_audio
+
+    golden = load("whisper-base-translate-fr-ct2")
     base = whisper("whisper-base")
-    french = _espeak(FRENCH, "fr", tmp_path)
-    mel = base.log_mel(french)[:, :3000]  # (n_mels, 3000): one 30 s window
+    french = load_audio(golden.file("french.wav"))
     prompt = base.tokenizer.sot_sequence("fr", "translate", False)
-    tokens, peer = _ctranslate2_greedy(base, "whisper-base", mel, prompt)
+    assert prompt == golden.inputs["prompt"]
+    tokens = golden.outputs["tokens"]
     t = transcribe(whisper, "whisper-base", device, "espeak-fr-translate", french,
                    task="translate", language="fr", exact=False)
     if device == "cpu":
         assert t.tokens == prompt + tokens + [base.tokenizer.eot], (str(t),
                                                                    base.tokenizer.decode(tokens))
         net = base.net
+        mel = base.log_mel(french)[:, :3000]  # (n_mels, 3000): one 30 s window, as the peer's
         ours = net.decode(np.array([prompt + tokens]), net.new_cache(net.encode(mel)),
                           all_logits=True)[0][len(prompt) - 1:]  # (steps, n_vocab)
+        ours = ours[:, golden.arrays["logit_columns"]]
+        peer = golden.arrays["logits"]
         kept = np.abs(peer) < 1e30  # the peer writes -FLT_MAX where it suppressed a token
-        assert np.abs(ours - peer)[kept].max() <= RTOL * np.abs(peer[kept]).max()
+        assert np.abs(ours - peer)[kept].max() <= RTOL * golden.outputs["logit_scale"]
     assert t.language == "fr"
     heard = base.transcribe(french, language="fr")  # the same speech, not translated
     assert "bonjour" in words(heard) and "bonjour" not in words(t), (str(heard), str(t))
@@ -456,13 +449,21 @@ def test_annotations_are_removed():
 
 
 @pytest.mark.slow
-def test_whisper_cpp_loads_the_converted_file(tiny_en):
-    from pywhispercpp.model import Model
+def test_whisper_cpp_loads_the_converted_file(tmp_path):
+    """whisper.cpp (pywhispercpp) loaded the file our converter writes from whisper-tiny.en
+    and transcribed JFK word for word: the golden whisper-cpp-tiny-en-jfk holds that
+    file's sha256 and the transcript, and the converter must still write those bytes."""
+    from workbench import registry
+    from workbench.engine.convert import ct2_whisper_to_bin
 
-    model = Model(str(tiny_en.path), n_threads=2, print_progress=False,
-                  print_realtime=False)
-    text = " ".join(s.text for s in model.transcribe(str(shared_file("data", "whisper",
-                                                                     "jfk.wav"))))
+    golden = load("whisper-cpp-tiny-en-jfk")
+    assert digest(shared_file("data", "whisper", "jfk.wav")) == golden.inputs["audio_sha256"]
+    path = ct2_whisper_to_bin(registry.source_folder("whisper-tiny.en", progress=False),
+                              tmp_path / "ggml-tiny.en.bin")
+    assert digest(path) == golden.outputs["bin_sha256"], \
+        "the converter no longer writes the file whisper.cpp loaded: regenerate the golden " \
+        "with `python -m tests.goldens whisper-cpp` (needs the [peers] extra)"
+    text = golden.outputs["transcript"]
     assert wer(text, JFK) == 0, text
 
 
