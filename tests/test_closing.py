@@ -6,13 +6,14 @@ loops. The generation tests over the JSONSchemaBench sample are in test_grammar.
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import numpy as np
 import pytest
 
-from workbench import ClosedEarlyWarning, Closing, Grammar
-from workbench.engine.closing import shortest_completion
+from workbench import ClosedEarlyWarning, Closing, Grammar, GrammarBudgetError
+from workbench.engine.closing import min_json_bytes, shortest_completion
 
 RECORD = {"type": "object",
           "properties": {"note": {"type": "string"},
@@ -204,3 +205,66 @@ def test_x_max_tokens_follows_items_refs_and_combinators():
             "notes": {"type": "object", "additionalProperties": {
                 "anyOf": [{"type": "string", "x-max-tokens": 7}, {"type": "null"}]}}}})
     assert set(g.string_budgets) == {(("tags", "[]"), 3), (("notes", "{}"), 7)}
+
+
+# -- minimums no search reaches -----------------------------------------------------------------
+NESTED_MINIMUMS = {  # 1,000 rows of a string of 500 or a list of 300: ~300 KB at least
+    "type": "object", "required": ["rows"], "properties": {"rows": {"$ref": "#/$defs/rows"}},
+    "$defs": {"rows": {"type": "array", "minItems": 1000, "items": {"anyOf": [
+        {"type": "string", "minLength": 500},
+        {"allOf": [{"type": "array"}, {"minItems": 300}]}]}}}}
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "string", "minLength": 1_000_000_000}, "minLength 1000000000"),
+    ({"type": "array", "minItems": 1_000_000}, "minItems 1000000"),
+    ({"type": "object", "minProperties": 1_000_000}, "minProperties 1000000"),
+    (NESTED_MINIMUMS, "503,010 bytes, by minItems 1000 at /rows, of minLength 500 at /rows/0"),
+])
+def test_a_huge_minimum_is_refused_before_the_first_token(smollm2, schema, words):
+    """These ran 26-52 s and returned cut JSON: the search for a shortest completion
+    cannot reach them, so nothing was refused. The schema's numbers bound the output
+    from below (bytes, over the longest token's bytes: tokens)."""
+    start = time.perf_counter()
+    with pytest.raises(GrammarBudgetError, match=f"at least \\d+ tokens .*{words}.*"
+                                                 f"max_tokens=64"):
+        smollm2.chat([{"role": "user", "content": "hi"}], schema=schema, max_tokens=64)
+    assert time.perf_counter() - start < 2
+
+
+def test_a_minimum_past_the_search_is_found_by_a_longer_probe(smollm2):
+    """minItems 200 fits the bound (401 bytes, ~5 tokens of SmolLM2's longest) but not
+    the budget; the search gives up on it, and the probe, run on for the budget's bytes,
+    finds an array of 200 items that takes more than 64 tokens."""
+    with pytest.raises(GrammarBudgetError, match=r"takes \d+ tokens.*max_tokens=64"):
+        smollm2.chat([{"role": "user", "content": "hi"}],
+                     schema={"type": "array", "minItems": 200}, max_tokens=64)
+
+
+@pytest.mark.parametrize("schema, size", [
+    (RECORD, len('{"note":"","count":0}')),
+    ({"type": "array", "minItems": 3, "items": {"enum": ["abc", "de"]}}, len('["de","de","de"]')),
+    ({"type": "array", "prefixItems": [{"const": "abc"}, {"type": "string", "minLength": 4}],
+      "minItems": 2}, len('["abc","1234"]')),
+    ({"allOf": [{"type": "string"}, {"minLength": 7}]}, 9),
+    ({"type": "string", "anyOf": [{"minLength": 5}, {"minLength": 3}]}, 5),
+    ({"anyOf": [{"type": "string", "minLength": 50}, {"type": "null"}]}, 4),
+    ({"minLength": 50}, 1),  # any type: a number is 1 byte
+    ({"$defs": {"n": {"type": "object", "required": ["k"], "properties": {
+        "k": {"type": "array", "minItems": 2, "items": {"$ref": "#/$defs/n"}}}}},
+      "$ref": "#/$defs/n"}, len('{"k":[0,0]}')),  # recursion counts nothing more
+    ({"type": "object", "minProperties": 2, "required": ["a"]}, len('{"a":0,"":0}')),
+])
+def test_min_json_bytes_bounds_the_shortest_json(schema, size):
+    assert min_json_bytes(schema)[0] == size
+
+
+def test_min_json_bytes_never_exceeds_a_completion_the_search_finds(smollm2):
+    """The bound is a bound: at most the length of a completion found by search."""
+    for schema in [RECORD, {"allOf": [{"type": "array"}, {"minItems": 5}]},
+                   {"type": "array", "minItems": 4, "items": {"type": "object", "required": [
+                       "id"], "properties": {"id": {"type": "string", "minLength": 2}}}},
+                   {"anyOf": [{"const": "abcdef"}, {"type": "array", "minItems": 2}]}]:
+        m = Grammar.from_json_schema(schema).matcher(smollm2.tokenizer)
+        plan = shortest_completion(m.llmatcher, m.vocabulary)
+        assert plan is not None and min_json_bytes(schema)[0] <= len(plan.data), schema

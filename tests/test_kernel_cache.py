@@ -139,9 +139,9 @@ def test_every_compiled_function_uses_the_source_keyed_cache():
 def test_stamp_follows_the_modules_a_kernel_module_reaches():
     from workbench.kernels import cache, cpu, decode  # noqa: F401 (loaded: what is reached)
 
-    assert cache._reached_modules("workbench.kernels.cpu") == [
-        "workbench.kernels.blocks", "workbench.kernels.cpu", "workbench.kernels.formats",
-        "workbench.kernels.loops", "workbench.kernels.simd"]
+    assert cache._reached_modules("workbench.kernels.cpu") == [  # cache: the file format
+        "workbench.kernels.blocks", "workbench.kernels.cache", "workbench.kernels.cpu",
+        "workbench.kernels.formats", "workbench.kernels.loops", "workbench.kernels.simd"]
     reached = cache._reached_modules("workbench.kernels.decode")
     assert {"workbench.kernels.cpu", "workbench.kernels.layers",
             "workbench.kernels.simd"} <= set(reached)
@@ -154,6 +154,119 @@ def test_cache_dir_follows_numba_cache_dir(monkeypatch, tmp_path):
     assert cache.cache_dir() == tmp_path / "workbench"
     monkeypatch.delenv("NUMBA_CACHE_DIR")
     assert cache.cache_dir() == Path.home() / ".cache" / "workbench" / "kernels"
+
+
+# -- a cache that heals itself -----------------------------------------------------------------
+# Runs one small kernel (loops.group_sums) with the kernel cache in NUMBA_CACHE_DIR; prints
+# its result and which of our functions Numba compiled (none: it came from the cache).
+SMALL_CHILD = r"""
+import json
+import numpy as np
+from numba.core import event
+
+compiled = []
+
+class Watch(event.Listener):
+    def on_start(self, ev):
+        f = ev.data["dispatcher"].py_func
+        if f.__module__.startswith("workbench."):
+            compiled.append(f.__name__)
+    def on_end(self, ev):
+        pass
+
+event.register("numba:compile", Watch())
+from workbench.kernels import loops
+
+x = np.arange(12, dtype=np.float32).reshape(2, 6)
+print(json.dumps({"sums": loops.group_sums(x, 3).tolist(), "compiled": compiled}))
+"""
+
+
+def _small_run(cache: Path) -> tuple[list[str], int]:
+    """What Numba compiled, and how many KernelCacheWarnings the run printed; the answer
+    is checked."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+    run = subprocess.run([sys.executable, "-c", SMALL_CHILD], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["sums"] == [[3.0, 12.0], [21.0, 30.0]]
+    return result["compiled"], run.stderr.count("KernelCacheWarning")
+
+
+@pytest.fixture(scope="module")
+def small_cache(tmp_path_factory) -> Path:
+    """A kernel cache holding loops.group_sums."""
+    cache = tmp_path_factory.mktemp("small-cache")
+    assert _small_run(cache) == (["group_sums"], 0)
+    assert _small_run(cache) == ([], 0)
+    return cache
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    middle = len(data) // 2
+    path.write_bytes({"truncated": data[:middle],
+                      "garbled": data[:middle] + bytes(b ^ 0x5A for b in data[middle:middle + 16])
+                      + data[middle + 16:],
+                      "empty": b""}[how])
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbled", "empty"])
+@pytest.mark.parametrize("suffix", [".nbi", ".nbc"])
+def test_a_damaged_cache_entry_is_compiled_again_with_one_warning(small_cache, tmp_path,
+                                                                  suffix, how):
+    """A damaged index (.nbi) or compiled code (.nbc) ended every run with an
+    UnpicklingError or EOFError; now the entry is removed and compiled again, once."""
+    cache = tmp_path / "kernels"
+    shutil.copytree(small_cache, cache)
+    [entry] = cache.rglob(f"loops.group_sums-*{suffix}")
+    _damage(entry, how)
+    assert _small_run(cache) == (["group_sums"], 1)
+    assert _small_run(cache) == ([], 0)  # healed: from the cache, quietly
+
+
+@pytest.mark.parametrize("where", ["a file", "a dangling link", "a read-only folder"])
+def test_an_unusable_cache_location_compiles_in_memory_with_one_warning(tmp_path, where):
+    """These ended with "cannot cache function ...: no locator available"; now the kernels
+    compile in memory with one warning, and the cache fills once the location is fixed."""
+    location = tmp_path / "kernels"
+    if where == "a file":
+        location.write_text("not a folder")
+    elif where == "a dangling link":
+        location.symlink_to(tmp_path / "missing")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only folders")
+        location.mkdir()
+        location.chmod(0o555)
+    assert _small_run(location) == (["group_sums"], 1)
+    if where == "a file":
+        location.unlink()
+    elif where == "a dangling link":
+        (tmp_path / "missing").mkdir()
+    else:
+        location.chmod(0o755)
+    assert _small_run(location) == (["group_sums"], 0)
+    assert list(location.rglob("loops.group_sums-*.nbc"))
+
+
+def test_the_helper_process_cache_warnings_are_warned_here_once(monkeypatch):
+    """The warm-up's helper process reports the cache's warnings on its output (its
+    stderr goes nowhere); the thread warns each kind once."""
+    from workbench.kernels import cache
+
+    monkeypatch.setattr(cache, "_WARNED", set())
+    monkeypatch.setattr(cache, "writable", lambda: True)  # (no helper without a cache)
+    lines = ["warning damaged the kernel cache entry x could not be read",
+             "warning damaged the kernel cache entry y could not be read", "done 0"]
+    helper = [sys.executable, "-c", "\n".join(f"print({line!r})" for line in lines)]
+    tasks = [KernelTask("decode kernels", lambda: None, helper=True)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert KernelWarmup(tasks, Signal(None), helper=helper).start().wait(60)
+    assert [str(w.message) for w in caught if w.category is cache.KernelCacheWarning] == [
+        "the kernel cache entry x could not be read"]
 
 
 # -- the warm-up and its progress --------------------------------------------------------------

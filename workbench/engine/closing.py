@@ -37,8 +37,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import llguidance
 import numpy as np
@@ -46,7 +48,7 @@ import numpy as np
 from workbench.engine.grammar import GrammarError, GrammarMatcher, _Vocabulary
 
 __all__ = ["ClosedEarlyWarning", "Closing", "Closer", "GrammarBudgetError", "Plan",
-           "shortest_completion"]
+           "shortest_completion", "min_json_bytes"]
 
 # A state is free text when its grammar allows more than this share of the vocabulary.
 FREE_SHARE = 0.5
@@ -74,6 +76,9 @@ MEMO_GRAMMARS = 64
 BYTE_COST = np.full(256, 8, dtype=np.int64)
 BYTE_COST[0x21:0x7F] = 1
 BYTE_COST[[0x20, 0x09, 0x0A, 0x0D]] = 6
+# Where no search or probe finds a completion at the start, the probe is run again for up
+# to the budget's tokens times the longest token's bytes, at most this many bytes.
+LONG_PROBE_BYTES = 1 << 16
 
 
 class GrammarBudgetError(GrammarError):
@@ -380,11 +385,25 @@ class Closer:
         self._string_tokens = 0
         start = time.perf_counter()
         budget = max_tokens if room is None else min(max_tokens, room)
+        limit = (f"max_tokens={max_tokens}" if budget == max_tokens else
+                 f"the {budget} tokens the context (kv_cache_size) has left after the prompt")
+        if options.budget and matcher.grammar.kind == "json_schema":
+            # by the numbers first: a search cannot reach a minLength of 10^9
+            size, why = _min_bytes_of(matcher.grammar)
+            floor = -(-size // matcher.vocabulary.longest())
+            if floor > budget:
+                raise GrammarBudgetError(
+                    f"the shortest output this schema allows takes at least {floor} tokens "
+                    f"({size:,} bytes{f', by {why}' if why else ''}), more than {limit}")
         self._replan(budget)
+        if options.budget and self.plan is None:  # nothing found near: probe further
+            vocab = matcher.vocabulary
+            self.plan = plan_of(matcher.llmatcher, vocab, _probe(
+                matcher.llmatcher.deep_copy(), vocab.byte_tokens,
+                min(LONG_PROBE_BYTES, budget * vocab.longest() + 1)), self._encoded)
+            self._fresh = self.plan is not None
+            self._planned = len(self.plan or ())
         if options.budget and self.plan is not None and len(self.plan) > budget:
-            limit = (f"max_tokens={max_tokens}" if budget == max_tokens else
-                     f"the {budget} tokens the context (kv_cache_size) has left after the "
-                     f"prompt")
             raise GrammarBudgetError(
                 f"the shortest output found for this grammar takes {len(self.plan)} tokens "
                 f"({self.plan.data.decode('utf-8', 'replace')[:80]!r}), more than {limit}")
@@ -528,6 +547,228 @@ class Closer:
         if self.options.repetition and _looping(self._tokens):
             return "repetition"
         return None
+
+
+# -- the shortest JSON a schema allows, by the numbers -------------------------------------------
+# Subschemas one bound may weigh (each `anyOf` branch is weighed with what its parent
+# requires besides); past it the bound is 0: nothing is refused by it.
+MIN_BYTES_WORK = 20_000
+_JSON_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
+_MIN_BYTES: dict[str, tuple[int, str]] = {}  # schema text -> bound, for the last grammars
+
+
+def _min_bytes_of(grammar: Any) -> tuple[int, str]:
+    key = grammar.source
+    if key not in _MIN_BYTES:
+        if len(_MIN_BYTES) >= MEMO_GRAMMARS:
+            _MIN_BYTES.clear()
+        _MIN_BYTES[key] = min_json_bytes(grammar.schema)
+    return _MIN_BYTES[key]
+
+
+def min_json_bytes(schema: Any) -> tuple[int, str]:
+    """A lower bound on the bytes of any JSON text valid against `schema`, and what
+    makes it large ("minItems 1000000 at /a", "" when nothing does), computed from the
+    schema's numbers: `minLength`, `minItems`, `minProperties`, `required`, `const` and
+    `enum`, through `properties`, `items`, `prefixItems`, `allOf` (all must hold: the
+    largest), `anyOf` / `oneOf` (one must: the smallest), local `$ref`s and `type`s.
+    What it cannot weigh counts nothing (`pattern`, `format`, `not`, a recursive `$ref`),
+    so the bound never exceeds the true shortest; with no whitespace and one byte per
+    character it is often that shortest. An output of N bytes takes at least N / (the
+    longest token's bytes) tokens."""
+    weigher = _MinBytes(schema)
+    try:
+        return weigher.weigh([schema], (), "")
+    except _OutOfWork:
+        return 0, ""
+
+
+class _OutOfWork(Exception):
+    pass
+
+
+class _MinBytes:
+    """`min_json_bytes`'s work: a schema as the list of its facets (the subschemas that
+    must all hold: itself, its `allOf`s and `$ref`s), weighed per type."""
+
+    def __init__(self, root: Any):
+        self.root = root
+        self.work = 0
+        self.memo: dict[int, tuple[int, str]] = {}
+
+    def weigh(self, schemas: list[Any], refs: tuple[int, ...], at: str) -> tuple[int, str]:
+        self.work += 1
+        if self.work > MIN_BYTES_WORK:
+            raise _OutOfWork
+        key = id(schemas[0]) if len(schemas) == 1 else None
+        if key is not None and key in self.memo:
+            return self.memo[key]
+        facets, refs = self._facets(schemas, refs)
+        result = self._weigh_facets(facets, refs, at)
+        if key is not None:
+            self.memo[key] = result
+        return result
+
+    def _facets(self, schemas: list[Any], refs: tuple[int, ...]
+                ) -> tuple[list[Any], tuple[int, ...]]:
+        """The subschemas that must all hold: `schemas`, their `allOf`s and the targets of
+        their local `$ref`s, flattened (a `$ref` already being weighed is left out)."""
+        facets, todo = [], list(schemas)
+        while todo:
+            s = todo.pop()
+            facets.append(s)
+            if not isinstance(s, dict):
+                continue
+            if isinstance(s.get("allOf"), list):
+                todo += s["allOf"]
+            target = self._target(s.get("$ref"))
+            if target is not None and id(target) not in refs:
+                refs = (*refs, id(target))
+                todo.append(target)
+        return facets, refs
+
+    def _target(self, ref: Any) -> Any:
+        if not (isinstance(ref, str) and ref.startswith("#")):
+            return None
+        target = self.root
+        for part in ref[1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                return None
+        return target
+
+    def _weigh_facets(self, facets: list[Any], refs: tuple[int, ...], at: str
+                      ) -> tuple[int, str]:
+        if any(f is False for f in facets):
+            return 0, ""  # nothing is valid: no bound is wrong, 0 is the safe one
+        dicts = [f for f in facets if isinstance(f, dict)]
+        types = set(_JSON_TYPES)
+        for f in dicts:
+            t = f.get("type")
+            if isinstance(t, str):
+                types &= {t, "integer"} if t == "number" else {t}
+            elif isinstance(t, list):
+                allowed = {x for x in t if isinstance(x, str)}
+                types &= allowed | ({"integer"} if "number" in allowed else set())
+        if not types:
+            return 0, ""
+        best = min((self._weigh_type(t, dicts, refs, at) for t in types), key=lambda r: r[0])
+        for f in dicts:  # a value from a list: the shortest of them
+            values = ([f["const"]] if "const" in f else f["enum"]
+                      if isinstance(f.get("enum"), list) and f["enum"] else None)
+            if values is not None:
+                best = max(best, (min(_value_bytes(v) for v in values), ""),
+                           key=lambda r: r[0])
+        for i, f in enumerate(dicts):  # one branch must hold, with everything else here
+            for key in ("anyOf", "oneOf"):
+                branches = f.get(key)
+                if isinstance(branches, list) and branches:
+                    rest = [*dicts[:i], {k: v for k, v in f.items() if k != key}, *dicts[i + 1:]]
+                    shortest = min((self.weigh([*rest, b], refs, at) for b in branches),
+                                   key=lambda r: r[0])
+                    best = max(best, shortest, key=lambda r: r[0])
+        return best
+
+    def _weigh_type(self, kind: str, dicts: list[dict], refs: tuple[int, ...], at: str
+                    ) -> tuple[int, str]:
+        if kind in ("number", "integer"):
+            return 1, ""
+        if kind in ("boolean", "null"):
+            return 4, ""
+        if kind == "string":
+            n = max((_count(f.get("minLength")) for f in dicts), default=0)
+            return 2 + n, (f"minLength {n} at {at or '/'}" if n else "")
+        if kind == "array":
+            return self._weigh_array(dicts, refs, at)
+        return self._weigh_object(dicts, refs, at)
+
+    def _weigh_array(self, dicts: list[dict], refs: tuple[int, ...], at: str
+                     ) -> tuple[int, str]:
+        n = max((_count(f.get("minItems")) for f in dicts), default=0)
+        if n == 0:
+            return 2, ""
+
+        def item_schemas(i: int) -> list[Any]:
+            found = []
+            for f in dicts:
+                prefix = f.get("prefixItems", f.get("items"))
+                if isinstance(prefix, list):
+                    if i < len(prefix):
+                        found.append(prefix[i])
+                    elif "prefixItems" in f and isinstance(f.get("items"), (dict, bool)):
+                        found.append(f["items"])
+                    elif isinstance(f.get("additionalItems"), (dict, bool)):
+                        found.append(f["additionalItems"])
+                elif isinstance(f.get("items"), (dict, bool)):
+                    found.append(f["items"])
+            return found
+
+        prefix = max((len(p) for f in dicts for p in (f.get("prefixItems"), f.get("items"))
+                      if isinstance(p, list)), default=0)
+        total, why = 2 + (n - 1), f"minItems {n} at {at or '/'}"
+        heaviest = 0
+        for i in range(min(n, prefix + 1)):  # past the prefixes every item is alike
+            schemas = item_schemas(i)
+            size, inner = self.weigh(schemas, refs, f"{at}/{i}") if schemas else (1, "")
+            size = max(size, 1)
+            count = 1 if i < prefix else n - prefix
+            total += size * count
+            if size * count > heaviest and inner:
+                heaviest = size * count
+                why = f"minItems {n} at {at or '/'}, of {inner}" if count > 1 else inner
+        return total, why
+
+    def _weigh_object(self, dicts: list[dict], refs: tuple[int, ...], at: str
+                      ) -> tuple[int, str]:
+        required = list(dict.fromkeys(r for f in dicts for r in f.get("required") or ()
+                                      if isinstance(r, str)))
+        n = max([len(required), *(_count(f.get("minProperties")) for f in dicts)])
+        if n == 0:
+            return 2, ""
+        total, why = 2 + (n - 1), (f"minProperties {n} at {at or '/'}"
+                                   if n > len(required) else "")
+        heaviest = 0
+        for name in required:
+            schemas = [f["properties"][name] for f in dicts
+                       if isinstance(f.get("properties"), dict) and name in f["properties"]]
+            size, inner = (self.weigh(schemas, refs, f"{at}/{name}") if schemas else (1, ""))
+            size = len(json.dumps(name, ensure_ascii=False).encode()) + 1 + max(size, 1)
+            total += size
+            if size > heaviest and inner:
+                heaviest, why = size, inner
+        return total + 4 * (n - len(required)), why  # others: `"":0` at least
+
+
+def _count(value: Any) -> int:
+    """A schema's count keyword as a whole number (0 where it is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    if isinstance(value, float) and not math.isfinite(value):
+        return 0
+    return max(0, int(value))
+
+
+def _value_bytes(value: Any) -> int:
+    """The bytes of the shortest JSON text of `value` (a number: 1, as `1.0` may be `1`)."""
+    if isinstance(value, str):
+        return len(json.dumps(value, ensure_ascii=False).encode())
+    if isinstance(value, bool):
+        return 4 if value else 5
+    if value is None:
+        return 4
+    if isinstance(value, (int, float)):
+        return 1
+    if isinstance(value, list):
+        return 2 + max(len(value) - 1, 0) + sum(_value_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return 2 + max(len(value) - 1, 0) + sum(
+            _value_bytes(str(k)) + 1 + _value_bytes(v) for k, v in value.items())
+    return 1
+
 
 
 class _JSONPosition:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import threading
 import time
 import warnings
 import weakref
@@ -51,9 +52,28 @@ SAFE_INTEGER = 2**53 - 1
 # at 1,000,000 every mask over the JSONSchemaBench sample succeeds, the slowest in ~8 ms.
 PARSER_LIMITS = llguidance.LLParserLimits(max_items_in_row=5000, step_max_items=1_000_000)
 
+# What may reach llguidance. Its compiler follows rule references by recursion, about 3 KB
+# of stack per rule on the way and 1.8 KB more per group of alternatives around a
+# reference (llguidance 1.9.1): a chain of 2,650 GBNF rules (`r1 ::= "a" r2 | "b"` ...)
+# overflows an 8 MiB stack, so does a chain of 250 rules each inside 20 such groups
+# (65 KB of text), or of 1,100 JSON Schema `$ref`s, and the process dies (SIGSEGV), taking
+# a server with it. So every compile runs on a thread with COMPILE_STACK_BYTES of stack
+# (reserved, not committed: only what the recursion touches is used), where the deepest
+# grammar these bounds admit (~16 MiB) fits many times over, and a grammar past them is
+# refused with a `GrammarTooLargeError`. The text bound also bounds the time: 10,000
+# alternatives (100,000 characters) compile in ~0.7 s, and compile time grows faster
+# than the size.
+MAX_GRAMMAR_CHARS = 100_000
+MAX_GBNF_RULES = 2_000
+MAX_GBNF_NESTING = 28  # parentheses in parentheses; llguidance's Lark parser refuses 29
+# Subschemas within subschemas, `$ref`s followed (JSON text nested deeper than 128 levels
+# is refused by llguidance's reader anyway).
+MAX_SCHEMA_DEPTH = 256
+COMPILE_STACK_BYTES = 256 << 20
+
 __all__ = [
-    "Grammar", "GrammarMatcher", "GrammarError", "SchemaError", "UnsupportedSchemaError",
-    "parse_gbnf", "compile_schema",
+    "Grammar", "GrammarMatcher", "GrammarError", "GrammarTooLargeError", "SchemaError",
+    "SchemaTooLargeError", "UnsupportedSchemaError", "parse_gbnf", "compile_schema",
 ]
 
 
@@ -68,6 +88,11 @@ class GrammarError(ValueError):
         self.column = column
 
 
+class GrammarTooLargeError(GrammarError):
+    """A grammar or schema past what the compiler takes safely: too long, too many rules,
+    or nested too deep (see MAX_GRAMMAR_CHARS and the bounds after it)."""
+
+
 class SchemaError(GrammarError):
     """A JSON Schema that is not valid; `keyword` names the offending keyword when known."""
 
@@ -78,6 +103,10 @@ class SchemaError(GrammarError):
 
 class UnsupportedSchemaError(SchemaError):
     """A valid JSON Schema using a keyword that constrained decoding cannot enforce."""
+
+
+class SchemaTooLargeError(SchemaError, GrammarTooLargeError):
+    """A JSON Schema past what the compiler takes safely (see MAX_SCHEMA_DEPTH)."""
 
 
 # -- grammars ---------------------------------------------------------------------------------
@@ -116,11 +145,14 @@ class Grammar:
             raise TypeError(f"GBNF grammar must be text, got {type(text).__name__}")
         if not _strip_gbnf_comments(text).strip():
             raise GrammarError("the grammar is empty (it needs at least a `root ::= ...` rule)")
+        _check_length(text, "GBNF grammar")
         _check_parentheses(text)
         try:
             lark = _gbnf_to_lark(text)
         except gbnf_to_lark.GbnfToLarkError as e:
             raise _error_at(text, e.pos.pos, str(e).split(" at line ")[0]) from None
+        except GrammarError:
+            raise
         except Exception as e:  # the converter reports missing rules as plain exceptions
             raise _gbnf_error(text, str(e)) from None
         spec = llguidance.LLMatcher.grammar_from_lark(lark)
@@ -149,6 +181,8 @@ class Grammar:
             except json.JSONDecodeError as e:
                 raise SchemaError(f"the schema is not JSON: {e.msg}", line=e.lineno,
                                   column=e.colno) from None
+            except RecursionError:
+                raise _too_deep() from None
         if not isinstance(schema, (Mapping, bool)):
             raise SchemaError(f"a JSON Schema is an object or a boolean, got "
                               f"{type(schema).__name__}")
@@ -156,12 +190,14 @@ class Grammar:
             raise SchemaError("the schema false accepts no JSON value")
         if schema is True:  # any JSON value: the empty schema
             schema = {}
+        _check_schema_depth(schema)
         relaxed: list[str] = []
         prepared = _safe_integers(_rewrite(copy.deepcopy(schema)))
         while True:
             try:
-                spec = llguidance.LLMatcher.grammar_from_json_schema(
-                    prepared, defaults={"whitespace_pattern": JSON_WHITESPACE})
+                spec = _on_compile_stack(
+                    llguidance.LLMatcher.grammar_from_json_schema, prepared,
+                    defaults={"whitespace_pattern": JSON_WHITESPACE})
             except ValueError as e:
                 raise SchemaError(str(e)) from None
             message = _validation_error(spec)
@@ -176,9 +212,10 @@ class Grammar:
         notes = tuple(f"format {f!r} is not known; it is not enforced" for f in relaxed)
         for note in notes:
             warnings.warn(note, stacklevel=2)
-        return cls("json_schema", json.dumps(schema, ensure_ascii=False), spec,
-                   schema=schema, model=model, warnings=notes,
-                   string_budgets=tuple(_string_budgets(schema)))
+        source = json.dumps(schema, ensure_ascii=False)
+        budgets = _string_budgets(schema) if MAX_TOKENS_KEYWORD in source else []
+        return cls("json_schema", source, spec, schema=schema, model=model, warnings=notes,
+                   string_budgets=tuple(budgets))
 
     @classmethod
     def from_regex(cls, pattern: str) -> Grammar:
@@ -186,6 +223,7 @@ class Grammar:
         without look-around or back-references)."""
         if not isinstance(pattern, str):
             raise TypeError(f"pattern must be text, got {type(pattern).__name__}")
+        _check_length(pattern, "regular expression")
         spec = llguidance.LLMatcher.grammar_from_regex(pattern)
         _check(spec, GrammarError)
         return cls("regex", pattern, spec)
@@ -238,8 +276,8 @@ class GrammarMatcher:
         self.grammar = grammar
         self.n_vocab = vocab.n_vocab
         self._vocab = vocab
-        self._matcher = llguidance.LLMatcher(vocab.lltokenizer, grammar.spec, log_level=0,
-                                             limits=PARSER_LIMITS)
+        self._matcher = _on_compile_stack(llguidance.LLMatcher, vocab.lltokenizer, grammar.spec,
+                                          log_level=0, limits=PARSER_LIMITS)
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())
         self._bits = np.zeros((1, (self.n_vocab + 31) // 32), dtype=np.int32)
@@ -316,6 +354,15 @@ class _Vocabulary:
     byte_tokens: np.ndarray  # (256,) int32: the token that is exactly byte b, or -1
     # what the closer found per grammar (spec -> state signature -> completion bytes)
     plans: dict = field(default_factory=dict, compare=False)
+    # the most bytes one token writes (text tokens; 0: not known, see `longest_token`)
+    longest_token: int = 0
+
+    def longest(self) -> int:
+        """The most bytes one text token writes (an output of N bytes takes at least
+        N / this tokens)."""
+        if self.longest_token:
+            return self.longest_token
+        return max(len(self.lltokenizer.decode_bytes([i])) for i in range(self.n_vocab))
 
 
 _VOCABULARIES: weakref.WeakKeyDictionary[Tokenizer, dict[int, _Vocabulary]] = (
@@ -328,21 +375,24 @@ def _vocabulary(tokenizer: Tokenizer, n_vocab: int) -> _Vocabulary:
     as EOS. Built once per tokenizer (~0.3 s for 49k tokens)."""
     built = _VOCABULARIES.setdefault(tokenizer, {})
     if n_vocab not in built:
-        tokens, special = [], []
+        tokens, special, longest = [], [], 1
         byte_tokens = np.full(256, -1, dtype=np.int32)
         for i in range(tokenizer.vocab_size):
             piece = tokenizer.token_bytes(i)
             if tokenizer.is_control(i):
                 piece = b"\xff" + piece
                 special.append(i)
-            elif len(piece) == 1 and byte_tokens[piece[0]] < 0:
-                byte_tokens[piece[0]] = i
+            else:
+                longest = max(longest, len(piece))
+                if len(piece) == 1 and byte_tokens[piece[0]] < 0:
+                    byte_tokens[piece[0]] = i
             tokens.append(piece)
         tokens += [b""] * (n_vocab - len(tokens))  # logits rows past the vocabulary
         eos = sorted(tokenizer.eot_ids) or [tokenizer.eos_id or 0]
         wrapper = llguidance.TokenizerWrapper(_TokenSource(tokenizer, tokens, special, eos[0]))
-        built[n_vocab] = _Vocabulary(llguidance.LLTokenizer(wrapper, n_vocab=n_vocab,
-                                                            eos_token=eos), n_vocab, byte_tokens)
+        built[n_vocab] = _Vocabulary(
+            llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos), n_vocab,
+            byte_tokens, longest_token=longest)
     return built[n_vocab]
 
 
@@ -367,9 +417,112 @@ class _TokenSource:
 
 # -- checks and error messages ----------------------------------------------------------------
 def _validation_error(spec: str) -> str | None:
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        spec, limits=PARSER_LIMITS)
+    is_error, messages = _on_compile_stack(
+        llguidance.LLMatcher.validate_grammar_with_warnings, spec, limits=PARSER_LIMITS)
     return messages[0] if is_error else None
+
+
+_STACK_SIZE_LOCK = threading.Lock()
+
+
+def _on_compile_stack(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` (an llguidance call that compiles a grammar) on a new thread
+    with COMPILE_STACK_BYTES of stack; its exception, if any, is raised here. A fresh
+    thread costs ~0.1 ms, little beside a compile. Where the platform cannot size a
+    thread's stack, `fn` runs here (the bounds keep the common stacks safe)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # handed to the caller's thread
+            outcome.append((False, e))
+
+    with _STACK_SIZE_LOCK:  # the size applies to threads started while it is set
+        try:
+            before = threading.stack_size(COMPILE_STACK_BYTES)
+        except (ValueError, RuntimeError):
+            return fn(*args, **kwargs)
+        try:
+            thread = threading.Thread(target=run, name="workbench-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _check_length(text: str, what: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarTooLargeError(f"the {what} is {len(text):,} characters long; at most "
+                                   f"{MAX_GRAMMAR_CHARS:,} are compiled")
+
+
+def _too_deep() -> SchemaTooLargeError:
+    return SchemaTooLargeError(f"the schema nests subschemas more than {MAX_SCHEMA_DEPTH} "
+                               f"deep (counting through $ref); flatten it")
+
+
+def _check_schema_depth(schema: Any) -> None:
+    """Raise `SchemaTooLargeError` where a chain of subschemas in subschemas, following
+    local `$ref`s, is longer than MAX_SCHEMA_DEPTH, or the JSON nests deeper than that.
+    Iterative (a deep schema must not overflow Python's stack either); a definition is
+    measured once, a `$ref` back into one being measured (recursion) counts nothing more,
+    as llguidance compiles each definition once."""
+    if not isinstance(schema, (dict, list)):
+        return
+    depth: dict[int, int] = {}  # id -> the deepest chain below it, once measured
+    open_ids: set[int] = set()
+    # frames: [node, its children, index of the next child, deepest child so far]
+    stack = [[schema, _schema_children(schema, schema), 0, 0]]
+    open_ids.add(id(schema))
+    while stack:
+        frame = stack[-1]
+        node, children, i = frame[0], frame[1], frame[2]
+        if i < len(children):
+            frame[2] += 1
+            child = children[i]
+            if id(child) in depth:
+                frame[3] = max(frame[3], depth[id(child)])
+            elif id(child) not in open_ids:
+                if len(stack) >= MAX_SCHEMA_DEPTH:
+                    raise _too_deep()
+                open_ids.add(id(child))
+                stack.append([child, _schema_children(child, schema), 0, 0])
+            continue
+        stack.pop()
+        open_ids.discard(id(node))
+        depth[id(node)] = frame[3] + 1
+        if stack:
+            stack[-1][3] = max(stack[-1][3], depth[id(node)])
+        if depth[id(node)] + len(stack) > MAX_SCHEMA_DEPTH:
+            raise _too_deep()
+
+
+def _schema_children(node: Any, root: Any) -> list[Any]:
+    """The JSON values directly inside `node`, and the target of its local `$ref`."""
+    if isinstance(node, list):
+        return [v for v in node if isinstance(v, (dict, list))]
+    if not isinstance(node, dict):
+        return []
+    children = [v for v in node.values() if isinstance(v, (dict, list))]
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target = root
+        for part in ref[1:].split("/")[1:]:
+            key = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict):
+                target = target.get(key)
+            elif isinstance(target, list) and key.isdigit() and int(key) < len(target):
+                target = target[int(key)]
+            else:
+                target = None
+        if isinstance(target, (dict, list)):
+            children.append(target)
+    return children
 
 
 def _check(spec: str, error: type[GrammarError]) -> None:
@@ -386,19 +539,44 @@ def _gbnf_to_lark(text: str) -> str:
     in llama.cpp's arithmetic.gbnf, `num ::= [0-9]+ ws` with `ws ::= [ \t\n]*`
     followed by "\n" could never end, since `ws` swallows every newline. Here
     every rule stays a parser rule, so only literals and character classes are
-    lexemes and the Earley parser keeps every reading, as llama.cpp does.
+    lexemes and the Earley parser keeps every reading, as llama.cpp does. (Its
+    converter's own resolving step finds those lexeme rules by a fixed point that
+    takes time quadratic in a chain of rules, 18 s for 3,000; it is done here
+    in one pass.)
     """
     rules = gbnf_to_lark.GrammarParser().parse(text)
-    gbnf_to_lark.resolve(rules)  # checks references and root; names rules the Lark way
-    taken = {r.name for r in rules.values()}
-    for r in rules.values():
-        if r.rule_is_terminal:
-            r.rule_is_terminal = False
-            name = r.name.lower()
-            while name in taken:
-                name += "_"
-            taken.add(name)
-            r.name = name
+    if len(rules) > MAX_GBNF_RULES:
+        raise GrammarTooLargeError(f"the grammar has {len(rules):,} rules; at most "
+                                   f"{MAX_GBNF_RULES:,} are compiled")
+    for order, rule in enumerate(rules.values()):
+        rule.order = order
+        rule.alternatives = rule.alternatives.simplify()
+    for rule in rules.values():  # link every reference to its rule
+        nodes = [rule.alternatives]
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, gbnf_to_lark.RuleRefNode):
+                if node.name not in rules:
+                    raise ValueError(f"Rule '{node.name}' not found")
+                node.target = rules[node.name]
+            elif (isinstance(node, gbnf_to_lark.RepetitionNode)
+                  and isinstance(node.node, gbnf_to_lark.RepetitionNode)):
+                # `("a"*)+` would be written `"a"*+`, which Lark refuses: keep the group
+                node.node = gbnf_to_lark.SequenceNode([node.node])
+            nodes.extend(node.children())
+    if "root" not in rules:
+        raise ValueError("No 'root' rule found")
+    # Lark's names: `root` is `start`; the rest in lower snake case, made unique
+    taken = {"start"}
+    for rule in rules.values():
+        if rule is rules["root"]:
+            rule.name = "start"
+            continue
+        name = re.sub(r"([a-z])([A-Z])", r"\1_\2", rule.name.replace("-", "_")).lower()
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        rule.name = name
     ordered = sorted(rules.values(), key=lambda r: r.order)
     return "\n\n".join(["%llguidance {}", *map(str, ordered)]) + "\n"
 
@@ -409,7 +587,8 @@ def _strip_gbnf_comments(text: str) -> str:
 
 def _check_parentheses(text: str) -> None:
     """Raise at the first parenthesis without a partner (strings, character classes and
-    comments skipped); the converter would only notice at the end of the grammar."""
+    comments skipped; the converter would only notice at the end of the grammar), or
+    nested past MAX_GBNF_NESTING (the converter's parser recurses per level)."""
     open_at: list[int] = []
     i = 0
     while i < len(text):
@@ -424,6 +603,11 @@ def _check_parentheses(text: str) -> None:
                 i += 1
         elif c == "(":
             open_at.append(i)
+            if len(open_at) > MAX_GBNF_NESTING:
+                where = _error_at(text, i, "")
+                raise GrammarTooLargeError(
+                    f"parentheses are nested more than {MAX_GBNF_NESTING} deep (name an "
+                    f"inner part as a rule)", line=where.line, column=where.column)
         elif c == ")":
             if not open_at:
                 raise _error_at(text, i, "')' without a matching '('")
@@ -453,6 +637,9 @@ def _gbnf_error(text: str, message: str) -> GrammarError:
 
 def _schema_error(message: str) -> SchemaError:
     message = message.strip()
+    if message.startswith("recursion limit exceeded"):  # its JSON reader's, 128 levels
+        return SchemaTooLargeError(f"the schema's JSON is nested too deep ({message}); "
+                                   f"flatten it")
     keys = re.match(r'Unimplemented keys: \[(.*)\]', message)
     if keys:
         names = [k.strip().strip('"') for k in keys[1].split(",")]
@@ -545,41 +732,56 @@ def _safe_integers(schema: Any) -> Any:
 
 # Our keyword: a token budget for the strings a schema describes.
 MAX_TOKENS_KEYWORD = "x-max-tokens"
+MAX_BUDGET_VISITS = 100_000
 
 
-def _string_budgets(schema: Any, root: Any = None, path: tuple[str, ...] = (),
-                    seen: frozenset[int] = frozenset()) -> Iterable[tuple[tuple[str, ...], int]]:
+def _string_budgets(schema: Any) -> list[tuple[tuple[str, ...], int]]:
     """(path, budget) of each subschema carrying MAX_TOKENS_KEYWORD, through properties,
-    items, additional properties, the combinators and local `$ref`s."""
-    root = schema if root is None else root
-    if not isinstance(schema, dict) or id(schema) in seen:
-        return
-    seen = seen | {id(schema)}
-    budget = schema.get(MAX_TOKENS_KEYWORD)
-    if budget is not None:
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-            raise SchemaError(f"{MAX_TOKENS_KEYWORD} must be a positive integer, got "
-                              f"{budget!r}", keyword=MAX_TOKENS_KEYWORD)
-        yield path, budget
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        target = root
-        for part in ref[1:].split("/")[1:]:
-            target = target.get(part.replace("~1", "/").replace("~0", "~"), {}) \
-                if isinstance(target, dict) else {}
-        yield from _string_budgets(target, root, path, seen)
-    for name, sub in (schema.get("properties") or {}).items():
-        yield from _string_budgets(sub, root, (*path, name), seen)
-    for key, step in (("items", "[]"), ("additionalItems", "[]"),
-                      ("additionalProperties", "{}")):
-        yield from _string_budgets(schema.get(key), root, (*path, step), seen)
-    for key in ("prefixItems", "items"):
-        if isinstance(schema.get(key), list):
-            for sub in schema[key]:
-                yield from _string_budgets(sub, root, (*path, "[]"), seen)
-    for key in ("allOf", "anyOf", "oneOf"):
-        for sub in schema.get(key) or ():
-            yield from _string_budgets(sub, root, path, seen)
+    items, additional properties, the combinators and local `$ref`s. Each subschema is
+    visited once per path (a `$ref` that leads back is not followed again), and at most
+    MAX_BUDGET_VISITS visits are made: shared definitions under many names could make the
+    paths exponentially many."""
+    found: list[tuple[tuple[str, ...], int]] = []
+    done: set[tuple[int, tuple[str, ...]]] = set()
+    # (subschema, path, the ids on the way to it)
+    todo: list[tuple[Any, tuple[str, ...], frozenset[int]]] = [(schema, (), frozenset())]
+    while todo:
+        node, path, seen = todo.pop()
+        if not isinstance(node, dict) or id(node) in seen or (id(node), path) in done:
+            continue
+        done.add((id(node), path))
+        if len(done) > MAX_BUDGET_VISITS:
+            raise SchemaTooLargeError(f"the schema's {MAX_TOKENS_KEYWORD} keywords are "
+                                      f"reached by too many paths", keyword=MAX_TOKENS_KEYWORD)
+        seen = seen | {id(node)}
+        budget = node.get(MAX_TOKENS_KEYWORD)
+        if budget is not None:
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+                raise SchemaError(f"{MAX_TOKENS_KEYWORD} must be a positive integer, got "
+                                  f"{budget!r}", keyword=MAX_TOKENS_KEYWORD)
+            found.append((path, budget))
+        subs: list[tuple[Any, tuple[str, ...]]] = []
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            target = schema
+            for part in ref[1:].split("/")[1:]:
+                target = target.get(part.replace("~1", "/").replace("~0", "~"), {}) \
+                    if isinstance(target, dict) else {}
+            subs.append((target, path))
+        properties = node.get("properties")
+        if isinstance(properties, dict):
+            subs += [(sub, (*path, name)) for name, sub in properties.items()]
+        for key, step in (("items", "[]"), ("additionalItems", "[]"),
+                          ("additionalProperties", "{}")):
+            subs.append((node.get(key), (*path, step)))
+        for key in ("prefixItems", "items"):
+            if isinstance(node.get(key), list):
+                subs += [(sub, (*path, "[]")) for sub in node[key]]
+        for key in ("allOf", "anyOf", "oneOf"):
+            if isinstance(node.get(key), list):
+                subs += [(sub, path) for sub in node[key]]
+        todo += [(sub, at, seen) for sub, at in reversed(subs)]
+    return found
 
 
 def _closed(schema: dict, extra_allowed: bool) -> dict:

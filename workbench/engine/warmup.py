@@ -171,9 +171,11 @@ class KernelWarmup:
         self._finished.add(i)
 
     def _start_helper(self) -> _Helper | None:
+        from workbench.kernels import cache
+
         indices = [i for i, t in enumerate(self.tasks) if t.helper]
-        if not self.helper or not indices:
-            return None
+        if not self.helper or not indices or not cache.writable():
+            return None  # (what a helper compiles reaches this process through the cache)
         try:
             proc = subprocess.Popen([*self.helper, ",".join(map(str, indices))],
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -186,10 +188,16 @@ class KernelWarmup:
         return helper
 
     def _follow(self, helper: _Helper) -> None:
-        """Read the helper's "done I" lines as it finishes its tasks."""
+        """Read the helper's "done I" lines as it finishes its tasks, and its "warning KIND
+        MESSAGE" lines about the kernel cache."""
         for line in helper.proc.stdout:
             word, _, index = line.partition(" ")
-            if word == "done" and index.strip().isdigit():
+            if word == "warning":
+                from workbench.kernels import cache
+
+                kind, _, message = index.strip().partition(" ")
+                cache.warn(kind, message)
+            elif word == "done" and index.strip().isdigit():
                 self._finished.add(int(index))
                 pending = sorted(helper.indices - self._finished)
                 if pending:
@@ -245,13 +253,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"no helper tasks for {kind!r} models")
     from workbench.engine.gguf import open_gguf
     from workbench.engine.llm import LLM
+    from workbench.kernels.cache import KernelCacheWarning
 
-    model = LLM(open_gguf(path), device="cpu", kv_cache_size=int(max_len),
-                prepare_kernels=False).model
-    tasks = model.kernel_tasks()
-    for i in map(int, indices.split(",")):
-        tasks[i].run()
-        print(f"done {i}", flush=True)
+    def report(caught: list[warnings.WarningMessage]) -> None:
+        """The cache's warnings, for the parent to show (this process's stderr is not)."""
+        for w in caught:
+            if isinstance(w.message, KernelCacheWarning):
+                text = " ".join(str(w.message).split())
+                print(f"warning {w.message.kind} {text}", flush=True)
+        caught.clear()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", KernelCacheWarning)
+        model = LLM(open_gguf(path), device="cpu", kv_cache_size=int(max_len),
+                    prepare_kernels=False).model
+        tasks = model.kernel_tasks()
+        report(caught)
+        for i in map(int, indices.split(",")):
+            tasks[i].run()
+            report(caught)
+            print(f"done {i}", flush=True)
     return 0
 
 
