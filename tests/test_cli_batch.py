@@ -109,6 +109,9 @@ def test_batch_resumes_after_a_kill(tmp_path, smollm2):
     ('{"prompt": "a", "id": 7}\n{"prompt": "b", "id": 7}\n', "line 2: id 7 is already line 1's"),
     ('{"messages": "hello"}\n', "line 1: \"messages\" must be a non-empty list"),
     ('{"prompt": "a", "grammar": "root ::= ("}\n', "line 1:"),
+    ('{"prompt": "a", "logit_bias": {"1_000": 5}}\n', "line 1: logit_bias keys"),
+    ('{"prompt": "a", "logit_bias": {" 12 ": 5}}\n', "line 1: logit_bias keys"),
+    ('{"prompt": "a", "logit_bias": {"\u0661\u0662": 5}}\n', "line 1: logit_bias keys"),
 ])
 def test_bad_batch_lines_fail_before_any_work(tmp_path, capsys, content, message):
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -124,6 +127,50 @@ def test_batch_refuses_its_input_as_output(tmp_path, capsys):
     source.write_text('{"prompt": "a"}\n', encoding="utf-8")
     assert main(["batch", "-i", str(source), "-o", str(source)]) == 1
     assert "must differ" in capsys.readouterr().err
+
+
+def test_batch_refuses_its_input_hard_linked_as_output(tmp_path, capsys):
+    """The same file under another name (a hard link) is the input too: it would read
+    its own lines as answers ("4 of 4 lines already done") and answer nothing."""
+    import os
+
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": i, "prompt": "a"} for i in range(4)])
+    before = source.read_bytes()
+    os.link(source, out)
+    assert main(["batch", "-i", str(source), "-o", str(out), "-m", "/no/such/model.gguf"]) == 1
+    err = capsys.readouterr().err
+    assert "must differ" in err and "already done" not in err, err
+    assert source.read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_batch_refuses_an_output_that_is_not_a_regular_file(tmp_path, capsys, kind):
+    """A FIFO as the output used to block the run forever (opening it waits for a
+    reader); it, a directory or a device is refused with a one-line error."""
+    import os
+    import threading
+
+    source, out = tmp_path / "in.jsonl", tmp_path / "out"
+    _write_jsonl(source, [{"prompt": "a"}])
+    if kind == "fifo":
+        os.mkfifo(out)
+    else:
+        out.mkdir()
+    result = []
+    run = threading.Thread(target=lambda: result.append(
+        main(["batch", "-i", str(source), "-o", str(out), "-m", "/no/such/model.gguf"])),
+        daemon=True)
+    run.start()
+    run.join(10)
+    if run.is_alive():  # blocked opening the FIFO: open its other end to let it go
+        os.close(os.open(out, os.O_WRONLY | os.O_NONBLOCK))
+        run.join(10)
+        pytest.fail("workbench batch blocked on a FIFO output")
+    err = capsys.readouterr().err
+    assert result == [1], err
+    assert "workbench: error:" in err and "not a regular file" in err, err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_read_done_drops_a_cut_line_and_failed_lines(tmp_path):

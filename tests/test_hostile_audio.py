@@ -257,6 +257,33 @@ def test_implausible_headers_and_broken_files(tmp_path):
         assert got["seconds"] < 2, (name, got)
 
 
+@pytest.mark.parametrize("channels", [300, 1000, 65535])
+@pytest.mark.parametrize("container", ["wav", "aiff"])
+def test_a_header_claiming_thousands_of_channels_says_how_many(tmp_path, channels, container):
+    """libsndfile refuses more than 256 channels and FFmpeg reads a count past its own
+    limit as 0: the error names the count the header claims, not "0 channels"."""
+    from workbench.engine.audio import AudioError, load_audio
+
+    if container == "wav":
+        data = bytearray(wav_bytes(np.zeros(400, np.int16), 16000))
+        data[22:24] = channels.to_bytes(2, "little")  # fmt: channels, rate, byte rate, align
+        data[28:32] = (16000 * 2 * channels).to_bytes(4, "little")
+        data[32:34] = (2 * channels & 0xFFFF).to_bytes(2, "little")
+    else:
+        import soundfile
+
+        buf = io.BytesIO()
+        soundfile.write(buf, np.zeros(400, np.float32), 16000, format="AIFF", subtype="PCM_16")
+        data = bytearray(buf.getvalue())
+        comm = data.index(b"COMM")
+        data[comm + 8 : comm + 10] = channels.to_bytes(2, "big")
+    path = tmp_path / f"many.{container}"
+    path.write_bytes(bytes(data))
+    for source in (bytes(data), path):
+        with pytest.raises(AudioError, match=rf"{channels} channels is outside 1\.\.64"):
+            load_audio(source)
+
+
 def jfk_int16() -> tuple[np.ndarray, int]:
     import soundfile
 

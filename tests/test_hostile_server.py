@@ -140,6 +140,31 @@ def test_leaving_a_long_embedding_request_frees_the_slot(server, engines, baseli
     _healthy(server, baseline)
 
 
+def test_leaving_long_llm_embeddings_frees_the_slot(server, engines, baseline):
+    """8 texts of about 3900 tokens each on SmolLM2: the flag is looked at between the
+    PREFILL_CHUNK-token pieces of a text's forward pass, so leaving frees the slot within
+    about one piece's time, not at the end of the text being embedded (was 15.8 s)."""
+    from workbench.engine.llm import PREFILL_CHUNK
+
+    llm = engines["smollm2-135m"]
+    text = "many words about things " * 960
+    start = time.monotonic()  # one piece's time on this machine
+    llm.embed(llm.tokenize(text)[:PREFILL_CHUNK])
+    piece = time.monotonic() - start
+    texts = [f"text {i}: " + text for i in range(8)]
+    sock = _send_raw(server, "/v1/embeddings",
+                     json.dumps({"model": "smollm2-135m", "input": texts}).encode())
+    assert wait_for(lambda: server.running.peek() == 1, 30)
+    time.sleep(1.0)
+    sock.close()
+    left = time.monotonic()
+    assert wait_for(lambda: server.running.peek() == 0, 2 + 1.5 * piece), \
+        f"still running {time.monotonic() - left:.1f} s after the client left " \
+        f"(one piece: {piece:.1f} s)"
+    assert wait_for(lambda: not llm.busy.peek(), 2)
+    _healthy(server, baseline)
+
+
 def test_leaving_a_transcription_frees_the_slot(server, engines, baseline):
     whisper = engines["whisper-tiny.en"]
     import io
@@ -211,6 +236,58 @@ def test_a_10_mb_prompt_is_refused_before_tokenizing(server, baseline):
     assert "kv_cache_size" in _error(r, 400)["message"]
     assert time.monotonic() - start < 10
     _healthy(server, baseline)
+
+
+def test_too_many_embedding_inputs_name_the_item_limit(server):
+    """100,000 strings: OpenAI's 2048-input limit, not "Input should be a valid integer"
+    (the token-id shapes of `input` failing too, item by item)."""
+    r = _post(server, "/v1/embeddings", json={"model": "minilm-l6", "input": ["x"] * 100_000})
+    error = _error(r, 400)
+    assert error["param"] == "input" and "2048" in error["message"], error
+    assert "integer" not in error["message"], error
+
+
+def test_an_embedding_request_over_300k_tokens_gets_400_at_once(server, baseline):
+    """2048 texts of 6 KB: MiniLM cuts each at 256 tokens, 524,288 in all, past OpenAI's
+    300,000 tokens per request (`max_embedding_tokens`). Counted before any forward pass;
+    it used to hold the server for minutes (229 s for 2048 texts of 12 KB)."""
+    texts = [f"text {i} " + "words about many things " * 250 for i in range(2048)]
+    start = time.monotonic()
+    r = _post(server, "/v1/embeddings", json={"model": "minilm-l6", "input": texts})
+    error = _error(r, 400)
+    assert error["param"] == "input" and "300000" in error["message"], error
+    assert time.monotonic() - start < 20
+    _healthy(server, baseline)
+
+
+def test_max_embedding_tokens_bounds_each_request(smollm2, minilm):
+    import workbench
+
+    with workbench.serve({"llm": smollm2, "enc": minilm}, port=0,
+                         max_embedding_tokens=50) as s:
+        for model in ("enc", "llm"):
+            r = httpx.post(s.base_url + "/embeddings", timeout=30,
+                           json={"model": model, "input": ["a few words"] * 4})
+            assert r.status_code == 200, r.text
+            assert 0 < r.json()["usage"]["prompt_tokens"] <= 50
+            r = httpx.post(s.base_url + "/embeddings", timeout=30,
+                           json={"model": model, "input": ["a few more words here"] * 20})
+            error = _error(r, 400)
+            assert error["param"] == "input" and "max_embedding_tokens" in error["message"]
+        assert wait_for(lambda: s.running.peek() == 0, 2)
+    with pytest.raises(ValueError, match="max_embedding_tokens"):
+        workbench.serve(minilm, port=0, max_embedding_tokens=0)
+
+
+@pytest.mark.parametrize("key", ["1_000", " 12 ", "\u0661\u0662", "+12", "12.0"])
+def test_logit_bias_keys_must_be_plain_token_ids(server, key):
+    """int() reads these as token ids; OpenAI's logit_bias keys are decimal digits."""
+    for path, body in (("/v1/chat/completions", {"messages": STORY}),
+                       ("/v1/completions", {"prompt": "Once upon a time"})):
+        r = _post(server, path, json={"model": "smollm2-135m", "max_tokens": 1,
+                                      "logit_bias": {key: 5}, **body})
+        error = _error(r, 400)
+        assert error["param"] == "logit_bias" and repr(key) in error["message"], error
 
 
 # -- bodies -----------------------------------------------------------------------------------
@@ -398,6 +475,43 @@ def test_embed_batch_stops_soon_after_cancel(minilm, smollm2):
         smollm2.embed_batch(["a short sentence"] * 2000, cancel=flag)
     assert flag.late() < 1.5  # one text
     assert not minilm.busy.peek() and not smollm2.busy.peek()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda-on-numpy"])
+def test_llm_embed_stops_between_forward_chunks(tmp_path, monkeypatch, device):
+    """A text's forward pass runs in PREFILL_CHUNK pieces, the flag looked at before each
+    (in embed_batch, at each text's tokenizing first); the pieces give the states of one
+    pass over the whole text. On the tiny random llama, 8 tokens a piece."""
+    from tests.support.devices import open_llm
+    from tests.support.tiny_llama import PROMPT, Built
+    from workbench.engine import llm as llm_module
+    from workbench.engine.cancel import Cancelled
+
+    class SetOnLook:
+        def __init__(self, n: int):
+            self.n, self.looks = n, 0
+
+        def is_set(self) -> bool:
+            self.looks += 1
+            return self.looks >= self.n
+
+    monkeypatch.setattr(llm_module, "PREFILL_CHUNK", 8)  # PROMPT's 20 ids: 3 pieces
+    with open_llm(Built("llama", tmp_path).path, device) as m:
+        flag = SetOnLook(2)
+        with pytest.raises(Cancelled):
+            m.embed(PROMPT, cancel=flag)
+        assert flag.looks == 2  # before the first piece, then before the second
+        flag = SetOnLook(3 + 2)
+        with pytest.raises(Cancelled):
+            m.embed_batch([PROMPT] * 3, cancel=flag)
+        assert flag.looks == 5  # 3 texts checked, then the first text's second piece
+        assert not m.busy.peek()
+        whole = m.model.hidden(np.asarray(PROMPT), m.model.new_cache(len(PROMPT)))
+        whole = np.asarray(m.backend.to_host(whole) if m.backend is not None else whole)
+        for pool, expected in (("last", whole[-1]), ("mean", whole.mean(axis=0))):
+            got = m.embed(PROMPT, pool=pool, cancel=threading.Event())
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+            assert np.array_equal(m.embed_batch([PROMPT], pool=pool)[0], got)
 
 
 def test_encoder_cuts_long_texts_without_tokenizing_them_whole(minilm):

@@ -80,6 +80,29 @@ def test_sampling_part_stops_and_changed_fields():
         "temperature": 0.5, "max_tokens": 5}
 
 
+@pytest.mark.parametrize("key", ["1_000", " 12 ", "\u0661\u0662", "\uff11\uff12", "+12", "12.0",
+                                 "", "0x1f", "-1", "9" * 5000, -1, True, 1.5],
+                         ids=lambda key: repr(key)[:12])
+def test_logit_bias_keys_are_plain_token_ids(key):
+    """Only non-negative integers or plain ASCII decimal strings name a token: int() would
+    also read "1_000", " 12 " and Arabic-Indic or fullwidth digits as numbers."""
+    with pytest.raises((TypeError, ValueError), match="logit_bias"):
+        GenerationOptions(logit_bias={key: 1.0})
+
+
+def test_logit_bias_takes_ids_as_integers_or_digit_strings():
+    import numpy as np
+
+    bias = GenerationOptions(logit_bias={"12": 1, 7: float("-inf"), np.int64(3): 2.5}).logit_bias
+    assert bias == {12: 1.0, 7: float("-inf"), 3: 2.5}
+    assert all(type(k) is int and type(v) is float for k, v in bias.items())
+    for value in (float("nan"), "5", True):
+        with pytest.raises((TypeError, ValueError), match="logit_bias"):
+            GenerationOptions(logit_bias={1: value})
+    with pytest.raises(TypeError, match="logit_bias"):
+        GenerationOptions(logit_bias=[(1, 2.0)])
+
+
 def test_python_defaults_follow_the_seed_table():
     """parabun's `chat`/`generate` table: greedy, 512 tokens, the model's end tokens, no
     echo; the filters (llama-cpp-python's) act once temperature > 0."""

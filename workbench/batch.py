@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -109,14 +110,7 @@ def read_lines(path: str | os.PathLike, options: GenerationOptions, grammar: Any
             raise ValueError(f"{where}: id {line_id!r} is already line {seen[key]}'s")
         seen[key] = number
         fields = {k: v for k, v in item.items() if k in OPTION_NAMES}
-        if isinstance(fields.get("logit_bias"), dict):  # JSON keys are strings
-            try:
-                fields["logit_bias"] = {int(k): float(v)
-                                        for k, v in fields["logit_bias"].items()}
-            except (TypeError, ValueError):
-                raise ValueError(f"{where}: logit_bias maps token ids to numbers"
-                                 ) from None
-        try:
+        try:  # (GenerationOptions reads logit_bias's keys, strings in JSON: parse_logit_bias)
             line_options = GenerationOptions.of(options, **fields)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: {exc}") from None
@@ -237,6 +231,27 @@ def run(llm: Any, lines: Iterable[BatchLine], out: str | os.PathLike, *,
     return failed
 
 
+def check_output(source: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Refuse an output file `run_file` cannot append its answers to: the input itself
+    (the same path, or the same file through a hard or symbolic link: its lines would
+    read as answers already given) or, when it exists, anything but a regular file (a
+    FIFO would block the run until some reader opens it, a device swallow the answers)."""
+    try:
+        st = os.stat(out)
+    except FileNotFoundError:
+        if Path(source).resolve() == Path(out).resolve():  # (the input is missing too)
+            raise ValueError("the output file must differ from the input file") from None
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode)
+                else "a directory" if stat.S_ISDIR(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+        raise ValueError(f"the output {out} is {kind}, not a regular file; name a file "
+                         "(new, or one an earlier run wrote)")
+    if os.path.samestat(st, os.stat(source)):
+        raise ValueError("the output file must differ from the input file")
+
+
 def run_file(llm_factory: Callable[[], Any], source: str | os.PathLike,
              out: str | os.PathLike, options: GenerationOptions, grammar: Any = None, *,
              file=None) -> int:
@@ -247,8 +262,7 @@ def run_file(llm_factory: Callable[[], Any], source: str | os.PathLike,
     from tqdm import tqdm
 
     file = file or sys.stderr
-    if Path(source).resolve() == Path(out).resolve():
-        raise ValueError("the output file must differ from the input file")
+    check_output(source, out)
     lines = read_lines(source, options, grammar)
     done, dropped = read_done(out)
     todo = [line for line in lines if id_key(line.id) not in done]

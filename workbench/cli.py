@@ -192,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-audio-seconds", type=float, default=limits.MAX_AUDIO_SECONDS,
                      metavar="SECONDS", help="the longest audio transcribed (default "
                      "%(default)g; 0: no limit)")
+    srv.add_argument("--max-embedding-tokens", type=int, default=limits.MAX_EMBEDDING_TOKENS,
+                     metavar="N", help="the most tokens one embeddings request may hold "
+                     "(default %(default)s; 0: no limit)")
     srv.set_defaults(func=_serve)
 
     sub.add_parser("bench", add_help=False,
@@ -465,7 +468,8 @@ def _serve(args) -> int:
           max_body_bytes=int(args.max_body_mb * 1024 * 1024),
           max_tokens_limit=args.max_tokens_limit or None,
           request_timeout=args.request_timeout or None, body_timeout=args.body_timeout or None,
-          max_audio_seconds=args.max_audio_seconds or None, cors_origins=args.cors_origin,
+          max_audio_seconds=args.max_audio_seconds or None,
+          max_embedding_tokens=args.max_embedding_tokens or None, cors_origins=args.cors_origin,
           protect_docs=False if args.open_docs else None, background=False)
     return 0
 

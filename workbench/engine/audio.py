@@ -308,7 +308,9 @@ def _open_pyav(opener: Callable[[], str | io.BytesIO], where: str, container: st
                 raise _Unreadable("the data holds no audio stream")
             stream = input_.streams.audio[0]
             rate = int(stream.codec_context.sample_rate or 0)
-            channels = int(stream.codec_context.channels or 0)
+            # FFmpeg reads a count past its own limit (65535) as 0: report the header's
+            channels = int(stream.codec_context.channels or 0) or _claimed_channels(
+                opener, container)
             if stream.duration and stream.time_base:
                 duration = float(stream.duration * stream.time_base)
             elif input_.duration:
@@ -341,6 +343,28 @@ def _open_pyav(opener: Callable[[], str | io.BytesIO], where: str, container: st
 
     return AudioSource(blocks, duration=duration, sample_rate=rate, channels=channels,
                        max_seconds=max_seconds)
+
+
+def _claimed_channels(opener: Callable[[], str | io.BytesIO], container: str) -> int:
+    """The channel count a WAV or AIFF header writes (its `fmt ` or `COMM` chunk, within
+    the first 64 KiB); 0 for another container or where there is none."""
+    if container not in ("wav", "aiff"):
+        return 0
+    source = opener()
+    with (open(source, "rb") if isinstance(source, str) else source) as f:
+        head = f.read(1 << 16)
+    if head[:4] not in (b"RIFF", b"RIFX", b"RF64", b"BW64", b"FORM"):
+        return 0
+    order = "big" if head[:4] in (b"RIFX", b"FORM") else "little"
+    # the 16-bit count: a WAV's `fmt ` data has the format tag first, AIFF's `COMM` not
+    chunk, at = (b"COMM", 0) if head[:4] == b"FORM" else (b"fmt ", 2)
+    pos = 12
+    while pos + 12 <= len(head):  # chunks: a 4-byte name, a 4-byte size, the data
+        size = int.from_bytes(head[pos + 4 : pos + 8], order)
+        if head[pos : pos + 4] == chunk:
+            return int.from_bytes(head[pos + 8 + at : pos + 10 + at], order)
+        pos += 8 + size + (size & 1)
+    return 0
 
 
 def _array_source(data: np.ndarray, rate: int, max_seconds: float | None) -> AudioSource:

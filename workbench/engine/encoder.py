@@ -35,6 +35,7 @@ from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.local_engine import LocalEngine
 from workbench.engine.models import bert, gemma3, llama
+from workbench.engine.results import TooManyTokensError
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
 from workbench.engine.warmup import KernelWarmup
 from workbench.signals import Signal
@@ -217,13 +218,16 @@ class Encoder(LocalEngine):
 
     def embed_batch(self, texts: Sequence[str], *, batch_size: int = 32,
                     pool: str | None = None, normalize: bool = True,
-                    progress: bool = False, cancel: CancelFlag | None = None) -> np.ndarray:
+                    progress: bool = False, cancel: CancelFlag | None = None,
+                    max_total_tokens: int | None = None) -> np.ndarray:
         """Vectors for many texts: float32 of shape (len(texts), dim), in input order.
 
         Texts are sorted by length and run `batch_size` at a time, each batch
         padded to its longest text. `progress=True` shows a progress bar.
         `cancel`: a flag (`threading.Event`) looked at while the texts are tokenized
         and before each batch; once it is set the call raises `Cancelled`.
+        `max_total_tokens`: more tokens than this in all (each text counted as cut at
+        `max_length`) raises `TooManyTokensError` before any forward pass.
         """
         if isinstance(texts, str):
             raise TypeError("embed_batch takes a list of texts; use embed for one text")
@@ -239,6 +243,9 @@ class Encoder(LocalEngine):
         if cut:
             _warn_truncated(cut, self.max_length)
         ids = [i for i, _ in encoded]
+        total = sum(map(len, ids))
+        if max_total_tokens is not None and total > max_total_tokens:
+            raise TooManyTokensError(total, max_total_tokens)
         out = np.empty((len(ids), self.dim), np.float32)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         starts = range(0, len(order), batch_size)

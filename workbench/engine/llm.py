@@ -44,6 +44,7 @@ from workbench.engine.results import (  # noqa: F401  (importable from here, as 
     DraftCounts,
     IncompleteOutputError,
     TokenEvent,
+    TooManyTokensError,
     Usage,
 )
 from workbench.engine.scheduler import (  # noqa: F401  (PREFILL_CHUNK: importable from here)
@@ -405,8 +406,8 @@ class LLM(Prompting, LocalEngine):
             prompts.append(self._chat_ids(messages, tools, chat_template=chat_template))
         return self.generate_batch(prompts, cancel=cancel, **generate_args)
 
-    def embed(self, text: str | Sequence[int], *, pool: str = "last", normalize: bool = False
-              ) -> np.ndarray:
+    def embed(self, text: str | Sequence[int], *, pool: str = "last", normalize: bool = False,
+              cancel: CancelFlag | None = None) -> np.ndarray:
         """One vector for `text`: float32 of shape (n_embd,), from the final hidden states
         (after the output norm).
 
@@ -415,10 +416,60 @@ class LLM(Prompting, LocalEngine):
         the model's own hidden state (parabun's `embed`; an `Encoder`, made for
         sentence embeddings, normalizes by default). The same signature as
         `Encoder.embed`, so either model can feed the similarity cell and the server,
-        which ask for unit vectors.
+        which ask for unit vectors. The text runs through the model PREFILL_CHUNK
+        tokens at a time, as a prompt does: `cancel` (a flag) is looked at before each
+        chunk, and other requests' forward passes take turns with them.
         """
         if pool not in ("last", "mean"):
             raise ValueError(f"pool must be 'last' or 'mean' for a decoder, not {pool!r}")
+        ids = self._embedding_ids(text)
+        model = self._require_model()
+        cache = model.new_cache(len(ids))
+        pooled = np.zeros(self.config.n_embd, np.float32)  # the last state, or their sum
+        with self._busy:
+            for start in range(0, len(ids), PREFILL_CHUNK):
+                check_cancel(cancel)
+                chunk = ids[start : start + PREFILL_CHUNK]
+                with self._forward_lock:
+                    states = model.hidden(np.asarray(chunk), cache)  # (T, n_embd)
+                if self.backend is not None:
+                    states = self.backend.to_host(states)
+                pooled = states[-1] if pool == "last" else pooled + states.sum(axis=0)
+        h = pooled if pool == "last" else pooled / len(ids)
+        if normalize:
+            h = h / max(float(np.linalg.norm(h)), 1e-12)
+        return h.astype(np.float32)
+
+    def embed_batch(self, texts: Sequence[str], *, batch_size: int = 32, pool: str = "last",
+                    normalize: bool = False, cancel: CancelFlag | None = None,
+                    max_total_tokens: int | None = None) -> np.ndarray:
+        """`embed` for each text: float32 of shape (len(texts), n_embd), in input order.
+
+        (`batch_size` is accepted for the `Encoder` signature; a decoder embeds one text
+        per forward pass.) `cancel`: a flag looked at while the texts are tokenized and
+        between forward passes; once it is set the call raises `Cancelled`.
+        `max_total_tokens`: more tokens than this in all raises `TooManyTokensError`
+        (a ValueError) before any forward pass (the server's per-request bound)."""
+        if isinstance(texts, str):
+            raise TypeError("embed_batch takes a list of texts; use embed for one text")
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        ids, total = [], 0
+        for text in texts:  # all of them checked before the first forward pass
+            check_cancel(cancel)
+            ids.append(self._embedding_ids(text))
+            total += len(ids[-1])
+            if max_total_tokens is not None and total > max_total_tokens:
+                raise TooManyTokensError(total, max_total_tokens)
+        out = np.empty((len(texts), self.config.n_embd), np.float32)
+        with self._busy:
+            for i, text_ids in enumerate(ids):
+                out[i] = self.embed(text_ids, pool=pool, normalize=normalize, cancel=cancel)
+        return out
+
+    def _embedding_ids(self, text: str | Sequence[int]) -> list[int]:
+        """The checked token ids of a text to embed (the whole text: no more than the
+        context holds)."""
         if isinstance(text, str):
             self._refuse_overlong(text, self.kv_cache_size + 1, "text to embed")
         ids = self.tokenize(text) if isinstance(text, str) else [int(i) for i in text]
@@ -426,34 +477,7 @@ class LLM(Prompting, LocalEngine):
             raise ValueError("cannot embed an empty text")
         if len(ids) > self.kv_cache_size:
             raise ValueError(f"{len(ids)} tokens exceed the context of {self.kv_cache_size}")
-        model = self._require_model()
-        cache = model.new_cache(len(ids))
-        with self._busy, self._forward_lock:
-            states = model.hidden(np.asarray(ids), cache)  # (T, n_embd)
-        if self.backend is not None:
-            states = self.backend.to_host(states)
-        h = states[-1] if pool == "last" else states.mean(axis=0)
-        if normalize:
-            h = h / max(float(np.linalg.norm(h)), 1e-12)
-        return h.astype(np.float32)
-
-    def embed_batch(self, texts: Sequence[str], *, batch_size: int = 32, pool: str = "last",
-                    normalize: bool = False, cancel: CancelFlag | None = None) -> np.ndarray:
-        """`embed` for each text: float32 of shape (len(texts), n_embd), in input order.
-
-        (`batch_size` is accepted for the `Encoder` signature; a decoder embeds one text
-        per forward pass.) `cancel`: a flag looked at before each text; once it is set
-        the call raises `Cancelled`."""
-        if isinstance(texts, str):
-            raise TypeError("embed_batch takes a list of texts; use embed for one text")
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
-        out = np.empty((len(texts), self.config.n_embd), np.float32)
-        with self._busy:
-            for i, text in enumerate(texts):
-                check_cancel(cancel)
-                out[i] = self.embed(text, pool=pool, normalize=normalize)
-        return out
+        return ids
 
     # -- internals ---------------------------------------------------------------------------
     def _require_model(self) -> llama.LlamaModel:

@@ -46,6 +46,7 @@ class SamplingParams:
         for name in ("top_k", "repeat_last_n"):
             _check_integer(name, getattr(self, name))
         self._check_seed()
+        object.__setattr__(self, "logit_bias", parse_logit_bias(self.logit_bias))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -143,6 +144,41 @@ def _check_real(name: str, value: Any) -> None:
 def _check_integer(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
+
+
+def parse_logit_bias(bias: Mapping[Any, Any] | None) -> dict[int, float]:
+    """`bias` as {token id: added logit}: the one reading of `logit_bias` for the Python
+    API, the server and `workbench batch` (JSON keys are strings). A key is a
+    non-negative integer or its plain ASCII decimal digits ("1234"); `int()` would also
+    take "1_000", " 12 " and other scripts' digits ("١٢"), which name no token id in
+    OpenAI's API. A value is a number (±inf allowed, NaN not). None is no bias."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, Mapping):
+        raise TypeError(f"logit_bias must map token ids to numbers, not "
+                        f"{type(bias).__name__}")
+    parsed: dict[int, float] = {}
+    for key, value in bias.items():
+        # (at most 18 digits: past that no vocabulary, and int() refuses 4300 digits)
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18:
+            token = int(key)
+        elif isinstance(key, numbers.Integral) and not isinstance(key, bool) and key >= 0:
+            token = int(key)
+        else:
+            raise ValueError(f"logit_bias keys are token ids (non-negative integers, or their "
+                             f"plain decimal digits such as \"1234\"), not {_shown(key)}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                or math.isnan(value):
+            raise ValueError(f"logit_bias values are numbers (the logit added to the token), "
+                             f"not {_shown(value)} for token {token}")
+        parsed[token] = float(value)
+    return parsed
+
+
+def _shown(value: Any) -> str:
+    """`value`'s repr for an error message, cut short (it may come from a request)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:36] + "...'"
 
 
 def _checked_seed(seed: Any) -> int | None:

@@ -208,6 +208,16 @@ class IncompleteOutputError(RuntimeError):
     output was complete."""
 
 
+class TooManyTokensError(ValueError):
+    """The texts of one `embed_batch` call hold more tokens than its `max_total_tokens`
+    allows (`counted`: the tokens counted when the call stopped counting, over `limit`)."""
+
+    def __init__(self, counted: int, limit: int):
+        super().__init__(f"the texts hold more than {limit} tokens in all (at least "
+                         f"{counted}); embed at most {limit} in one call (max_total_tokens)")
+        self.counted, self.limit = counted, limit
+
+
 @dataclass(frozen=True)
 class Segment:
     """A stretch of the transcript: seconds from the start of the audio, and its text."""

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from workbench.engine.cancel import check_cancel
+from workbench.engine.results import TooManyTokensError
 from workbench.server import limits
 from workbench.server.gatekeeper import Gatekeeper
 from workbench.server.generation import answer_chat, answer_completion
@@ -50,6 +51,7 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
                request_timeout: float | None = limits.REQUEST_TIMEOUT,
                body_timeout: float | None = limits.BODY_TIMEOUT,
                max_audio_seconds: float | None = limits.MAX_AUDIO_SECONDS,
+               max_embedding_tokens: int | None = limits.MAX_EMBEDDING_TOKENS,
                protect_docs: bool | None = None, cors_origins: Sequence[str] = ()
                ) -> FastAPI:
     """The FastAPI app serving `engines` ({model id: engine}) with OpenAI's API.
@@ -70,6 +72,9 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
         the engine call is cancelled and the client gets a 504 error (or an error
         event in a stream). None: no deadline.
     max_audio_seconds: longer uploads to `/v1/audio/*` get 400 (default one hour).
+    max_embedding_tokens: the most tokens one `/v1/embeddings` request may hold, its
+        texts counted as the model cuts them (default 300,000, OpenAI's limit); more
+        gets 400 (`max_tokens_per_request`) before any forward pass. None: no limit.
     cors_origins: the web origins whose pages may call the API from a browser
         ("http://localhost:3000", or "*" for any); none by default, so a web page the
         user visits cannot drive the models: a browser's request from another origin
@@ -81,7 +86,7 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
                         max_queue=max_queue, max_body_bytes=max_body_bytes,
                         max_tokens_limit=max_tokens_limit, request_timeout=request_timeout,
                         body_timeout=body_timeout, max_audio_seconds=max_audio_seconds,
-                        protect_docs=protect_docs)
+                        max_embedding_tokens=max_embedding_tokens, protect_docs=protect_docs)
     app = FastAPI(title="workbench", version=__version__,
                   description="An OpenAI-compatible API over local workbench engines.")
     app.state.workbench = state
@@ -159,7 +164,9 @@ def _telling_error(errors: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, An
     """The validation error to report, and the request field it is about (None: the body
     as a whole). A field that may take several shapes (`stop`: a string or a list) gets
     one error per shape; the one that says most is a broken bound (too many items, out
-    of range) rather than a wrong type, and the deepest of those (the list's item)."""
+    of range) rather than a wrong type or a string that does not parse as one (100,000
+    strings for `input` break its 2048-item bound, and fail as integers item by item),
+    and the deepest of those (the list's item)."""
     if not errors:
         return {}, None
 
@@ -169,7 +176,7 @@ def _telling_error(errors: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, An
 
     param = field(errors[0])
     same = [e for e in errors if field(e) == param]
-    bounds = [e for e in same if not str(e.get("type", "")).endswith("_type")]
+    bounds = [e for e in same if not str(e.get("type", "")).endswith(("_type", "_parsing"))]
     return max(bounds or same[:1], key=lambda e: len(e.get("loc", ()))), param
 
 
@@ -225,11 +232,21 @@ async def _embed(state: ServerState, engine: Any, body: EmbeddingRequest,
     if any(not t for t in texts):
         raise APIError(400, "input texts must not be empty", param="input")
 
+    limit = state.max_embedding_tokens
+
     def produce(put, cancelled) -> None:
         batch = getattr(engine, "embed_batch", None)
         if batch is not None and engine_accepts(batch, "cancel", by_name=True):
-            vectors = np.asarray(batch(texts, batch_size=EMBED_BATCH, cancel=cancelled),
-                                 dtype=np.float32)
+            bound = ({"max_total_tokens": limit} if limit is not None
+                     and engine_accepts(batch, "max_total_tokens", by_name=True) else {})
+            try:
+                vectors = np.asarray(batch(texts, batch_size=EMBED_BATCH, cancel=cancelled,
+                                           **bound), dtype=np.float32)
+            except TooManyTokensError as exc:
+                raise APIError(400, f"the input holds more than {limit} tokens (at least "
+                               f"{exc.counted}); this server embeds at most {limit} per "
+                               "request (max_embedding_tokens): send fewer or shorter texts",
+                               param="input", code="max_tokens_per_request") from None
         elif batch is not None:  # (a RemoteEngine: its server batches)
             vectors = np.asarray(batch(texts), dtype=np.float32)
         else:  # one text at a time, to look at the flag in between

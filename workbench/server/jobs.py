@@ -60,6 +60,7 @@ class ServerState:
                  request_timeout: float | None = limits.REQUEST_TIMEOUT,
                  body_timeout: float | None = limits.BODY_TIMEOUT,
                  max_audio_seconds: float | None = limits.MAX_AUDIO_SECONDS,
+                 max_embedding_tokens: int | None = limits.MAX_EMBEDDING_TOKENS,
                  protect_docs: bool | None = None):
         if not engines:
             raise ValueError("serve at least one engine")
@@ -68,8 +69,10 @@ class ServerState:
         check_api_key(api_key)
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
-        if max_tokens_limit is not None and max_tokens_limit < 1:
-            raise ValueError("max_tokens_limit must be >= 1 (or None for no limit)")
+        for name, count in (("max_tokens_limit", max_tokens_limit),
+                            ("max_embedding_tokens", max_embedding_tokens)):
+            if count is not None and count < 1:
+                raise ValueError(f"{name} must be >= 1 (or None for no limit)")
         for name, value in (("request_timeout", request_timeout),
                             ("body_timeout", body_timeout),
                             ("max_audio_seconds", max_audio_seconds)):
@@ -86,6 +89,7 @@ class ServerState:
         self.request_timeout = request_timeout
         self.body_timeout = body_timeout
         self.max_audio_seconds = max_audio_seconds
+        self.max_embedding_tokens = max_embedding_tokens
         self.created = int(time.time())
         self.requests: Signal[int] = Signal(0, name="requests")  # HTTP requests answered
         self.running: Signal[int] = Signal(0, name="running")  # engine calls under way

@@ -17,6 +17,10 @@ REQUEST_TIMEOUT = 600.0  # seconds from a request's body to its answer's last by
 # 0.2 MB/s; a stalled client holds a connection this long, never an engine slot
 BODY_TIMEOUT = 120.0
 MAX_AUDIO_SECONDS = 3600.0  # the longest audio one transcription request may carry; then 400
+# tokens one embeddings request may hold in all, its texts counted as the model cuts them
+# (OpenAI's limit, with its 2048 inputs per request in the schema); more gets 400 before
+# any forward pass. At MiniLM's ~2,300 tokens/s on two CPU cores that is ~2 minutes.
+MAX_EMBEDDING_TOKENS = 300_000
 # open connections at once (lowered to fit the process's file-descriptor limit); past it
 # the connection longest waiting for its headers is closed, or, all busy, the new one: 503
 MAX_CONNECTIONS = 1024

@@ -122,7 +122,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
           max_concurrent: int | None = None, max_queue: int = 64, max_body_bytes: int | None = None,
           max_tokens_limit: int | None = _DEFAULT, request_timeout: float | None = _DEFAULT,
           body_timeout: float | None = _DEFAULT, max_audio_seconds: float | None = _DEFAULT,
-          protect_docs: bool | None = None, cors_origins: Sequence[str] = (),
+          max_embedding_tokens: int | None = _DEFAULT, protect_docs: bool | None = None,
+          cors_origins: Sequence[str] = (),
           max_connections: int | None = None, header_timeout: float | None = _DEFAULT,
           background: bool = True, log_level: str | None = None) -> Server:
     """Serve `engine` with OpenAI's HTTP API (chat, completions, embeddings, transcription).
@@ -154,8 +155,11 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
         (default 600); past it the engine call is cancelled and the client gets a
         504 error (an error event in a stream).
     max_audio_seconds: the longest audio upload transcribed (default one hour;
-        longer gets 400). The defaults are in `workbench.server.limits`.
-    None for any of the last four means no limit. A client that disconnects stops
+        longer gets 400).
+    max_embedding_tokens: the most tokens one embeddings request may hold in all
+        (default 300,000, OpenAI's limit; more gets 400 before any work). The
+        defaults are in `workbench.server.limits`.
+    None for any of the last five means no limit. A client that disconnects stops
     its engine call within a token, a batch of texts or an audio window.
     cors_origins: web origins whose pages may call the API from a browser (e.g.
         ["http://localhost:3000"], or ["*"]); none by default: a request a web page
@@ -196,7 +200,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
         model_id or default_model_id(engine): engine}
     chosen = {name: value for name, value in (
         ("max_tokens_limit", max_tokens_limit), ("request_timeout", request_timeout),
-        ("body_timeout", body_timeout), ("max_audio_seconds", max_audio_seconds))
+        ("body_timeout", body_timeout), ("max_audio_seconds", max_audio_seconds),
+        ("max_embedding_tokens", max_embedding_tokens))
         if value is not _DEFAULT}
     app = create_app(engines, api_key=api_key,
                      max_concurrent=(limits.MAX_CONCURRENT if max_concurrent is None

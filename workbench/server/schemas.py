@@ -20,9 +20,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workbench.engine.options import OPTION_NAMES
+from workbench.engine.options import OPTION_NAMES, parse_logit_bias
 
 MAX_CHOICES = 16  # n (times the number of prompts for /v1/completions) per request
+MAX_EMBEDDING_INPUTS = 2048  # texts per /v1/embeddings request, as OpenAI allows
 # the sampling of a request that leaves these fields out: OpenAI's defaults
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 # options passed on as the request wrote them (max_tokens goes through the server's
@@ -136,10 +137,9 @@ class _Sampling(_Request):
             options["stop"] = [s for s in stops if s]
         if self.logit_bias:
             try:
-                options["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
-                               param="logit_bias") from None
+                options["logit_bias"] = parse_logit_bias(self.logit_bias)
+            except (TypeError, ValueError) as exc:
+                raise APIError(400, str(exc), param="logit_bias") from None
         if self.grammar is not None:
             options["grammar"] = self.grammar
         return options
@@ -167,8 +167,11 @@ class CompletionRequest(_Sampling):
 
 class EmbeddingRequest(_Request):
     model: str
-    input: str | Annotated[list[str], Field(min_length=1, max_length=2048)] \
-        | Annotated[list[int], Field(min_length=1)] \
-        | Annotated[list[list[int]], Field(min_length=1)]
+    # OpenAI's bounds: 2048 texts, or token-id arrays of at most 2048 ids (one or 2048
+    # of them); on every shape, so that 100,000 texts fail on their count at once rather
+    # than as 200,000 items that are not integers
+    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)] \
+        | Annotated[list[int], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)] \
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
