@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import numpy as np
 import pytest
 
+from tests.goldens import load as load_golden
+from tests.goldens.make_schema_sample import host_cpu
 from tests.support.schema_order import in_schema_order
 from tests.support.shared import SHARED, shared_file
 from workbench.engine.grammar import (
@@ -293,35 +296,80 @@ def sample_messages(path, schema) -> list[dict]:
             {"role": "user", "content": f"Write a short JSON example of: {what[:200]}"}]
 
 
+# A greedy and a seeded generation per schema of the sample
+SAMPLE_OPTIONS = (dict(temperature=0, max_tokens=768, repeat_penalty=1.1),
+                  dict(temperature=0.8, seed=0, max_tokens=768, repeat_penalty=1.1))
+
+
+def sample_runs() -> list[tuple]:
+    """(file, schema, grammar, messages, options) of the sample's generations: a greedy and
+    a seeded one for each schema that compiles (the golden schema-sample-closer-off-<model>
+    holds their tokens with the closer off)."""
+    ok, _ = compiled_sample()
+    return [(path, schema, grammar, sample_messages(path, schema), dict(options))
+            for path, schema, grammar in ok for options in SAMPLE_OPTIONS]
+
+
+def chat_all(model, runs: list[tuple], **overrides) -> list:
+    """One `chat` per run (file, schema, grammar, messages, options), all at once: each from
+    a thread of its own, so that the scheduler decodes them together (`max_batch` at a
+    time, the others as places come free). Their finished `Completion`s in order, or the
+    error a run raised."""
+    def run(r):
+        try:
+            return model.chat(r[3], schema=r[2], **{**r[4], **overrides}).wait()
+        except Exception as e:  # noqa: BLE001 - the caller's to judge
+            return e
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(run, runs))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["smollm2", "qwen"])
 def test_schema_sample_generations_all_end_valid(request, model_name):
     """A greedy and a sampled generation per schema (78 runs per model), SmolLM2-135M and
-    Qwen2.5-Coder-0.5B: every one ends with JSON that validates (jsonschema). Without
-    the closer SmolLM2 ran 18 of them and Qwen 6 on inside a string, an array or the
-    digits of a number until max_tokens; now those are closed (at the budget, or where
-    a loop or an overlong string began). The runs the model ended itself are rerun
-    with the closer off: the same tokens."""
+    Qwen2.5-Coder-0.5B, all in one batch through the scheduler: every one ends with JSON
+    that validates (jsonschema). Without the closer SmolLM2 ran 18 of them and Qwen 6 on
+    inside a string, an array or the digits of a number until max_tokens; now those are
+    closed (at the budget, or where a loop or an overlong string began). The runs the
+    model ended itself have the very tokens the same run gave alone with the closer off
+    (the golden schema-sample-closer-off-<model>, made by this engine one run at a time:
+    a run in a batch is the run alone, tests/test_batch_invariance.py)."""
     model = request.getfixturevalue(model_name)
-    ok, _ = compiled_sample()
+    golden = load_golden(f"schema-sample-closer-off-{model_name}")
+    runs = sample_runs()
+    assert golden.inputs["model_sha256"] == model.file_sha256
+    assert [(r["schema"], r["messages"], r["options"]) for r in golden.inputs["runs"]] == [
+        (path.name, messages, options) for path, _, _, messages, options in runs], \
+        "the sample's runs changed: regenerate the golden (python -m tests.goldens schema-sample)"
+    model.reset()
+    answers = chat_all(model, runs)
+    if golden.peer["cpu"] == host_cpu():
+        reference = golden.outputs["token_ids"]
+    else:  # this host rounds otherwise: the runs the model ended, closer off, here, batched
+        print(f"the golden was made on {golden.peer['cpu']!r}: the reference is made here")
+        ended = [i for i, c in enumerate(answers)
+                 if not isinstance(c, Exception) and not c.closed_early]
+        model.reset()
+        reference = [None] * len(runs)
+        for i, c in zip(ended, chat_all(model, [runs[i] for i in ended], closing=False)):
+            reference[i] = c if isinstance(c, Exception) else c.token_ids
     closed, natural = [], 0
-    for path, schema, grammar in ok:
-        messages = sample_messages(path, schema)
-        for options in (dict(temperature=0), dict(temperature=0.8, seed=0)):
-            options.update(max_tokens=768, repeat_penalty=1.1)
-            c = model.chat(messages, schema=grammar, **options)
-            try:
-                jsonschema.validate(json.loads(c.text), schema)
-            except (ValueError, jsonschema.ValidationError) as e:
-                pytest.fail(f"{path.name} {options}: {c.finish_reason} {c.text[-80:]!r}: {e}")
-            if c.closed_early:
-                closed.append(f"{c.closed_early:>10} {path.name} {options['temperature']}: "
-                              f"{len(c.token_ids)} tokens, ...{c.text[-50:]!r}")
-                continue
-            natural += 1
-            assert c.finish_reason == "stop"
-            alone = model.chat(messages, schema=grammar, closing=False, **options)
-            assert alone.token_ids == c.token_ids, f"{path.name} {options}"
+    for (path, schema, _, _, options), c, alone in zip(runs, answers, reference):
+        if isinstance(c, Exception):
+            pytest.fail(f"{path.name} {options}: {c!r}")
+        try:
+            jsonschema.validate(json.loads(c.text), schema)
+        except (ValueError, jsonschema.ValidationError) as e:
+            pytest.fail(f"{path.name} {options}: {c.finish_reason} {c.text[-80:]!r}: {e}")
+        if c.closed_early:
+            closed.append(f"{c.closed_early:>10} {path.name} {options['temperature']}: "
+                          f"{len(c.token_ids)} tokens, ...{c.text[-50:]!r}")
+            continue
+        natural += 1
+        assert c.finish_reason == "stop"
+        assert c.token_ids == alone, f"{path.name} {options}"
     print(f"{model_name}: {natural} ended by the model, {len(closed)} closed early")
     for line in closed:
         print("closed:", line)
@@ -342,18 +390,19 @@ def shortest_known_instance_tokens(path, schema, tokenizer) -> int | None:
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", [128, 256])
 def test_schema_sample_fits_small_budgets(smollm2, budget):
-    """Greedy, at max_tokens 128 and 256: every schema whose shortest instance fits the
-    budget gets JSON that validates. Where the engine refuses a schema up front
-    (GrammarBudgetError) or ends invalid, no valid instance the sample lists may fit
-    (measured: all 39 validate at both budgets, 17 closed early at 128)."""
+    """Greedy, at max_tokens 128 and 256 (the schemas' runs all at once, batched by the
+    scheduler): every schema whose shortest instance fits the budget gets JSON that
+    validates. Where the engine refuses a schema up front (GrammarBudgetError) or ends
+    invalid, no valid instance the sample lists may fit (measured: all 39 validate at
+    both budgets, 17 closed early at 128)."""
     from workbench import GrammarBudgetError
 
-    ok, _ = compiled_sample()
+    runs = [r for r in sample_runs() if r[4]["temperature"] == 0]
     closed = 0
-    for path, schema, grammar in ok:
+    for (path, schema, _, _, _), c in zip(runs, chat_all(smollm2, runs, max_tokens=budget)):
         try:
-            c = smollm2.chat(sample_messages(path, schema), schema=grammar, max_tokens=budget,
-                             temperature=0, repeat_penalty=1.1)
+            if isinstance(c, Exception):
+                raise c
             jsonschema.validate(json.loads(c.text), schema)
             closed += c.closed_early is not None
             assert len(c.token_ids) <= budget
@@ -361,7 +410,7 @@ def test_schema_sample_fits_small_budgets(smollm2, budget):
             known = shortest_known_instance_tokens(path, schema, smollm2.tokenizer)
             assert known is None or known > budget, (
                 f"{path.name}: {e} (the sample has a valid instance of {known} tokens)")
-    print(f"max_tokens {budget}: {closed} of {len(ok)} closed early")
+    print(f"max_tokens {budget}: {closed} of {len(runs)} closed early")
 
 
 # -- constrained generation with SmolLM2 ------------------------------------------------------

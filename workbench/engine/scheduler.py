@@ -311,15 +311,18 @@ class Scheduler:
                 r.row = row
 
     def _read(self, reading: list[Request], decoding: bool) -> None:
-        """The next chunk of each prompt being read: up to PREFILL_CHUNK tokens each and,
-        while others decode, PREFILL_BUDGET in all (the earliest admitted first)."""
+        """The next chunk of each prompt being read: PREFILL_CHUNK tokens (or what is
+        left) each and, while others decode, PREFILL_BUDGET in all (the earliest
+        admitted first; the first always reads). A chunk is read whole or at a later
+        step, never split to fill the budget: a prompt is cut into the same chunks
+        whatever else runs, and so read to the same bits (batch invariance)."""
         llm = self.llm
         model = llm._require_model()
         budget = PREFILL_BUDGET if decoding else PREFILL_CHUNK * len(reading)
         chunks = []
         for r in reading:
-            n = min(len(r.pending), PREFILL_CHUNK, budget)
-            if n <= 0:
+            n = min(len(r.pending), PREFILL_CHUNK)
+            if chunks and n > budget:
                 break
             chunks.append((r, r.pending[:n]))
             del r.pending[:n]

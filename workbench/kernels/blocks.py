@@ -2,25 +2,31 @@
 
 For every format of `formats.FORMATS` with `cpu` set (named by `Format.name`):
 
-- `dot_<name>(w, wi, r, x, xs, f16, n)`: row r of W (packed) times x (K,), float32.
-  w: (N, bytes_per_row) uint8, wi: the same bytes as int8; xs: x summed over runs of
-  `Format.sums` (unused where that is 0); f16: the format's 65536-entry table; n: the
-  run-time 16 (`cpu` explains both).
+- `dot_<name>`: row r of W (packed) times rows of x. For the formats with `rows`
+  (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), `dot_<name>(w, wi, r, x, K, xs, tp,
+  t0, f16, y, T, rows)` writes y[t0 + t, r] for the `rows` rows t0 .. t0 + rows - 1
+  (the literal 1, 2, 4 or 8; those past T are zero padding, not written) of the flat
+  x (row t at x[t * K:]), each block unpacked once for all of them; xs holds the
+  rows' sums of x over runs of `Format.sums`, run g of row t at xs[g * tp + t].
+  Every row gets the same bits however many rows are taken together (`simd`).
+  For the others (Q5_K, F16, BF16), `dot_<name>(w, wi, r, x, xs, f16, n)` returns
+  row r times one row x (K,), float32, xs the sums of x over runs of `Format.sums`.
+  w: (N, bytes_per_row) uint8, wi: the same bytes as int8; f16: the format's
+  65536-entry table; n: the run-time 16 (`cpu` explains both).
 - `row_<name>(w, wi, r, f16, out, n)`: row r of W as float32 into out (K,). Compiled
   without fastmath (`cpu._dequant_*`) it is bit-identical to `quants.dequantize` (same
   float32 ops in the same order); in the fastmath two-stage gemv it may fuse
   multiply-adds. `fast_row_<name>` takes its place there where `Format.fast_row` is set.
-- `rows_block_<name>(acc, w, wi, r, b, x, xo, K, rows)`: block b of row r, unpacked to
-  floats once and multiplied with 8 (or 4) rows of the flat x (row t at x[xo + t * K:])
-  into the 8-lane accumulators acc (`loops.rows_loop`), for formats with `rows`.
-
 All are `inline="always"`: each is compiled into the kernels that call it.
 
-Most blocks go through the 16-lane `simd` steps. Q5_K (and the dequantizers) unpack
-nibbles in float32: a byte v (0..255) converts exactly, hi = floor(v / 16),
-lo = v - 16 * hi. Numba types integer arithmetic as int64, which LLVM vectorizes 8 lanes
-wide with 64-bit int->float conversions; the float route keeps every op 32-bit (measured
-1.2-1.3x faster). Q5_K's single high bits are tested with a select (`_bit`).
+Most blocks go through the 16-lane `simd` steps, two accumulators per row of x (even
+and odd blocks: independent add chains); the `dot_<name>` of formats with `rows` are
+inlined into kernels compiled without fastmath (`simd` says why), and have none.
+Q5_K (and the dequantizers) unpack nibbles in float32: a byte v (0..255) converts
+exactly, hi = floor(v / 16), lo = v - 16 * hi. Numba types integer arithmetic as int64,
+which LLVM vectorizes 8 lanes wide with 64-bit int->float conversions; the float route
+keeps every op 32-bit (measured 1.2-1.3x faster). Q5_K's single high bits are tested
+with a select (`_bit`).
 """
 
 from __future__ import annotations
@@ -34,16 +40,15 @@ from workbench.kernels.simd import (
     half16,
     half16_store,
     half_at,
+    madd_lanes,
     nib16,
     nib16_1,
     nib16_hb,
-    nib_hb_rows,
-    nib_rows,
     q6k16,
-    q6k_rows,
-    q8_rows,
     q8x32,
     stack_f32x16,
+    stack_f32x128,
+    store_totals,
 )
 
 
@@ -116,61 +121,61 @@ def _total(a0, a1):
     return s
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def dot_q8_0(w, wi, r, x, xs, f16, n):
-    # Two accumulators, even and odd blocks: independent add chains.
-    nb = x.shape[0] // 32
+@njit(inline="always")
+def dot_q8_0(w, wi, r, x, K, xs, tp, t0, f16, y, T, rows):
+    nb = K // 32
+    xo = t0 * K
     wr = wi[r]
-    a0, a1 = stack_f32x16(), stack_f32x16()
+    a0, a1, s = stack_f32x128(), stack_f32x128(), stack_f32x16()
     for b in range(0, nb, 2):
         o = b * 34
-        q8x32(a0, wr, o + 2, x, b * 32, _h(w, r, o, f16))
+        q8x32(a0, wr, o + 2, x, xo + b * 32, K, _h(w, r, o, f16), rows)
         if b + 1 < nb:
-            q8x32(a1, wr, o + 36, x, b * 32 + 32, _h(w, r, o + 34, f16))
-    return _total(a0, a1)
+            q8x32(a1, wr, o + 36, x, xo + b * 32 + 32, K, _h(w, r, o + 34, f16), rows)
+    store_totals(y, r, t0, T, a0, a1, s, rows)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def _block_pairs(block, w, r, x, xs, f16):
-    """Row r of a 32-weight format times x: `block(acc, w, r, x, xs, f16, b)` adds the
-    vector part of block b into acc and returns its scalar part (offset or min times the
-    block's sum of x). Even and odd blocks go to two accumulators: independent add
-    chains."""
-    nb = x.shape[0] // 32
-    a0, a1 = stack_f32x16(), stack_f32x16()
-    s = np.float32(0.0)
+@njit(inline="always")
+def _block_pairs(block, w, r, x, K, xs, tp, t0, f16, y, T, rows):
+    """Rows t0 .. t0 + rows - 1 of x times row r of a 32-weight format, into y:
+    `block(acc, s, w, r, x, xo, K, xs, xso, tp, f16, b, rows)` adds the vector part of
+    block b into acc and its scalar part (offset or min times the block's sum of x)
+    into s, for each row. Even and odd blocks go to two accumulators per row."""
+    nb = K // 32
+    xo = t0 * K
+    a0, a1, s = stack_f32x128(), stack_f32x128(), stack_f32x16()
     for b in range(0, nb, 2):
-        s += block(a0, w, r, x, xs, f16, b)
+        block(a0, s, w, r, x, xo, K, xs, b * tp + t0, f16, b, rows)
         if b + 1 < nb:
-            s += block(a1, w, r, x, xs, f16, b + 1)
-    return s + _total(a0, a1)
+            block(a1, s, w, r, x, xo, K, xs, (b + 1) * tp + t0, f16, b + 1, rows)
+    store_totals(y, r, t0, T, a0, a1, s, rows)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def _blk_q4_0(acc, w, r, x, xs, f16, b):
-    """Block b of a Q4_0 row into acc (vector part); returns the scalar part."""
+@njit(inline="always")
+def _blk_q4_0(acc, s, w, r, x, xo, K, xs, xso, f16, b, rows):
+    """Block b of a Q4_0 row: (q - 8) d."""
     o = b * 18
     d = _h(w, r, o, f16)
-    nib16_1(acc, w[r], o + 2, x, b * 32, b * 32 + 16, d)
-    return -np.float32(8.0) * d * _at(xs, b)
+    nib16_1(acc, w[r], o + 2, x, xo + b * 32, xo + b * 32 + 16, K, d, rows)
+    madd_lanes(s, -np.float32(8.0) * d, xs, xso, rows)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def dot_q4_0(w, wi, r, x, xs, f16, n):
-    return _block_pairs(_blk_q4_0, w, r, x, xs, f16)
+@njit(inline="always")
+def dot_q4_0(w, wi, r, x, K, xs, tp, t0, f16, y, T, rows):
+    _block_pairs(_blk_q4_0, w, r, x, K, xs, tp, t0, f16, y, T, rows)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def _blk_q4_1(acc, w, r, x, xs, f16, b):
+@njit(inline="always")
+def _blk_q4_1(acc, s, w, r, x, xo, K, xs, xso, f16, b, rows):
+    """q d + m."""
     o = b * 20
-    d = _h(w, r, o, f16)
-    nib16_1(acc, w[r], o + 4, x, b * 32, b * 32 + 16, d)
-    return _h(w, r, o + 2, f16) * _at(xs, b)
+    nib16_1(acc, w[r], o + 4, x, xo + b * 32, xo + b * 32 + 16, K, _h(w, r, o, f16), rows)
+    madd_lanes(s, _h(w, r, o + 2, f16), xs, xso, rows)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def dot_q4_1(w, wi, r, x, xs, f16, n):
-    return _block_pairs(_blk_q4_1, w, r, x, xs, f16)
+@njit(inline="always")
+def dot_q4_1(w, wi, r, x, K, xs, tp, t0, f16, y, T, rows):
+    _block_pairs(_blk_q4_1, w, r, x, K, xs, tp, t0, f16, y, T, rows)
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -179,53 +184,55 @@ def _bit(bits, mask, value):
     return value if (bits & mask) != 0 else np.float32(0.0)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def _blk_q5_0(acc, w, r, x, xs, f16, b):
+@njit(inline="always")
+def _blk_q5_0(acc, s, w, r, x, xo, K, xs, xso, f16, b, rows):
+    """(q - 16) d, q of 5 bits."""
     o = b * 22
     d = _h(w, r, o, f16)
-    nib16_hb(acc, w[r], o + 6, x, b * 32, b * 32 + 16, d, np.int32(_u32(w, r, o + 2)))
-    return -np.float32(16.0) * d * _at(xs, b)
+    nib16_hb(acc, w[r], o + 6, x, xo + b * 32, xo + b * 32 + 16, K, d,
+             np.int32(_u32(w, r, o + 2)), rows)
+    madd_lanes(s, -np.float32(16.0) * d, xs, xso, rows)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def dot_q5_0(w, wi, r, x, xs, f16, n):
-    return _block_pairs(_blk_q5_0, w, r, x, xs, f16)
+@njit(inline="always")
+def dot_q5_0(w, wi, r, x, K, xs, tp, t0, f16, y, T, rows):
+    _block_pairs(_blk_q5_0, w, r, x, K, xs, tp, t0, f16, y, T, rows)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def _blk_q5_1(acc, w, r, x, xs, f16, b):
+@njit(inline="always")
+def _blk_q5_1(acc, s, w, r, x, xo, K, xs, xso, f16, b, rows):
+    """q d + m, q of 5 bits."""
     o = b * 24
-    nib16_hb(acc, w[r], o + 8, x, b * 32, b * 32 + 16, _h(w, r, o, f16),
-             np.int32(_u32(w, r, o + 4)))
-    return _h(w, r, o + 2, f16) * _at(xs, b)
+    nib16_hb(acc, w[r], o + 8, x, xo + b * 32, xo + b * 32 + 16, K, _h(w, r, o, f16),
+             np.int32(_u32(w, r, o + 4)), rows)
+    madd_lanes(s, _h(w, r, o + 2, f16), xs, xso, rows)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def dot_q5_1(w, wi, r, x, xs, f16, n):
-    return _block_pairs(_blk_q5_1, w, r, x, xs, f16)
+@njit(inline="always")
+def dot_q5_1(w, wi, r, x, K, xs, tp, t0, f16, y, T, rows):
+    _block_pairs(_blk_q5_1, w, r, x, K, xs, tp, t0, f16, y, T, rows)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def dot_q4_k(w, wi, r, x, xs, f16, n):
-    nb = x.shape[0] // 256
+@njit(inline="always")
+def dot_q4_k(w, wi, r, x, K, xs, tp, t0, f16, y, T, rows):
+    nb = K // 256
+    xo = t0 * K
     wr = w[r]
-    a0, a1 = stack_f32x16(), stack_f32x16()
-    s = np.float32(0.0)
+    a0, a1, s = stack_f32x128(), stack_f32x128(), stack_f32x16()
     for b in range(nb):
         o = b * 144
-        xo = b * 256
         d = _h(w, r, o, f16)
         dmin = _h(w, r, o + 2, f16)
         for c in range(4):  # pairs of 32-weight sub-blocks sharing 32 bytes
             qo = o + 16 + 32 * c
-            x0 = xo + 64 * c
+            x0 = xo + b * 256 + 64 * c
             d0, m0, d1, m1 = _k_pair(w, r, o, c, d, dmin)
-            nib16(a0, wr, qo, x, x0, x0 + 32, d0, d1)  # bytes 0-15 of the pair
-            nib16(a1, wr, qo + 16, x, x0 + 16, x0 + 48, d0, d1)  # bytes 16-31
-            g = x0 // 32  # sub-block 2c
-            s -= m0 * _at(xs, g)
-            s -= m1 * _at(xs, g + 1)
-    return s + _total(a0, a1)
+            nib16(a0, wr, qo, x, x0, x0 + 32, K, d0, d1, rows)  # bytes 0-15 of the pair
+            nib16(a1, wr, qo + 16, x, x0 + 16, x0 + 48, K, d0, d1, rows)  # bytes 16-31
+            g = b * 8 + 2 * c  # sub-block 2c
+            madd_lanes(s, -m0, xs, g * tp + t0, rows)
+            madd_lanes(s, -m1, xs, (g + 1) * tp + t0, rows)
+    store_totals(y, r, t0, T, a0, a1, s, rows)
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -258,31 +265,34 @@ def dot_q5_k(w, wi, r, x, xs, f16, n):
     return s
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def dot_q6_k(w, wi, r, x, xs, f16, n):
-    nb = x.shape[0] // 256
-    wr = w[r]
-    a0, a1 = stack_f32x16(), stack_f32x16()
-    s = np.float32(0.0)
+@njit(inline="always")
+def _q6k_quarter(acc, s, w, wi, r, o, h, i, d, x, x0, K, xs, g, tp, t0, rows):
+    """Weights 16 i .. 16 i + 15 of each 32-weight run of half h of the super-block at o
+    (scales at so + i, so + 2 + i, ...), the -32 offset through the sums of x."""
+    so = o + 192 + 8 * h + i  # scale of weights 128h + 32s + 16i: 8h + 2s + i
+    d0, d1 = d * np.float32(wi[r, so]), d * np.float32(wi[r, so + 2])
+    d2, d3 = d * np.float32(wi[r, so + 4]), d * np.float32(wi[r, so + 6])
+    q6k16(acc, w[r], o + 64 * h + 16 * i, o + 128 + 32 * h + 16 * i, x, x0 + 16 * i, K,
+          d0, d1, d2, d3, rows)
+    madd_lanes(s, np.float32(-32.0) * d0, xs, (g + i) * tp + t0, rows)
+    madd_lanes(s, np.float32(-32.0) * d1, xs, (g + i + 2) * tp + t0, rows)
+    madd_lanes(s, np.float32(-32.0) * d2, xs, (g + i + 4) * tp + t0, rows)
+    madd_lanes(s, np.float32(-32.0) * d3, xs, (g + i + 6) * tp + t0, rows)
+
+
+@njit(inline="always")
+def dot_q6_k(w, wi, r, x, K, xs, tp, t0, f16, y, T, rows):
+    nb = K // 256
+    a0, a1, s = stack_f32x128(), stack_f32x128(), stack_f32x16()
     for b in range(nb):
         o = b * 210
-        xo = b * 256
         d = _h(w, r, o + 208, f16)
         for h in range(2):  # two halves of 128 weights
-            so = o + 192 + 8 * h  # scale of weights 128h + 32s + 16*half: 8h + 2s + half
-            x0 = xo + 128 * h
-            d0, d1 = d * np.float32(wi[r, so]), d * np.float32(wi[r, so + 2])
-            d2, d3 = d * np.float32(wi[r, so + 4]), d * np.float32(wi[r, so + 6])
-            q6k16(a0, wr, o + 64 * h, o + 128 + 32 * h, x, x0, d0, d1, d2, d3)
-            g = x0 // 16  # 16-group of the first run; the others are 2, 4, 6 groups further
-            s -= np.float32(32.0) * (d0 * _at(xs, g) + d1 * _at(xs, g + 2) + d2 * _at(xs, g + 4)
-                                     + d3 * _at(xs, g + 6))
-            e0, e1 = d * np.float32(wi[r, so + 1]), d * np.float32(wi[r, so + 3])
-            e2, e3 = d * np.float32(wi[r, so + 5]), d * np.float32(wi[r, so + 7])
-            q6k16(a1, wr, o + 64 * h + 16, o + 128 + 32 * h + 16, x, x0 + 16, e0, e1, e2, e3)
-            s -= np.float32(32.0) * (e0 * _at(xs, g + 1) + e1 * _at(xs, g + 3) + e2 * _at(xs, g + 5)
-                                     + e3 * _at(xs, g + 7))
-    return s + _total(a0, a1)
+            x0 = t0 * K + b * 256 + 128 * h
+            g = b * 16 + 8 * h  # 16-group of the first run; the others are 2, 4, 6 further
+            _q6k_quarter(a0, s, w, wi, r, o, h, 0, d, x, x0, K, xs, g, tp, t0, rows)
+            _q6k_quarter(a1, s, w, wi, r, o, h, 1, d, x, x0, K, xs, g, tp, t0, rows)
+    store_totals(y, r, t0, T, a0, a1, s, rows)
 
 
 # --------------------------------------------------------------------------- row dequantizers
@@ -396,73 +406,6 @@ def row_q6_k(w, wi, r, f16, out, n):
                     out[e + 32 + j] = d1 * np.float32(((c & 15) | ((hb & 12) << 2)) - 32)
                     out[e + 64 + j] = d2 * np.float32(((a >> 4) | (hb & 48)) - 32)
                     out[e + 96 + j] = d3 * np.float32(((c >> 4) | ((hb >> 2) & 48)) - 32)
-
-
-# --------------------------------------------------------------------------- multi-row blocks
-# The weights of block b as `w = q * a + c` (a block's scale a, offset or min c; noted
-# after each signature), in registers, times 4 or 8 rows of x (`simd.*_rows`).
-
-
-@njit(fastmath=FASTMATH, inline="always")
-def rows_block_q8_0(acc, w, wi, r, b, x, xo, K, rows):  # q * d
-    o = b * 34
-    q8_rows(acc, wi[r], o + 2, x, xo, K, half_at(w, r, o), rows)
-
-
-@njit(fastmath=FASTMATH, inline="always")
-def rows_block_q4_0(acc, w, wi, r, b, x, xo, K, rows):  # (q - 8) * d
-    o = b * 18
-    d = half_at(w, r, o)
-    c = -np.float32(8.0) * d
-    nib_rows(acc, w[r], o + 2, x, xo, xo + 16, K, d, c, d, c, rows)
-
-
-@njit(fastmath=FASTMATH, inline="always")
-def rows_block_q4_1(acc, w, wi, r, b, x, xo, K, rows):  # q * d + m
-    o = b * 20
-    d, m = half_at(w, r, o), half_at(w, r, o + 2)
-    nib_rows(acc, w[r], o + 4, x, xo, xo + 16, K, d, m, d, m, rows)
-
-
-@njit(fastmath=FASTMATH, inline="always")
-def rows_block_q5_0(acc, w, wi, r, b, x, xo, K, rows):  # (q - 16) * d
-    o = b * 22
-    d = half_at(w, r, o)
-    nib_hb_rows(acc, w[r], o + 6, x, xo, xo + 16, K, d, -np.float32(16.0) * d,
-                np.int32(_u32(w, r, o + 2)), rows)
-
-
-@njit(fastmath=FASTMATH, inline="always")
-def rows_block_q5_1(acc, w, wi, r, b, x, xo, K, rows):  # q * d + m
-    o = b * 24
-    nib_hb_rows(acc, w[r], o + 8, x, xo, xo + 16, K, half_at(w, r, o), half_at(w, r, o + 2),
-                np.int32(_u32(w, r, o + 4)), rows)
-
-
-@njit(fastmath=FASTMATH, inline="always")
-def rows_block_q4_k(acc, w, wi, r, b, x, xo, K, rows):  # q * d * scale - dmin * min
-    o = b * 144
-    d, dmin = half_at(w, r, o), half_at(w, r, o + 2)
-    for c in range(4):  # pairs of 32-weight sub-blocks sharing 32 bytes, as in `dot_q4_k`
-        qo = o + 16 + 32 * c
-        x0 = xo + 64 * c
-        a0, m0, a1, m1 = _k_pair(w, r, o, c, d, dmin)
-        c0, c1 = -m0, -m1
-        nib_rows(acc, w[r], qo, x, x0, x0 + 32, K, a0, c0, a1, c1, rows)
-        nib_rows(acc, w[r], qo + 16, x, x0 + 16, x0 + 48, K, a0, c0, a1, c1, rows)
-
-
-@njit(fastmath=FASTMATH, inline="always")
-def rows_block_q6_k(acc, w, wi, r, b, x, xo, K, rows):  # (q - 32) * d * scale
-    o = b * 210
-    d = half_at(w, r, o + 208)
-    for h in range(2):  # halves of 128 weights; 16-weight sub-blocks as in `dot_q6_k`
-        so = o + 192 + 8 * h
-        for i in range(2):
-            q6k_rows(acc, w[r], o + 64 * h + 16 * i, o + 128 + 32 * h + 16 * i, x,
-                     xo + 128 * h + 16 * i, K, d * np.float32(wi[r, so + i]),
-                     d * np.float32(wi[r, so + 2 + i]), d * np.float32(wi[r, so + 4 + i]),
-                     d * np.float32(wi[r, so + 6 + i]), rows)
 
 
 # --------------------------------------------------------------------------- 16-bit floats

@@ -6,22 +6,23 @@ conversion, BF16 through a lookup table), picked by `matmul` from T, the number 
 rows of x. Each is generated below from a template, the format's block math
 (`blocks`) and the loops all formats share (`loops`):
 
-- `_gemv_<name>`, T <= 2 (decode): dot products on the packed blocks, one
-  output row per `prange` iteration, fp32 accumulation, nothing materialized.
-  The unpacking is redone for every row of x. For Q8_0, Q4_0, Q4_1, Q5_0,
-  Q5_1, Q4_K and Q6_K each block is one explicit 16-lane vector step
-  (`workbench.kernels.simd`) into two alternating accumulators; F16 likewise
-  converts 16 halves per step.
-- `_rows_<name>`, 3 <= T <= `ROWS_MAX_T` (batched decoding; Q8_0, Q4_0,
-  Q4_1, Q5_0, Q5_1, Q4_K, Q6_K): each block is unpacked once, in registers,
-  and multiplied with 8 (or 4) rows of x (see `loops`).
+- `_gemv_<name>`, T = 1 (decode; T <= 2 for Q5_K, F16 and BF16): dot products
+  on the packed blocks, one output row per `prange` iteration, fp32
+  accumulation, nothing materialized. The unpacking is redone for every row of
+  x. For Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K each block is one explicit
+  16-lane vector step (`workbench.kernels.simd`) into two alternating
+  accumulators; F16 likewise converts 16 halves per step.
+- `_rows_<name>`, 2 <= T <= `ROWS_MAX_T` (batched decoding; Q8_0, Q4_0,
+  Q4_1, Q5_0, Q5_1, Q4_K, Q6_K): the same steps, each block unpacked once for
+  up to 8 rows of x (see `loops`). A row of x gets the very bits it gets from
+  `_gemv_<name>`.
 - `_gemv2_<name>`, `ROWS_MAX_T` < T <= `GEMV_MAX_T` (short prompts; from
   T = 3 for Q5_K, F16 and BF16): four rows of W at a time are dequantized
   into a per-thread fp32 buffer, then multiplied with the T rows of x in 4 x 4
   blocks of outputs (16 accumulators: each load of W or x feeds four
   multiply-adds) on CPUs with 32 vector registers, 4 x 2 blocks on those with
-  16 (`loops.dots_block`). Q4_0 and Q4_1 rows are dequantized 32 weights per
-  vector step (`simd.deq16`).
+  16 (`loops.dots_block`), x padded to a multiple of four rows. Q4_0 and Q4_1
+  rows are dequantized 32 weights per vector step (`simd.deq16`).
 - `_dequant_<name>`, T > `GEMV_MAX_T` (prefill) and `dequantize_rows`: rows of
   W to float32, bit-identical to `gguf.quants.dequantize` (same float32 ops in
   the same order, no fastmath). `matmul` dequantizes one tile of rows at a
@@ -55,11 +56,24 @@ The dot kernels use `fastmath={"reassoc", "contract"}`: LLVM may reorder sums
 (to vectorize them) and fuse multiply-adds; results differ from
 `x @ dequantize(W).T` by fp32 rounding only (~1e-7..1e-6 of the output
 scale). NaN/inf semantics are kept (no `nnan`/`ninf`).
+
+Batch invariance: every kernel computes a row of x the same way whatever the other
+rows are, so a sequence's results do not depend on what else is in its batch
+(tests/test_batch_invariance.py). The gemv and multi-row kernels share their steps, whose
+arithmetic is written out without reassociation (`simd`); the two-stage kernels take
+the rows of x four at a time, zero rows added, so no row falls to a remainder loop
+that sums in another order; OpenBLAS's sgemm gives a row the same bits for two rows or
+more. The kernel still depends on T: `matmul_chunks` picks it per sequence. Decode
+steps of more than `ROWS_MAX_T` sequences go through the two-stage kernels, whose sums
+run in another order than the gemv's: the multi-row kernels there were 1.2-1.4x slower
+than them on Q4_1 at T = 9 to 16 (1 thread), more than the 5% of batched decode speed
+that bit-identical steps may cost; `max_batch` is 8 by default.
 """
 
 from __future__ import annotations
 
 import linecache
+from collections.abc import Sequence
 
 import numba
 import numpy as np
@@ -103,6 +117,18 @@ def _gemv_{name}(x, w, f16, y, n):{sums}
             xt = x[t]
             y[t, r] = blocks.dot_{name}(w, wi, r, xt, {xs_t}, f16, n)
 """
+# The formats with multi-row steps: one row of x at a time, through the same code as the
+# multi-row kernel (`loops.rows_loop`), so a row gets the same bits from either.
+_GEMV_ROWS = """
+@njit(parallel=True, cache=True)
+def _gemv_{name}(x, w, f16, y, n):
+    T, K = x.shape
+    xf, xs, tp = loops.padded_rows(x, {size}, 1)
+    wi = w.view(np.int8)
+    for r in prange(w.shape[0]):
+        for t in range(T):
+            blocks.dot_{name}(w, wi, r, xf, K, xs, tp, t, f16, y, T, 1)
+"""
 # The sums of x for the formats that need them; the others get x itself in their place
 # (unused: no second slice of x per row, which cost ~2% of a small Q8_0 gemv).
 _SUMS = """
@@ -116,12 +142,13 @@ _GEMV2 = """
 def _gemv2_{name}(x, w, f16, scratch, y, n):
     wi = w.view(np.int8)
     N = w.shape[0]
+    xp = loops.padded4(x)  # (T rounded up to a multiple of 4, K)
     for p in prange((N + 3) // 4):
         buf = scratch[get_thread_id()]  # (4, K)
         r = 4 * p
         for i in range(min(4, N - r)):
             blocks.{row}(w, wi, r + i, f16, buf[i], n)
-        loops.dots_block(buf, x, y, r, N)
+        loops.dots_block(buf, xp, y, r, N)
 """
 
 # Bit-exact dequantization of rows r0 .. r0 + len(out) (fastmath off).
@@ -134,9 +161,9 @@ def _dequant_{name}(w, r0, f16, out, n):
 """
 
 _ROWS = """
-@njit(parallel=True, fastmath=_FM, cache=True)
+@njit(parallel=True, cache=True)
 def _rows_{name}(x, w, f16, y, n):
-    loops.rows_loop(blocks.rows_block_{name}, {block_weights}, x, w, y)
+    loops.rows_loop(blocks.dot_{name}, {size}, x, w, f16, y)
 """
 
 # The generated code's file name: this file's, marked. Numba names the kernels' cache files
@@ -149,10 +176,12 @@ def _kernels_source(fmt: Format) -> str:
     sums = _SUMS.format(size=fmt.sums) if fmt.sums else ""
     xs_t = "xs[t]" if fmt.sums else "xt"
     row = f"fast_row_{fmt.name}" if fmt.fast_row else f"row_{fmt.name}"
-    parts = [_GEMV.format(name=fmt.name, sums=sums, xs_t=xs_t),
-             _GEMV2.format(name=fmt.name, row=row), _DEQUANT.format(name=fmt.name)]
     if fmt.rows:
-        parts.append(_ROWS.format(name=fmt.name, block_weights=fmt.block_weights))
+        parts = [_GEMV_ROWS.format(name=fmt.name, size=fmt.sums),
+                 _ROWS.format(name=fmt.name, size=fmt.sums)]
+    else:
+        parts = [_GEMV.format(name=fmt.name, sums=sums, xs_t=xs_t)]
+    parts += [_GEMV2.format(name=fmt.name, row=row), _DEQUANT.format(name=fmt.name)]
     return "".join(parts)
 
 
@@ -311,11 +340,12 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
     """`x @ dequantize(w).T` on quantized weights, fp32 accumulation.
 
     x: (T, K) float32, C-contiguous; w: (N, bytes_per_row) uint8 raw blocks.
-    Returns (T, N) float32, written into `out` when given. Picks the kernel by T:
+    Returns (T, N) float32, written into `out` when given. Picks the kernel by T
+    (`kernel_for`):
 
-    - T <= 2 (decode): `gemv`, dot products on the packed blocks;
-    - 3 <= T <= `ROWS_MAX_T` (batched decoding): `gemv_rows` for the formats
-      it has, else `gemv_dequant_rows`;
+    - T = 1 (decode): `gemv`, dot products on the packed blocks;
+    - 2 <= T <= `ROWS_MAX_T` (batched decoding): `gemv_rows` for the formats
+      it has (T = 2 for the others: `gemv`), else `gemv_dequant_rows`;
     - larger T up to `GEMV_MAX_T`: `gemv_dequant_rows`;
     - larger T (prefill): W is dequantized one tile of `TILE_WEIGHTS` floats
       at a time (serial Numba) and each tile is multiplied with BLAS
@@ -323,15 +353,57 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
       The dequantization is serial on purpose: OpenBLAS's worker threads
       keep spinning after a call, and a parallel Numba region right after
       one waits for its descheduled threads (measured 5-10x slower).
+
+    Every kernel gives a row of x the same bits whatever the other rows are (`gemv`
+    and `gemv_rows` the same bits as each other; OpenBLAS's sgemm, for two rows or
+    more, does too): a row's result depends on x's row count only through the kernel
+    that count picks. `matmul_chunks` keeps that choice per sequence.
     """
     y = _check(x, w, qtype, out)
-    T, K = x.shape
-    if T <= 2:
-        return _gemv(x, w, qtype, y)
+    return kernel_for(x.shape[0], qtype)(x, w, qtype, y)
+
+
+def kernel_for(T: int, qtype: GGMLQuantizationType):
+    """The unchecked kernel call `matmul` makes for T rows of x: `fn(x, w, qtype, y)`."""
+    if T == 1:
+        return _gemv
     if T <= ROWS_MAX_T and qtype in ROWS_KERNELS:
-        return _gemv_rows(x, w, qtype, y)
+        return _gemv_rows
+    if T <= 2:
+        return _gemv
     if T <= GEMV_MAX_T:
-        return _gemv_dequant_rows(x, w, qtype, y)
+        return _gemv_dequant_rows
+    return _tiled
+
+
+def matmul_chunks(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
+                  counts: Sequence[int]) -> np.ndarray:
+    """`matmul` of x whose rows are chunks of several sequences, counts[i] rows each (a
+    prefill pass over several prompts): each chunk's rows get the kernel `matmul` picks
+    for counts[i] rows, so the very bits `matmul(chunk)` gives them, whatever the other
+    chunks are. The chunks that pick the same kernel run in one call."""
+    y = _check(x, w, qtype, None)
+    groups: dict = {}
+    row = 0
+    for n in counts:
+        groups.setdefault(kernel_for(n, qtype), []).append(np.arange(row, row + n))
+        row += n
+    if row != x.shape[0]:
+        raise ValueError(f"counts add up to {row} rows, x has {x.shape[0]}")
+    if len(groups) == 1:
+        kernel = next(iter(groups))
+        return kernel(x, w, qtype, y)
+    for kernel, spans in groups.items():
+        rows = np.concatenate(spans)
+        y[rows] = kernel(np.ascontiguousarray(x[rows]), w, qtype,
+                         np.empty((rows.size, y.shape[1]), np.float32))
+    return y
+
+
+def _tiled(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType, y: np.ndarray
+           ) -> np.ndarray:
+    """y = x @ dequantize(w).T, W dequantized one tile at a time, each tile through BLAS."""
+    T, K = x.shape
     w = _frozen(w)
     N = w.shape[0]
     rows = max(16, min(N, TILE_WEIGHTS // K))

@@ -238,7 +238,7 @@ def _matmul_source(formats: tuple[int, ...]) -> str:
     for i, f in enumerate(fmts):
         table = "bf16" if f.bf16 else "f16"
         lines.append(f"    {'if' if i == 0 else 'elif'} code == {f.qtype.name}:")
-        lines.append("        if T <= 2:")
+        lines.append(f"        if T <= {1 if f.rows else 2}:")
         lines.append(f"            cpu._gemv_{f.name}(x, w, {table}, y, n)")
         if f.rows:
             lines.append("        elif T <= cpu.ROWS_MAX_T:")

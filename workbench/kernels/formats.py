@@ -10,11 +10,11 @@ is found by name, `<piece>_<name>` with `name` the lower-case GGML type name
 - `quants._deq_<name>`: whole blocks to float32, the bit-exact NumPy reference (every
   format but the float ones); `quants._aff_<name>` where `affine_bits` is set;
 - `blocks.dot_<name>` and `blocks.row_<name>` (entries with `cpu`): one packed row of W
-  times x, and one row of W to float32 (bit-exact without fastmath), from which `cpu`
-  generates the gemv, two-stage gemv and dequantize kernels; `blocks.fast_row_<name>`
+  times x (for entries with `rows`: times 1, 2, 4 or 8 rows of x, each block unpacked
+  once, each row with the same bits however many are taken), and one row of W to
+  float32 (bit-exact without fastmath), from which `cpu` generates the gemv, multi-row
+  (entries with `rows`), two-stage gemv and dequantize kernels; `blocks.fast_row_<name>`
   replaces `row_<name>` in the two-stage gemv where `fast_row` is set;
-- `blocks.rows_block_<name>` (entries with `rows`): one block times 4 or 8 rows of x,
-  the step of the multi-row kernel;
 - gguf.cu (entries with `cuda`): a decoder struct and its `GGUF_KERNELS(<name>, ...)`
   line, which define the kernels `dequantize_<name>` and `gemv_<name>`.
 
@@ -37,7 +37,7 @@ class Format:
 
     qtype: GGMLQuantizationType
     cpu: bool = False  # packed-block CPU kernels: gemv, two-stage gemv, dequantize
-    rows: bool = False  # the CPU multi-row kernel (batched decoding)
+    rows: bool = False  # the CPU multi-row kernel (batched decoding), steps of `simd`
     sums: int = 0  # the CPU gemv sums x over runs of this many columns (block offsets
     #                and mins are applied to those sums); 0: the format needs none
     bf16: bool = False  # the CPU kernels' 65536-entry table is `BF16_TO_F32`, not F16's

@@ -120,11 +120,15 @@ class QuantizedWeight:
         mib = self.nbytes / 2**20
         return f"QuantizedWeight({self._qtype.name}, shape=({n}, {k}), {mib:.2f} MiB)"
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
+    def matmul(self, x: np.ndarray, counts: Sequence[int] | None = None) -> np.ndarray:
         """`x @ W.T`: (..., K) float32 -> (..., N) float32 (fp32 accumulation).
 
         x may be (K,), (T, K) or have more leading dims; it is converted to a
         C-contiguous float32 array if it is not one already.
+
+        counts: x (T, K) holds chunks of several sequences, counts[i] rows each (a
+        prefill pass over several prompts): each chunk's rows then get the bits they
+        would get alone (`cpu.matmul_chunks`; with BLAS, a one-row chunk runs alone).
         """
         n, k = self._shape
         x = np.asarray(x)
@@ -133,15 +137,18 @@ class QuantizedWeight:
                              f"{self._qtype.name} weight of shape ({n}, {k})")
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)  # (T, K)
+        if counts is not None and len(counts) < 2:
+            counts = None
         qt = self._qtype
         if qt in cpu.GEMV_KERNELS:
-            y = cpu.matmul(x2, self._data, qt)
-        elif qt == Q.F32:
-            y = x2 @ self._data.T
+            if counts is None:
+                y = cpu.matmul(x2, self._data, qt)
+            else:
+                y = cpu.matmul_chunks(x2, self._data, qt, counts)
         else:
-            if self._fp32 is None:
+            if qt != Q.F32 and self._fp32 is None:
                 self._fp32 = dequantize(self._data, qt)
-            y = x2 @ self._fp32.T
+            y = _blas(x2, self._data if qt == Q.F32 else self._fp32, counts)
         return y.reshape(*lead, n)
 
     def dequantize(self) -> np.ndarray:
@@ -170,3 +177,21 @@ class QuantizedWeight:
         if self._qtype in cpu.DEQUANT_KERNELS:
             return cpu.dequantize_rows(picked, self._qtype, 0, picked.shape[0])
         return dequantize(picked, self._qtype)
+
+
+def _blas(x: np.ndarray, w: np.ndarray, counts: Sequence[int] | None) -> np.ndarray:
+    """x @ w.T for an fp32 matrix w. OpenBLAS gives a row the same bits whatever the other
+    rows, except that one row alone goes through its gemv: with `counts`, the one-row
+    chunks run one by one and the others together."""
+    if counts is None or all(c > 1 for c in counts):
+        return x @ w.T
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    starts = np.cumsum([0, *counts[:-1]])
+    single = [int(s) for s, c in zip(starts, counts) if c == 1]
+    rest = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts) if c > 1]
+                          or [np.zeros(0, np.int64)])
+    if rest.size:
+        y[rest] = x[rest] @ w.T
+    for s in single:
+        y[s : s + 1] = x[s : s + 1] @ w.T
+    return y

@@ -12,7 +12,7 @@ from llvmlite.binding import get_host_cpu_features
 from numba import prange
 
 from workbench.kernels.cache import njit
-from workbench.kernels.simd import FASTMATH, stack_f32x64
+from workbench.kernels.simd import FASTMATH
 
 
 @njit(cache=True)
@@ -32,16 +32,35 @@ def group_sums(x, size):
 
 # Two-stage gemv: dequantize one row into a per-thread fp32 buffer, then T
 # plain dot products over K (long, fully vectorized loops). The unpacking is
-# paid once per row whatever T is.
+# paid once per row whatever T is. The rows of x are taken four at a time, x
+# padded with zero rows to a multiple of four (`padded4`): a row's sums are then
+# the same code whatever T is and wherever the row is (a remainder loop for the
+# last T % 4 rows would add them up in another order), so each row of y has the
+# same bits whatever else is in x.
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def padded4(x):
+    """x (T, K), or a copy with zero rows up to a multiple of 4 rows (element loops:
+    no parallel loop of Numba's own in a parallel kernel)."""
+    T, K = x.shape
+    if T % 4 == 0:
+        return x
+    xp = np.empty(((T + 3) // 4 * 4, K), np.float32)
+    for t in range(xp.shape[0]):
+        for k in range(K):
+            xp[t, k] = x[t, k] if t < T else np.float32(0.0)
+    return xp
 
 
 @njit(fastmath=FASTMATH, inline="always")
 def _dots(a, x, y, r):
-    """y[t, r] = a . x[t] for every row t of x (T, K). Four rows of x at a time share
-    each load of a (5 loads per 4 multiply-adds instead of 8)."""
-    T, K = x.shape
+    """y[t, r] = a . x[t] for the rows t < len(y) of x (Tp, K), Tp a multiple of 4. Four
+    rows of x at a time share each load of a (5 loads per 4 multiply-adds instead of 8)."""
+    T, K = y.shape[0], x.shape[1]
+    Tp = x.shape[0]
     t = 0
-    while t + 4 <= T:
+    while t + 4 <= Tp:
         s0 = s1 = s2 = s3 = np.float32(0.0)
         for k in range(K):
             v = a[k]
@@ -49,23 +68,30 @@ def _dots(a, x, y, r):
             s1 += v * x[t + 1, k]
             s2 += v * x[t + 2, k]
             s3 += v * x[t + 3, k]
-        y[t, r], y[t + 1, r], y[t + 2, r], y[t + 3, r] = s0, s1, s2, s3
+        _store4(y, t, r, T, s0, s1, s2, s3)
         t += 4
-    while t < T:
-        s0 = np.float32(0.0)
-        for k in range(K):
-            s0 += a[k] * x[t, k]
-        y[t, r] = s0
-        t += 1
+
+
+@njit(inline="always")
+def _store4(y, t, r, T, s0, s1, s2, s3):
+    """y[t + i, r] = s_i for the rows t + i < T."""
+    y[t, r] = s0
+    if t + 1 < T:
+        y[t + 1, r] = s1
+    if t + 2 < T:
+        y[t + 2, r] = s2
+    if t + 3 < T:
+        y[t + 3, r] = s3
 
 
 @njit(fastmath=FASTMATH, inline="always")
 def _dots4(a, x, y, r):
-    """y[t, r + i] = a[i] . x[t] for i = 0..3 and every row t of x (T, K): a 4 x 4 block
-    of outputs per pass over K (8 loads per 16 multiply-adds, 16 accumulators)."""
-    T, K = x.shape
+    """y[t, r + i] = a[i] . x[t] for i = 0..3 and the rows t < len(y) of x (Tp, K): a 4 x 4
+    block of outputs per pass over K (8 loads per 16 multiply-adds, 16 accumulators)."""
+    T, K = y.shape[0], x.shape[1]
+    Tp = x.shape[0]
     t = 0
-    while t + 4 <= T:
+    while t + 4 <= Tp:
         s00 = s01 = s02 = s03 = np.float32(0.0)
         s10 = s11 = s12 = s13 = np.float32(0.0)
         s20 = s21 = s22 = s23 = np.float32(0.0)
@@ -92,29 +118,21 @@ def _dots4(a, x, y, r):
             s31 += v * x1
             s32 += v * x2
             s33 += v * x3
-        y[t, r], y[t + 1, r], y[t + 2, r], y[t + 3, r] = s00, s01, s02, s03
-        y[t, r + 1], y[t + 1, r + 1], y[t + 2, r + 1], y[t + 3, r + 1] = s10, s11, s12, s13
-        y[t, r + 2], y[t + 1, r + 2], y[t + 2, r + 2], y[t + 3, r + 2] = s20, s21, s22, s23
-        y[t, r + 3], y[t + 1, r + 3], y[t + 2, r + 3], y[t + 3, r + 3] = s30, s31, s32, s33
+        _store4(y, t, r, T, s00, s01, s02, s03)
+        _store4(y, t, r + 1, T, s10, s11, s12, s13)
+        _store4(y, t, r + 2, T, s20, s21, s22, s23)
+        _store4(y, t, r + 3, T, s30, s31, s32, s33)
         t += 4
-    while t < T:
-        s00 = s10 = s20 = s30 = np.float32(0.0)
-        for k in range(K):
-            s00 += a[0, k] * x[t, k]
-            s10 += a[1, k] * x[t, k]
-            s20 += a[2, k] * x[t, k]
-            s30 += a[3, k] * x[t, k]
-        y[t, r], y[t, r + 1], y[t, r + 2], y[t, r + 3] = s00, s10, s20, s30
-        t += 1
 
 
 @njit(fastmath=FASTMATH, inline="always")
 def _dots42(a, x, y, r):
     """`_dots4` with 4 x 2 blocks of outputs (8 accumulators): with 16 vector registers
     (AVX2) the 16 accumulators of `_dots4` spill to memory (measured 15-25% slower)."""
-    T, K = x.shape
+    T, K = y.shape[0], x.shape[1]
+    Tp = x.shape[0]
     t = 0
-    while t + 2 <= T:
+    while t + 2 <= Tp:
         s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0.0)
         for k in range(K):
             x0, x1 = x[t, k], x[t + 1, k]
@@ -130,20 +148,11 @@ def _dots42(a, x, y, r):
             v = a[3, k]
             s30 += v * x0
             s31 += v * x1
-        y[t, r], y[t + 1, r] = s00, s01
-        y[t, r + 1], y[t + 1, r + 1] = s10, s11
-        y[t, r + 2], y[t + 1, r + 2] = s20, s21
-        y[t, r + 3], y[t + 1, r + 3] = s30, s31
+        if t < T:
+            y[t, r], y[t, r + 1], y[t, r + 2], y[t, r + 3] = s00, s10, s20, s30
+        if t + 1 < T:
+            y[t + 1, r], y[t + 1, r + 1], y[t + 1, r + 2], y[t + 1, r + 3] = s01, s11, s21, s31
         t += 2
-    if t < T:
-        s00 = s10 = s20 = s30 = np.float32(0.0)
-        for k in range(K):
-            v = x[t, k]
-            s00 += a[0, k] * v
-            s10 += a[1, k] * v
-            s20 += a[2, k] * v
-            s30 += a[3, k] * v
-        y[t, r], y[t, r + 1], y[t, r + 2], y[t, r + 3] = s00, s10, s20, s30
 
 
 # 32 vector registers (AVX-512) hold `_dots4`'s 16 accumulators; 16 (AVX2, SSE, and NEON's
@@ -163,7 +172,8 @@ def _dots_4rows(a, x, y, r):
 
 @njit(fastmath=FASTMATH, inline="always")
 def dots_block(buf, x, y, r, N):
-    """The two-stage kernels' products for rows r .. min(r + 4, N) - 1, dequantized in buf."""
+    """The two-stage kernels' products for rows r .. min(r + 4, N) - 1, dequantized in buf;
+    x from `padded4`, y with the rows of x before the padding."""
     if r + 4 <= N:
         _dots_4rows(buf, x, y, r)
     else:
@@ -172,60 +182,73 @@ def dots_block(buf, x, y, r, N):
 
 
 # --------------------------------------------------------------------------- multi-row kernels
-# Batched decoding (3 <= T <= `cpu.ROWS_MAX_T`), `cpu._rows_<name>`: each block of a row
-# of W is unpacked to floats once, in registers, and multiplied with 4 or 8 rows
-# of x at a time (`simd.*_rows`: 8 accumulators of 8 lanes, one per row of x).
-# The two-stage kernels store each dequantized row and read it back for every
-# pair of rows of x; here only x goes through memory. x is read in passes of at
-# most `ROWS_PASS` columns, so that the 8 rows of a pass stay in the L1 cache
-# while a group of `_ROWS_GROUP` rows of W goes by; each pass adds its sums
-# into y. Against the two-stage kernels at T = 8, 2 threads, in one process
-# (medians of interleaved runs): all of SmolLM2's Q4_1 layer matrices
-# 1.06-1.15x faster, Qwen2.5 0.5B's (Q5_0, Q4_K, Q6_K, Q8_0) 1.2x, the Q8_0
-# output matrices 1.36x (SmolLM2) and 1.10x (Qwen). With 5 to 7 rows of x the
-# zero rows cost as much as the gain: about even.
+# Batched decoding (2 <= T <= `cpu.ROWS_MAX_T`), `cpu._rows_<name>`: each block of a row of
+# W is unpacked once and multiplied with up to 8 rows of x (4 on CPUs with 16 vector
+# registers), `blocks.dot_<name>` with the literal `rows`: 8, 4, 2 or 1 at a time, zero
+# rows added where T leaves 3 or 5 to 7. Each row of x has two 16-lane accumulators of
+# its own and the steps of the one-row gemv (`cpu._gemv_<name>`), so a row gets the very
+# bits it gets alone. Both kernels are compiled without fast-math flags (which Numba
+# would put on every float operation, the steps' included, letting LLVM reassociate
+# them differently in each context); the steps fuse their products by explicit FMAs.
+# Against the former kernels (the gemv for T <= 2; for 3 <= T <= 8 weights dequantized
+# per block and multiplied with 8-lane rows, another arithmetic than the gemv's), one
+# thread, min of 200 calls, ms: SmolLM2's Q4_1 960 x 576 T=1 0.036 / 0.031-0.036, T=2
+# 0.070 / 0.049, T=4 0.082 / 0.067-0.075, T=8 0.133 / 0.130-0.135; Q4_1 576 x 1536 T=8
+# 0.215 / 0.220; Qwen2.5's Q5_0 896 x 896 T=1 0.062 / 0.058, T=8 0.214 / 0.158-0.177;
+# Q6_K 896 x 4864 T=1 0.46 / 0.475, T=8 1.58-1.62 / 1.53-1.70.
 
-
-_ROWS_GROUP = 8
-ROWS_PASS = 768  # 8 rows of x: 24 KiB
+MOST_ROWS = 8 if _WIDE_REGISTERS else 4  # rows of x per pass over a row of W
 
 
 @njit(fastmath=FASTMATH, inline="always")
-def rows_loop(block, qk, x, w, y):
-    """y = x @ W.T with `block(acc, w, wi, r, b, xf, xo, K, rows)` adding block b of
-    row r (qk weights) times `rows` rows of the flat x (row t of the group at
-    xf[xo + t * K:]) into acc."""
+def padded_rows(x, size, most):
+    """x (T, K) as one flat array with zero rows up to what the passes of at most `most`
+    rows read, the sums of each row over runs of `size` columns (0: none) side by side
+    (run g of row t at xs[g * tp + t]), and tp, the rows with the zero ones. Element
+    loops on purpose: in a parallel function Numba turns np.zeros and each slice copy
+    into a parallel loop of its own, each a start of the thread pool."""
     T, K = x.shape
-    N = w.shape[0]
-    nb = K // qk
-    tp = (T + 3) // 4 * 4
-    # (tp * K,): x, then zero rows up to a multiple of 4. Element loops on purpose: in a
-    # parallel function Numba turns np.zeros and each slice copy into a parallel loop of
-    # its own, each a start of the thread pool (they cost 10 of the 15 us of a call at
-    # T = 8, N = 16).
+    full = T // most * most
+    left = T - full
+    tp = full + (8 if left > 4 else 4 if left > 2 else left)
     xf = np.empty(tp * K, np.float32)
     for t in range(T):
         for k in range(K):
             xf[t * K + k] = x[t, k]
     for i in range(T * K, tp * K):
         xf[i] = 0.0
-    passes = (K + ROWS_PASS - 1) // ROWS_PASS
-    per = (nb + passes - 1) // passes  # blocks per pass
+    ng = K // size if size else 0
+    xs = np.empty(ng * tp, np.float32)
+    if size:
+        sums = group_sums(x, size)  # (T, ng)
+        for g in range(ng):
+            for t in range(T):
+                xs[g * tp + t] = sums[t, g]
+            for t in range(T, tp):
+                xs[g * tp + t] = 0.0
+    return xf, xs, tp
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def rows_loop(dot, size, x, w, f16, y):
+    """y = x @ W.T with `dot` (a `blocks.dot_<name>` of a format whose runs of x are summed
+    over `size` columns, 0: none) taking 8, 4, 2 or 1 rows of x per pass over a row of W."""
+    T, K = x.shape
+    xf, xs, tp = padded_rows(x, size, MOST_ROWS)
     wi = w.view(np.int8)
-    for g in prange((N + _ROWS_GROUP - 1) // _ROWS_GROUP):
-        for t0 in range(0, tp, 8):
-            nt = min(8, T - t0)
-            for b0 in range(0, nb, per):
-                for r in range(g * _ROWS_GROUP, min(N, (g + 1) * _ROWS_GROUP)):
-                    acc = stack_f32x64()
-                    if tp - t0 >= 8:
-                        for b in range(b0, min(b0 + per, nb)):
-                            block(acc, w, wi, r, b, xf, t0 * K + b * qk, K, 8)
-                    else:  # the last 4 (or fewer) rows of x
-                        for b in range(b0, min(b0 + per, nb)):
-                            block(acc, w, wi, r, b, xf, t0 * K + b * qk, K, 4)
-                    for t in range(nt):
-                        s = np.float32(0.0)
-                        for j in range(8):
-                            s += acc[8 * t + j]
-                        y[t0 + t, r] = s if b0 == 0 else y[t0 + t, r] + s
+    for r in prange(w.shape[0]):
+        t0 = 0
+        while t0 < T:
+            left = T - t0
+            if left > 4 and MOST_ROWS == 8:
+                dot(w, wi, r, xf, K, xs, tp, t0, f16, y, T, 8)
+                t0 += 8
+            elif left > 2:
+                dot(w, wi, r, xf, K, xs, tp, t0, f16, y, T, 4)
+                t0 += 4
+            elif left == 2:
+                dot(w, wi, r, xf, K, xs, tp, t0, f16, y, T, 2)
+                t0 += 2
+            else:
+                dot(w, wi, r, xf, K, xs, tp, t0, f16, y, T, 1)
+                t0 += 1

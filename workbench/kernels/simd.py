@@ -11,24 +11,51 @@ LLVM lowers the vector types to whatever the CPU has (AVX-512, AVX2, SSE,
 NEON), so nothing here depends on an instruction set.
 
 - `stack_f32x16()`: a zeroed 16-float accumulator on the stack (as a 1-D
-  array); LLVM keeps it in a register across the block loop.
-- `nib16(acc, w, off, x, xlo, xhi, dlo, dhi)`: for j in 0..15, with
-  v = w[off + j]: acc[j] += dlo * (v & 15) * x[xlo + j] + dhi * (v >> 4) * x[xhi + j].
-- `nib16_1(acc, w, off, x, xlo, xhi, d)`: `nib16` with dlo = dhi = d, the scale
-  applied once to the sum (Q4_0, Q4_1).
-- `nib16_hb(acc, w, off, x, xlo, xhi, d, qh)`: the same with 5-bit weights
-  (Q5_0/Q5_1) and dlo = dhi = d: bit j of `qh` adds 16 to the low nibble of
+  array); LLVM keeps it in a register across the block loop. `stack_f32x128()`:
+  eight of them, one per row of x.
+
+The dot-product steps take `rows` rows of x at once (the literal 1, 2, 4 or 8;
+row t at x[... + t * stride], x a 1-D float32 array) and add into one 16-lane
+accumulator per row, acc[16 t:16 t + 16]: each block is unpacked once, whatever
+the number of rows. Each row's arithmetic is written out as IEEE operations without
+fast-math flags, its products fused by explicit FMAs (`llvm.fma`; fma(a, b, c) below),
+the same for every row and every `rows`: a row gets the same bits alone or beside
+others, which makes a sequence's logits independent of what else is in its batch
+(tests/test_batch_invariance.py). The kernels calling them are compiled without
+`fastmath`: Numba would put its flags on every float operation of the kernel, these
+steps' included, and LLVM could then reassociate them differently in each kernel (it
+did: the one-row and the multi-row Q4_K kernels differed in the last bits). With `lo`,
+`hi` the unpacked values as floats and x_lo, x_hi the 16 floats at x[xlo:], x[xhi:]:
+
+- `nib16(acc, w, off, x, xlo, xhi, stride, dlo, dhi, rows)`: for j in 0..15, with
+  v = w[off + j], lo = v & 15, hi = v >> 4:
+  acc += fma(lo * x_lo, dlo, (hi * x_hi) * dhi).
+- `nib16_1(acc, w, off, x, xlo, xhi, stride, d, rows)`: `nib16` with dlo = dhi = d,
+  the scale applied once to the sum (Q4_0, Q4_1): acc = fma(fma(lo, x_lo, hi * x_hi),
+  d, acc).
+- `nib16_hb(acc, w, off, x, xlo, xhi, stride, d, qh, rows)`: the same with 5-bit
+  weights (Q5_0/Q5_1) and dlo = dhi = d: bit j of `qh` adds 16 to the low nibble of
   byte j, bit 16 + j to its high nibble.
-- `q8x32(acc, w, off, x, xo, d)`: 32 signed bytes (Q8_0): for j in 0..15,
-  acc[j] += d * (w[off + j] * x[xo + j] + w[off + 16 + j] * x[xo + 16 + j]),
-  w an int8 array.
-- `q6k16(acc, w, lo, ho, x, x0, d0, d1, d2, d3)`: 64 weights of a Q6_K
-  super-block, 16 from each of its four 32-weight runs: with a = w[lo + j],
+- `q8x32(acc, w, off, x, xo, stride, d, rows)`: 32 signed bytes (Q8_0), w an int8
+  array: `nib16_1`'s step with lo, hi = w[off:off + 16], w[off + 16:off + 32] and x
+  at xo, xo + 16.
+- `q6k16(acc, w, lo, ho, x, x0, stride, d0, d1, d2, d3, rows)`: 64 weights of a
+  Q6_K super-block, 16 from each of its four 32-weight runs: with a = w[lo + j],
   c = w[lo + 32 + j], h = w[ho + j], the unsigned 6-bit values
   (a & 15 | (h & 3) << 4), (c & 15 | (h >> 2 & 3) << 4),
   (a >> 4 | (h >> 4 & 3) << 4), (c >> 4 | (h >> 6) << 4) times
-  x[x0 + j], x[x0 + 32 + j], x[x0 + 64 + j], x[x0 + 96 + j], scaled by d0..d3.
-  (The -32 offset is the caller's, through sums of x.)
+  x[x0 + j], x[x0 + 32 + j], x[x0 + 64 + j], x[x0 + 96 + j], scaled by d0..d3:
+  p_i = q_i * x_i, acc += fma(p3, d3, fma(p2, d2, fma(p1, d1, p0 * d0))). (The -32
+  offset is the caller's, through sums of x.)
+- `madd_lanes(s, a, xs, xo, rows)`: s[t] = fma(a, xs[xo + t], s[t]) for t < rows: the
+  blocks' scalar parts (an offset or min times the block's sum of x), the rows'
+  sums of x side by side in xs.
+- `store_totals(y, r, t0, T, a0, a1, s, rows)`: y[t0 + t, r] = s[t] + the sum of
+  the lanes of a0[16 t:] + a1[16 t:] (halves added pairwise, a fixed order), for
+  the rows t0 + t < T.
+
+Other steps:
+
 - `deq16(out, oo, w, off, offset, d, m)`: 32 weights from 16 bytes of
   nibbles: out[oo + j] = (lo_j - offset) * d + m and out[oo + 16 + j] =
   (hi_j - offset) * d + m, rounded step by step (no fused multiply-add), so
@@ -45,23 +72,6 @@ NEON), so nothing here depends on an instruction set.
   from the L1/L2 caches.
 - `f32_from_bits(i)`: the float32 whose bit pattern is the int32 `i` (for
   building powers of two in `layers.exp_neg`).
-
-Multi-row steps (batched decoding, `cpu._rows`): the block's weights are
-unpacked to floats once, `w = q * a + c` with a block's scale `a` and offset or
-min `c`, and multiplied with `rows` (the literal 4 or 8) rows of x at once:
-acc[8 t : 8 t + 8] += products with x[t * stride + ...] for t < rows, `acc` a
-(64,) `stack_f32x64()` of eight 8-lane accumulators, one per row of x, kept in
-registers across the block loop (the caller sums each one's lanes).
-
-- `nib_rows(acc, w, off, x, xlo, xhi, stride, alo, clo, ahi, chi, rows)`: the
-  16 bytes w[off:off + 16]: weight j of the low nibbles (v & 15) * alo + clo
-  meets x[xlo + j], of the high ones (v >> 4) * ahi + chi meets x[xhi + j].
-- `nib_hb_rows(acc, w, off, x, xlo, xhi, stride, a, c, qh, rows)`: the same for
-  5-bit weights (Q5_0/Q5_1, bits of `qh` as in `nib16_hb`), one scale and offset.
-- `q8_rows(acc, w, off, x, xo, stride, a, rows)`: 32 signed bytes (w int8),
-  weight j is w[off + j] * a, meeting x[xo + j].
-- `q6k_rows(acc, w, lo, ho, x, x0, stride, a0, a1, a2, a3, rows)`: the 64
-  weights of `q6k16`, run i as (q - 32) * ai.
 
 Attention steps (decoding, `layers._attend_group`), eight 8-lane accumulators in a
 `stack_f32x64()` as above; k, v are C-contiguous float32 arrays of any shape, indexed
@@ -121,7 +131,7 @@ def _zeroed_stack(floats):
     return stack
 
 
-_stack16, _stack64 = _zeroed_stack(16), _zeroed_stack(64)
+_stack16, _stack64, _stack128 = _zeroed_stack(16), _zeroed_stack(64), _zeroed_stack(128)
 
 
 def _data(context, builder, aty, a):
@@ -141,24 +151,47 @@ def _splat(builder, value):
                                   ir.Constant(_V16I32, [0] * 16))
 
 
-def _accumulate(builder, context, sig, args, lo, hi, one_scale=False):
-    """acc += dlo * lo * x[xlo:] + dhi * hi * x[xhi:] (lo, hi: <16 x float>). With
-    `one_scale` (dlo and dhi the same value) the scale multiplies the sum once:
-    acc += d * (lo * x[xlo:] + hi * x[xhi:]), two vector operations fewer per step."""
-    acc, _, _, x, xlo, xhi, dlo, dhi = args
-    pacc = _element_ptr(context, builder, sig.args[0], acc, ir.Constant(ir.IntType(64), 0), _V16F)
-    px_lo = _element_ptr(context, builder, sig.args[3], x, xlo, _V16F)
-    px_hi = _element_ptr(context, builder, sig.args[3], x, xhi, _V16F)
-    a = builder.fmul(lo, builder.load(px_lo, align=4), flags=_FAST)
-    b = builder.fmul(hi, builder.load(px_hi, align=4), flags=_FAST)
-    if one_scale:
-        step = builder.fmul(builder.fadd(a, b, flags=_FAST), _splat(builder, dlo), flags=_FAST)
-    else:
-        step = builder.fadd(builder.fmul(a, _splat(builder, dlo), flags=_FAST),
-                            builder.fmul(b, _splat(builder, dhi), flags=_FAST), flags=_FAST)
-    # the add into acc has no fast flags: LLVM then keeps one add on the loop-carried
-    # path instead of chaining both products into it (half the latency per block)
-    builder.store(builder.fadd(builder.load(pacc, align=4), step), pacc, align=4)
+def _each_row(context, builder, sig, acc, x, stride, rows, step, x_arg=3):
+    """acc[16 t:16 t + 16] = step(load_t, acc[16 t:16 t + 16]) for t < rows, where
+    load_t(xo) loads the 16 floats x[xo + t * stride:] (x 1-D float32)."""
+    aty, xty = sig.args[0], sig.args[x_arg]
+    for t in range(rows):
+        shift = builder.mul(stride, ir.Constant(stride.type, t))
+
+        def load(xo, shift=shift):
+            ptr = _element_ptr(context, builder, xty, x, builder.add(xo, shift), _V16F)
+            return builder.load(ptr, align=4)
+
+        pacc = _element_ptr(context, builder, aty, acc, ir.Constant(ir.IntType(64), 16 * t),
+                            _V16F)
+        builder.store(step(load, builder.load(pacc, align=4)), pacc, align=4)
+
+
+def _literal_rows(rows) -> int:
+    if not isinstance(rows, types.IntegerLiteral) or rows.literal_value not in (1, 2, 4, 8):
+        raise errors.TypingError("rows must be the literal 1, 2, 4 or 8")
+    return rows.literal_value
+
+
+def _fma(builder, a, b, c):
+    """a * b + c rounded once (`llvm.fma`: one instruction where the CPU has FMA), for
+    floats or vectors of floats: the one product the steps let fuse, always fused."""
+    ty = a.type
+    name = f"llvm.fma.v{ty.count}f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
+    fn = builder.module.globals.get(name) or ir.Function(builder.module,
+                                                         ir.FunctionType(ty, [ty] * 3), name)
+    return builder.call(fn, [a, b, c])
+
+
+def _one_scale(builder, lo, hi, xlo, xhi, d):
+    """acc + (lo * x[xlo:] + hi * x[xhi:]) * d for one row (lo, hi: <16 x float>), as
+    fma(fma(lo, x[xlo:], hi * x[xhi:]), d, acc)."""
+    dv = _splat(builder, d)
+
+    def step(load, acc):
+        return _fma(builder, _fma(builder, lo, load(xlo), builder.fmul(hi, load(xhi))), dv, acc)
+
+    return step
 
 
 def _nibbles(builder, context, wty, w, off):
@@ -170,27 +203,41 @@ def _nibbles(builder, context, wty, w, off):
             builder.lshr(q, ir.Constant(_V16I32, [4] * 16)))
 
 
+def _float_nibbles(builder, context, wty, w, off):
+    lo, hi = _nibbles(builder, context, wty, w, off)
+    return builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F)
+
+
 @intrinsic
-def nib16(typingctx, acc, w, off, x, xlo, xhi, dlo, dhi):
-    sig = types.void(acc, w, off, x, xlo, xhi, types.float32, types.float32)
+def nib16(typingctx, acc, w, off, x, xlo, xhi, stride, dlo, dhi, rows):
+    n = _literal_rows(rows)
+    sig = types.void(acc, w, off, x, xlo, xhi, stride, types.float32, types.float32, rows)
 
     def codegen(context, builder, signature, args):
-        lo, hi = _nibbles(builder, context, signature.args[1], args[1], args[2])
-        _accumulate(builder, context, signature, args,
-                    builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F))
+        acc_, w_, off_, x_, xlo_, xhi_, stride_, dlo_, dhi_, _ = args
+        lo, hi = _float_nibbles(builder, context, signature.args[1], w_, off_)
+        dlo_v, dhi_v = _splat(builder, dlo_), _splat(builder, dhi_)
+
+        def step(load, acc):
+            t = builder.fmul(builder.fmul(hi, load(xhi_)), dhi_v)
+            return builder.fadd(acc, _fma(builder, builder.fmul(lo, load(xlo_)), dlo_v, t))
+
+        _each_row(context, builder, signature, acc_, x_, stride_, n, step)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def nib16_1(typingctx, acc, w, off, x, xlo, xhi, d):
-    sig = types.void(acc, w, off, x, xlo, xhi, types.float32)
+def nib16_1(typingctx, acc, w, off, x, xlo, xhi, stride, d, rows):
+    n = _literal_rows(rows)
+    sig = types.void(acc, w, off, x, xlo, xhi, stride, types.float32, rows)
 
     def codegen(context, builder, signature, args):
-        lo, hi = _nibbles(builder, context, signature.args[1], args[1], args[2])
-        _accumulate(builder, context, signature, list(args) + [args[6]],
-                    builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F), one_scale=True)
+        acc_, w_, off_, x_, xlo_, xhi_, stride_, d_, _ = args
+        lo, hi = _float_nibbles(builder, context, signature.args[1], w_, off_)
+        _each_row(context, builder, signature, acc_, x_, stride_, n,
+                  _one_scale(builder, lo, hi, xlo_, xhi_, d_))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -217,36 +264,38 @@ def _five_bits(builder, lo, hi, qh):
 
 
 @intrinsic
-def nib16_hb(typingctx, acc, w, off, x, xlo, xhi, d, qh):
-    sig = types.void(acc, w, off, x, xlo, xhi, types.float32, types.int32)
+def nib16_hb(typingctx, acc, w, off, x, xlo, xhi, stride, d, qh, rows):
+    n = _literal_rows(rows)
+    sig = types.void(acc, w, off, x, xlo, xhi, stride, types.float32, types.int32, rows)
 
     def codegen(context, builder, signature, args):
-        lo, hi = _five_bits(builder, *_nibbles(builder, context, signature.args[1], args[1],
-                                                args[2]), args[7])
-        new_args = list(args[:7]) + [args[6]]  # dlo = dhi = d
-        _accumulate(builder, context, signature, new_args,
-                    builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F), one_scale=True)
+        acc_, w_, off_, x_, xlo_, xhi_, stride_, d_, qh_, _ = args
+        lo, hi = _five_bits(builder, *_nibbles(builder, context, signature.args[1], w_, off_),
+                            qh_)
+        lo, hi = builder.uitofp(lo, _V16F), builder.uitofp(hi, _V16F)
+        _each_row(context, builder, signature, acc_, x_, stride_, n,
+                  _one_scale(builder, lo, hi, xlo_, xhi_, d_))
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def q8x32(typingctx, acc, w, off, x, xo, d):
-    sig = types.void(acc, w, off, x, xo, types.float32)
+def q8x32(typingctx, acc, w, off, x, xo, stride, d, rows):
+    n = _literal_rows(rows)
+    sig = types.void(acc, w, off, x, xo, stride, types.float32, rows)
 
     def codegen(context, builder, signature, args):
-        acc_, w_, off_, x_, xo_, d_ = args
+        acc_, w_, off_, x_, xo_, stride_, d_, _ = args
 
         def weights(o):  # 16 int8 at w[o:] as <16 x float>
             ptr = _element_ptr(context, builder, signature.args[1], w_, o, _V16I8)
             return builder.sitofp(builder.load(ptr, align=1), _V16F)
 
-        sixteen = ir.Constant(off_.type, 16)
-        lo, hi = weights(off_), weights(builder.add(off_, sixteen))
-        _accumulate(builder, context, signature,
-                    [acc_, w_, off_, x_, xo_, builder.add(xo_, sixteen), d_, d_],
-                    lo, hi, one_scale=True)
+        lo, hi = weights(off_), weights(builder.add(off_, ir.Constant(off_.type, 16)))
+        _each_row(context, builder, signature, acc_, x_, stride_, n,
+                  _one_scale(builder, lo, hi, xo_, builder.add(xo_, ir.Constant(xo_.type, 16)),
+                             d_))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -276,25 +325,88 @@ def _q6k_values(builder, context, wty, w, lo, ho):
 
 
 @intrinsic
-def q6k16(typingctx, acc, w, lo, ho, x, x0, d0, d1, d2, d3):
-    sig = types.void(acc, w, lo, ho, x, x0, types.float32, types.float32, types.float32,
-                     types.float32)
+def q6k16(typingctx, acc, w, lo, ho, x, x0, stride, d0, d1, d2, d3, rows):
+    n = _literal_rows(rows)
+    f = types.float32
+    sig = types.void(acc, w, lo, ho, x, x0, stride, f, f, f, f, rows)
 
     def codegen(context, builder, signature, args):
-        acc_, w_, lo_, ho_, x_, x0_ = args[:6]
-        xty = signature.args[4]
-        quads = _q6k_values(builder, context, signature.args[1], w_, lo_, ho_)
-        total = None
-        for i, q in enumerate(quads):
-            px = _element_ptr(context, builder, xty, x_,
-                              builder.add(x0_, ir.Constant(x0_.type, 32 * i)), _V16F)
-            term = builder.fmul(builder.fmul(builder.uitofp(q, _V16F), builder.load(px, align=4),
-                                             flags=_FAST), _splat(builder, args[6 + i]),
-                                flags=_FAST)
-            total = term if total is None else builder.fadd(total, term, flags=_FAST)
-        pacc = _element_ptr(context, builder, signature.args[0], acc_,
-                            ir.Constant(ir.IntType(64), 0), _V16F)
-        builder.store(builder.fadd(builder.load(pacc, align=4), total), pacc, align=4)
+        acc_, w_, lo_, ho_, x_, x0_, stride_ = args[:7]
+        quads = [builder.uitofp(q, _V16F)
+                 for q in _q6k_values(builder, context, signature.args[1], w_, lo_, ho_)]
+        scales = [_splat(builder, d) for d in args[7:11]]
+        offsets = [builder.add(x0_, ir.Constant(x0_.type, 32 * i)) for i in range(4)]
+
+        def step(load, acc):
+            total = None
+            for q, d, xo in zip(quads, scales, offsets):
+                p = builder.fmul(q, load(xo))
+                total = builder.fmul(p, d) if total is None else _fma(builder, p, d, total)
+            return builder.fadd(acc, total)
+
+        _each_row(context, builder, signature, acc_, x_, stride_, n, step, x_arg=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def madd_lanes(typingctx, s, a, xs, xo, rows):
+    n = _literal_rows(rows)
+    sig = types.void(s, types.float32, xs, xo, rows)
+
+    def codegen(context, builder, signature, args):
+        s_, a_, xs_, xo_, _ = args
+        vt = ir.VectorType(_F32, n)  # one lane per row: a single register for the rows
+        ps = builder.bitcast(_data(context, builder, signature.args[0], s_), vt.as_pointer())
+        px = builder.bitcast(builder.gep(_data(context, builder, signature.args[2], xs_),
+                                         [xo_]), vt.as_pointer())
+        one = builder.insert_element(ir.Constant(vt, ir.Undefined), a_, ir.Constant(_I32, 0))
+        av = builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined),
+                                    ir.Constant(ir.VectorType(_I32, n), [0] * n))
+        builder.store(_fma(builder, av, builder.load(px, align=4), builder.load(ps, align=4)),
+                      ps, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _lane_sum(builder, v, width):
+    """The sum of the lanes of v (<width x float>): halves added pairwise."""
+    while width > 1:
+        half = width // 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half),
+                                                      list(range(half))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half),
+                                                      list(range(half, width))))
+        v, width = builder.fadd(lo, hi), half
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+@intrinsic
+def store_totals(typingctx, y, r, t0, T, a0, a1, s, rows):
+    n = _literal_rows(rows)
+    sig = types.void(y, r, t0, T, a0, a1, s, rows)
+
+    def codegen(context, builder, signature, args):
+        y_, r_, t0_, T_, a0_, a1_, s_, _ = args
+        yarr = context.make_array(signature.args[0])(context, builder, y_)
+        width = builder.extract_value(yarr.shape, 1)
+        d0, d1, ds = (_data(context, builder, signature.args[i], a)
+                      for i, a in ((4, a0_), (5, a1_), (6, s_)))
+        i64 = ir.IntType(64)
+        for t in range(n):  # constant offsets: LLVM keeps the accumulators in registers
+
+            def lanes(data, t=t):
+                ptr = builder.gep(data, [ir.Constant(i64, 16 * t)])
+                return builder.load(builder.bitcast(ptr, _V16F.as_pointer()), align=4)
+
+            total = builder.fadd(builder.load(builder.gep(ds, [ir.Constant(i64, t)])),
+                                 _lane_sum(builder, builder.fadd(lanes(d0), lanes(d1)), 16))
+            row = builder.add(t0_, ir.Constant(t0_.type, t))
+            with builder.if_then(builder.icmp_signed("<", row, T_)):
+                at = builder.add(builder.mul(row, width), r_)
+                builder.store(total, builder.gep(yarr.data, [at]))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -415,126 +527,16 @@ def stack_f32x16():
 
 @njit(inline="always")
 def stack_f32x64():
-    """Eight zeroed 8-lane accumulators, (64,) float32 on the stack, for the `*_rows`
+    """Eight zeroed 8-lane accumulators, (64,) float32 on the stack, for the attention
     steps (only inside @njit code)."""
     return carray(_stack64(), (64,))
 
 
-# -- multi-row steps -------------------------------------------------------------------------
-
-
-def _literal_rows(rows) -> int:
-    if not isinstance(rows, types.IntegerLiteral) or rows.literal_value not in (4, 8):
-        raise errors.TypingError("rows must be the literal 4 or 8")
-    return rows.literal_value
-
-
-def _rows_fma(context, builder, sig, acc, x, stride, rows, weights, x_arg=3):
-    """acc[8 t:8 t + 8] += sum over (w, xo) in `weights` of w * x[xo + t * stride:][:16],
-    t < rows; each w a <16 x float> of dequantized weights, taken as two 8-lane halves.
-    The products of a row are summed first and added to its accumulator last, so that
-    one add per block is on the loop-carried path."""
-    aty, xty = sig.args[0], sig.args[x_arg]
-    acc_data = context.make_array(aty)(context, builder, acc).data
-    x_data = context.make_array(xty)(context, builder, x).data
-    halves = []
-    for w, xo in weights:
-        for h in (0, 8):
-            part = builder.shuffle_vector(w, w, ir.Constant(ir.VectorType(_I32, 8),
-                                                            list(range(h, h + 8))))
-            halves.append((part, builder.add(xo, ir.Constant(xo.type, h))))
-    for t in range(rows):
-        row = builder.mul(stride, ir.Constant(stride.type, t))
-        total = None
-        for part, xo in halves:
-            ptr = builder.bitcast(builder.gep(x_data, [builder.add(xo, row)]), _V8F.as_pointer())
-            term = builder.fmul(part, builder.load(ptr, align=4), flags=_FAST)
-            total = term if total is None else builder.fadd(total, term, flags=_FAST)
-        pa = builder.bitcast(builder.gep(acc_data, [ir.Constant(ir.IntType(64), 8 * t)]),
-                             _V8F.as_pointer())
-        builder.store(builder.fadd(builder.load(pa, align=4), total), pa, align=4)
-
-
-def _scaled(builder, q, a, c):
-    """q * a + c for <16 x i32> q (unsigned) and float32 scalars a, c."""
-    return builder.fadd(builder.fmul(builder.uitofp(q, _V16F), _splat(builder, a),
-                                     flags=_FAST), _splat(builder, c), flags=_FAST)
-
-
-@intrinsic
-def nib_rows(typingctx, acc, w, off, x, xlo, xhi, stride, alo, clo, ahi, chi, rows):
-    n = _literal_rows(rows)
-    f = types.float32
-    sig = types.void(acc, w, off, x, xlo, xhi, stride, f, f, f, f, rows)
-
-    def codegen(context, builder, signature, args):
-        acc_, w_, off_, x_, xlo_, xhi_, stride_, alo_, clo_, ahi_, chi_, _ = args
-        lo, hi = _nibbles(builder, context, signature.args[1], w_, off_)
-        _rows_fma(context, builder, signature, acc_, x_, stride_, n,
-                  [(_scaled(builder, lo, alo_, clo_), xlo_),
-                   (_scaled(builder, hi, ahi_, chi_), xhi_)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def nib_hb_rows(typingctx, acc, w, off, x, xlo, xhi, stride, a, c, qh, rows):
-    n = _literal_rows(rows)
-    sig = types.void(acc, w, off, x, xlo, xhi, stride, types.float32, types.float32,
-                     types.int32, rows)
-
-    def codegen(context, builder, signature, args):
-        acc_, w_, off_, x_, xlo_, xhi_, stride_, a_, c_, qh_, _ = args
-        lo, hi = _five_bits(builder, *_nibbles(builder, context, signature.args[1], w_, off_),
-                            qh_)
-        _rows_fma(context, builder, signature, acc_, x_, stride_, n,
-                  [(_scaled(builder, lo, a_, c_), xlo_), (_scaled(builder, hi, a_, c_), xhi_)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def q8_rows(typingctx, acc, w, off, x, xo, stride, a, rows):
-    n = _literal_rows(rows)
-    sig = types.void(acc, w, off, x, xo, stride, types.float32, rows)
-
-    def codegen(context, builder, signature, args):
-        acc_, w_, off_, x_, xo_, stride_, a_, _ = args
-        av = _splat(builder, a_)
-        weights = []
-        for h in (0, 16):
-            ptr = _element_ptr(context, builder, signature.args[1], w_,
-                               builder.add(off_, ir.Constant(off_.type, h)), _V16I8)
-            q = builder.sitofp(builder.load(ptr, align=1), _V16F)
-            weights.append((builder.fmul(q, av, flags=_FAST),
-                            builder.add(xo_, ir.Constant(xo_.type, h))))
-        _rows_fma(context, builder, signature, acc_, x_, stride_, n, weights)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def q6k_rows(typingctx, acc, w, lo, ho, x, x0, stride, a0, a1, a2, a3, rows):
-    n = _literal_rows(rows)
-    f = types.float32
-    sig = types.void(acc, w, lo, ho, x, x0, stride, f, f, f, f, rows)
-
-    def codegen(context, builder, signature, args):
-        acc_, w_, lo_, ho_, x_, x0_, stride_ = args[:7]
-        quads = _q6k_values(builder, context, signature.args[1], w_, lo_, ho_)
-        weights = []
-        for i, q in enumerate(quads):
-            a = args[7 + i]
-            c = builder.fmul(a, ir.Constant(_F32, -32.0))
-            weights.append((_scaled(builder, q, a, c),
-                            builder.add(x0_, ir.Constant(x0_.type, 32 * i))))
-        _rows_fma(context, builder, signature, acc_, x_, stride_, n, weights, x_arg=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
+@njit(inline="always")
+def stack_f32x128():
+    """Eight zeroed 16-lane accumulators, (128,) float32 on the stack, one per row of x
+    for the dot-product steps (only inside @njit code)."""
+    return carray(_stack128(), (128,))
 
 
 # -- attention steps -------------------------------------------------------------------------

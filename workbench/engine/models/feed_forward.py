@@ -18,13 +18,14 @@ from workbench.engine.models.weights import fused, linear
 from workbench.kernels import layers
 
 
-def glu(gate_up, down, x: np.ndarray, act=layers.silu_mul) -> np.ndarray:
+def glu(gate_up, down, x: np.ndarray, act=layers.silu_mul, counts=None) -> np.ndarray:
     """x (T, D) -> (T, D) on the host; `act` is the activation kernel (`layers.silu_mul`
-    or `layers.gelu_mul`)."""
-    gu = gate_up.matmul(x)  # (T, 2 F): gate, then up
+    or `layers.gelu_mul`); `counts`: x's rows are chunks of several sequences
+    (`QuantizedWeight.matmul`)."""
+    gu = gate_up.matmul(x, counts)  # (T, 2 F): gate, then up
     h = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
     act(gu, h)
-    return down.matmul(h)
+    return down.matmul(h, counts)
 
 
 def glu_activation(xp, gu, gelu: bool = False):
@@ -59,6 +60,6 @@ class FeedForward:
         self.gelu = act == "gelu"  # the family's activation: GeGLU (Gemma 3) or SwiGLU
         self.act = layers.gelu_mul if self.gelu else layers.silu_mul  # its host kernel
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """x (T, n_embd) -> (T, n_embd)."""
-        return glu(self.gate_up, self.down, x, self.act)
+    def __call__(self, x: np.ndarray, counts=None) -> np.ndarray:
+        """x (T, n_embd) -> (T, n_embd); `counts` as in `glu`."""
+        return glu(self.gate_up, self.down, x, self.act, counts)

@@ -62,7 +62,7 @@ class Gemma3Block(Block):
         """Prefill of one or more sequences, as `Block.__call__`, with the post-norms."""
         a = self.attn(rms_norm(x, self.attn_norm, self.eps), caches, counts)
         h = x + rms_norm(a, self.post_attn_norm, self.eps)
-        f = self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+        f = self.ffn(rms_norm(h, self.ffn_norm, self.eps), counts)
         return h + rms_norm(f, self.post_ffn_norm, self.eps)
 
     def decode(self, x: np.ndarray, h: np.ndarray, pool: KVPool, layer: int,

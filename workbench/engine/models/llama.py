@@ -160,9 +160,10 @@ class Attention:
         self.q_norm = vector(g, p + "attn_q_norm.weight", optional=not cfg.qk_norm)
         self.k_norm = vector(g, p + "attn_k_norm.weight", optional=not cfg.qk_norm)
 
-    def qkv(self, x: np.ndarray) -> np.ndarray:
-        """(T, n_embd) -> (T, (n_head + 2 n_kv) head_dim): Q, K, V side by side, biases added."""
-        y = self.wqkv.matmul(x)
+    def qkv(self, x: np.ndarray, counts: Sequence[int] | None = None) -> np.ndarray:
+        """(T, n_embd) -> (T, (n_head + 2 n_kv) head_dim): Q, K, V side by side, biases added
+        (`counts`: x's rows are chunks of several sequences, `QuantizedWeight.matmul`)."""
+        y = self.wqkv.matmul(x, counts)
         if self.bqkv is not None:
             y += self.bqkv
         return y
@@ -171,15 +172,16 @@ class Attention:
                  counts: Sequence[int]) -> np.ndarray:
         """Prefill of one or more sequences in one pass: x (sum(counts), n_embd) holds
         `counts[i]` tokens of the sequence of `caches[i]`, at its next positions ->
-        (sum(counts), n_embd). The projections run once over all the rows; attention runs
+        (sum(counts), n_embd). The projections run once over all the rows (each sequence's
+        rows with the kernel its own count picks: the bits it gets alone); attention runs
         per sequence on its own rows (`attend`)."""
-        q, k, v = split_heads(self.qkv(x), self.cfg, self.q_norm, self.k_norm)
+        q, k, v = split_heads(self.qkv(x, counts), self.cfg, self.q_norm, self.k_norm)
         outs, row = [], 0
         for cache, n in zip(caches, counts):
             rows = slice(row, row + n)
             outs.append(self.attend(q[rows], k[rows], v[rows], cache))
             row += n
-        return self.wo.matmul(outs[0] if len(outs) == 1 else np.concatenate(outs))
+        return self.wo.matmul(outs[0] if len(outs) == 1 else np.concatenate(outs), counts)
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                cache: LayerKVCache) -> np.ndarray:
@@ -255,7 +257,7 @@ class Block:
         """Prefill: x (sum(counts), n_embd), `counts[i]` tokens of the sequence of
         `caches[i]` (one sequence, or several in one pass: see `Attention.__call__`)."""
         h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), caches, counts)
-        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps), counts)
 
     def decode(self, x: np.ndarray, h: np.ndarray, pool: KVPool, layer: int,
                slots: np.ndarray, pos: np.ndarray, src: np.ndarray | None,

@@ -55,7 +55,10 @@ class MoEFeedForward:
             weights /= weights.sum(axis=1, keepdims=True)
         return chosen, weights
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray, counts=None) -> np.ndarray:
+        """x (T, n_embd) -> (T, n_embd). `counts` (x's rows are chunks of several
+        sequences) is not used: each expert runs on the tokens routed to it from all of
+        them, so a prefill pass over several prompts is not batch-invariant here."""
         chosen, weights = self.route(x)
         out = np.zeros_like(x)
         for e in np.unique(chosen):

@@ -58,8 +58,8 @@ class Stacked:
     def __init__(self, parts: list[QuantizedWeight]):
         self.parts = parts
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        return np.concatenate([w.matmul(x) for w in self.parts], axis=-1)
+    def matmul(self, x: np.ndarray, counts=None) -> np.ndarray:
+        return np.concatenate([w.matmul(x, counts) for w in self.parts], axis=-1)
 
 
 def vector(g: GGUFFile, name: str, optional: bool = False) -> np.ndarray | None:
