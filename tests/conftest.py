@@ -57,6 +57,17 @@ def engines(smollm2, minilm):
         yield {"smollm2-135m": smollm2, "minilm-l6": minilm, "whisper-tiny.en": whisper}
 
 
+def pytest_configure(config):
+    """With `-n N` (pytest-xdist), each worker computes on one thread: N workers on N
+    cores, not N pools of N threads taking turns (their spinning waits made the engine
+    several times slower beside another busy process). Set here, in the controller, the
+    variables reach the workers before they load NumPy and Numba; a child process a
+    test starts inherits them."""
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
     """A browser test is slow too: the inner loop, `-m "not slow"`, leaves it out. The

@@ -83,11 +83,16 @@ class Server(Closeable):
         return self
 
     def serve_forever(self) -> None:
-        """Serve on this thread until Ctrl-C (uvicorn handles the signals)."""
+        """Serve on this thread until Ctrl-C (uvicorn handles the signals), then raise
+        KeyboardInterrupt. uvicorn raises the signal again once it has shut down, but
+        asyncio may take that as cancelling a loop that has already ended and return
+        normally: a Ctrl-C always ends here as one."""
         try:
             self._server.run(sockets=[self._socket])
         finally:
             self._socket.close()
+        if self._server.should_exit:
+            raise KeyboardInterrupt
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop generating, close the connections and the socket; wait for the thread."""
