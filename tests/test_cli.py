@@ -84,8 +84,15 @@ def test_bench_help(capsys):
 
 def test_bench_explains_how_to_get_llama_cpp(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
-    assert main(["bench"]) == 1
+    import numba
+
+    pool = numba.config.NUMBA_NUM_THREADS
+    assert main(["bench", "--threads", str(pool + 1)]) == 1
     assert "pip install llama-cpp-python" in capsys.readouterr().err
+    # this process's Numba pool has started: `bench` leaves its size alone (a variable
+    # that differs from it makes Numba's next compile fail)
+    numba.njit(lambda v: v + 1)(1)
+    assert numba.config.NUMBA_NUM_THREADS == pool
 
 
 @pytest.mark.slow

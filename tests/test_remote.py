@@ -156,3 +156,26 @@ def test_remote_engine_surface_against_our_server(ours, smollm2):
         assert str(t) == str(expected) and t.language == "en"
         assert [(s.start, s.end) for s in t.segments] \
             == [(s.start, s.end) for s in expected.segments]
+
+
+def test_a_server_that_is_gone_is_said_in_words():
+    """A remote engine whose server is not running (a serve cell stopped, a port nobody
+    listens on): the chat cell says the server is not answering, where, and what to do,
+    not the client's bare "Connection error."."""
+    import socket
+
+    from workbench import RemoteEngine
+    from workbench.widgets import ChatCell
+
+    with socket.socket() as s:  # a port that was free a moment ago, and nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    remote = RemoteEngine(url, "smollm2-135m")
+    with pytest.raises(ConnectionError, match=rf"the server at {url} is not answering .*Start"):
+        remote.chat([{"role": "user", "content": "Hi"}]).wait()
+    cell = ChatCell(remote, max_tokens=4)
+    cell.send("Hi")
+    assert cell.wait(timeout=60)
+    assert cell.error.startswith(f"ConnectionError: the server at {url} is not answering")
+    cell.close()
+    remote.close()

@@ -145,6 +145,10 @@ def test_greedy_output_is_the_targets_own(tiny, draft_tokens, penalty):
     assert u.acceptance_rate == 1.0
     assert c.draft_counts.target_passes == -(-30 // (draft_tokens + 1))
     assert alone.usage.acceptance_rate is None and alone.usage.drafted_tokens is None
+    # the repr shows the counts that apply: the draft's only with a draft
+    assert repr(alone.usage) == "Usage(prompt_tokens=8, completion_tokens=30)"
+    assert repr(u) == (f"Usage(prompt_tokens=8, completion_tokens=30, "
+                       f"drafted_tokens={u.drafted_tokens}, accepted_tokens={u.accepted_tokens})")
 
 
 def test_stops_logprobs_and_streaming_match_plain_generation(tiny):

@@ -77,8 +77,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def set_threads(n: int) -> None:
-    """Fix the thread pools of Numba and BLAS (only effective before they start)."""
+    """Fix the thread pools of Numba and BLAS, where they have not started: in a process
+    that has imported Numba already (`main` called from a notebook) its variable stays as
+    it is, since Numba refuses to compile anything once it differs from the running
+    pool's size."""
     for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        if var == "NUMBA_NUM_THREADS" and "numba" in sys.modules:
+            continue
         os.environ[var] = str(n)
 
 

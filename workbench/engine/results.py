@@ -66,6 +66,14 @@ class Usage:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    def __repr__(self) -> str:
+        """The counts that apply: the draft's only with a draft model."""
+        shown = f"prompt_tokens={self.prompt_tokens}, completion_tokens={self.completion_tokens}"
+        if self.drafted_tokens is not None:
+            shown += (f", drafted_tokens={self.drafted_tokens}, "
+                      f"accepted_tokens={self.accepted_tokens}")
+        return f"Usage({shown})"
+
     @property
     def acceptance_rate(self) -> float | None:
         """accepted / drafted tokens (None without a draft, or before it proposed any)."""

@@ -73,7 +73,7 @@ class RemoteEngine(Closeable):
 
     def models(self) -> list[str]:
         """The model ids the server offers."""
-        with self._busy, _errors():
+        with self._busy, _errors(self.base_url):
             return [m.id for m in self.client.models.list()]
 
     # -- text ---------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ class RemoteEngine(Closeable):
 
         def events() -> Generator[TokenEvent, None, str]:
             with self._busy:
-                with _errors():
+                with _errors(self.base_url):
                     stream = create(**body)
                 reason = "stop"
                 try:
@@ -147,7 +147,7 @@ class RemoteEngine(Closeable):
         rows = []
         with self._busy:
             for start in range(0, len(texts), batch_size):
-                with _errors():
+                with _errors(self.base_url):
                     r = self.client.embeddings.create(model=self.model,
                                                       input=texts[start : start + batch_size],
                                                       encoding_format="float")
@@ -169,7 +169,7 @@ class RemoteEngine(Closeable):
         if task not in ("transcribe", "translate"):
             raise ValueError(f"task must be 'transcribe' or 'translate', not {task!r}")
         upload = _audio_upload(audio)
-        with self._busy, _errors():
+        with self._busy, _errors(self.base_url):
             if task == "translate":
                 r = self.client.audio.translations.create(
                     model=self.model, file=upload, response_format="verbose_json")
@@ -294,7 +294,11 @@ def _audio_upload(audio: str | os.PathLike | bytes | np.ndarray) -> tuple[str, b
 
 class _errors:
     """Turn the server's 4xx answers into ValueError (what the local engines raise for a
-    bad request), keeping the message."""
+    bad request), keeping the message, and a server that cannot be reached into a
+    ConnectionError that says so in words."""
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url
 
     def __enter__(self):
         return self
@@ -306,6 +310,10 @@ class _errors:
                 and exc.status_code not in (401, 403, 429):
             raise ValueError(f"the server refused the request ({exc.status_code}): "
                              f"{_message(exc)}") from exc
+        if isinstance(exc, openai.APIConnectionError):  # refused, reset or timed out
+            raise ConnectionError(
+                f"the server at {self.base_url} is not answering ({_message(exc).rstrip('.')}): "
+                "is it running? A serve cell's Start button starts it again") from exc
         return False
 
 
