@@ -1,0 +1,504 @@
+"""GPU speed: our CuPy engine against PyTorch (transformers) on the same weights, one card.
+
+    python bench/gpu.py [--json PATH] [--budget 400] [--files smollm2-q4_1,qwen-q8_0]
+
+Builds random-weight GGUF files of real models' shapes (SmolLM2-135M in Q4_1, Q8_0
+and F16; Qwen2.5-0.5B in Q8_0: `tests/hf_to_gguf.py`, with vocabularies padded to
+the real sizes), loads each into `LLM` on CUDA, and loads the same weights (each
+matrix rounded through the file's format, then bf16) into transformers'
+Llama/Qwen2 model, run two ways: plain `generate`, and a static cache with
+`torch.compile` (mode "reduce-overhead": CUDA graphs) where it compiles within the
+budget. The PyTorch speed of a shape does not depend on the values, so each shape's
+PyTorch rows are measured once and every file of that shape is compared with them.
+
+Rows (medians of `--rounds` after a warm-up; every answer greedy, end tokens off):
+
+- decode tok/s of 1 sequence (the tokens after the first), and aggregate decode of 8,
+  32 and 64 sequences decoded together (`generate_batch` / a batched `generate`:
+  every generated token over the whole call, 16-token prompts);
+- prefill tok/s at 512 and 2048 tokens, and TTFT (ms) of a 128-token prompt;
+- 32 concurrent requests through the scheduler (threads calling `generate`, the
+  server's path) against one request alone, and whether each request's greedy answer
+  equals the same request alone;
+- our ratio to the faster PyTorch path on each row (for TTFT, theirs over ours);
+- with time left: greedy ids on the card against our CPU engine on the same file.
+
+Everything runs under one wall-clock budget (`--budget`, seconds): rows that would not
+fit are printed as skipped, and a row that runs past its share is cancelled and shown
+as "> N s". Needs CuPy, PyTorch and transformers (the GPU machines have them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# the real models' shapes (their config.json), built with random weights
+SHAPES = {
+    "smollm2-135m": ("llama", "LlamaForCausalLM", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)),
+    "qwen2.5-0.5b": ("qwen2", "Qwen2ForCausalLM", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)),
+}
+# file name -> (shape, format of its matrices)
+FILES = {
+    "smollm2-q4_1": ("smollm2-135m", "Q4_1"),
+    "smollm2-q8_0": ("smollm2-135m", "Q8_0"),
+    "smollm2-f16": ("smollm2-135m", "F16"),
+    "qwen-q8_0": ("qwen2.5-0.5b", "Q8_0"),
+}
+# a tiny stand-in shape for trying the script on a machine without a GPU (--tiny)
+TINY = ("llama", "LlamaForCausalLM", dict(
+    vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True))
+
+BATCHES = (8, 32, 64)
+PREFILLS = (512, 2048)
+PROMPT = 16  # tokens of each decode row's prompt
+TTFT_PROMPT = 128
+CONCURRENT = 32
+CHECK_TOKENS = 32  # greedy tokens compared with our CPU engine
+CPU_CHECK_S = 30  # what a CPU check may need (its kernels compile on a cold cache)
+FIRST_ID = 300  # prompts draw ids above the byte symbols, merges and the end token
+
+
+# -- the files -----------------------------------------------------------------------------
+
+def padded_vocab(n: int):
+    """`tiny_vocab()` padded to n tokens with plain tokens that no merge reaches."""
+    from gguf import TokenType
+
+    from tests.hf_to_gguf import Vocab, tiny_vocab
+
+    v = tiny_vocab()
+    extra = n - len(v.tokens)
+    return Vocab(v.tokens + [f"fill{i}" for i in range(extra)],
+                 v.token_types + [int(TokenType.NORMAL)] * extra, v.merges, v.eos_id)
+
+
+def build_model(shape: tuple, seed: int):
+    """A transformers model of `shape` with random weights (float32, on the host)."""
+    import torch
+    import transformers
+
+    arch, cls_name, fields = shape
+    cls = getattr(transformers, cls_name)
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    torch.manual_seed(seed)
+    model = cls(config_cls(**fields)).eval()
+    return arch, model
+
+
+def write_file(arch: str, model, qtype_name: str, path: Path) -> None:
+    """The model's GGUF in `qtype_name` (its matrices rounded through that format in
+    place first, so that PyTorch computes with exactly the file's weights)."""
+    from gguf import GGMLQuantizationType
+
+    from tests.hf_to_gguf import snap_to_qtype, write_gguf
+
+    qtype = GGMLQuantizationType[qtype_name]
+    snap_to_qtype(model, qtype)
+    write_gguf(model, path, arch, qtype, padded_vocab(model.config.vocab_size))
+
+
+# -- timing --------------------------------------------------------------------------------
+
+class Budget:
+    """One wall-clock budget for the whole run; each row asks for its share."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+class Row:
+    """One measured quantity: the median of its rounds, or why there is none."""
+
+    def __init__(self, value: float | None = None, note: str = ""):
+        self.value, self.note = value, note
+
+    def __str__(self) -> str:
+        if self.value is None:
+            return self.note or "-"
+        return f"{self.value:,.0f}" if self.value >= 100 else f"{self.value:.3g}"
+
+
+def measure(fn: Callable[[float], float], rounds: int, budget: Budget, limit: float) -> Row:
+    """Median of `rounds` calls of fn(limit) after one warm-up call; fn returns the value
+    or raises TimeoutError. Skipped when the budget has less than `limit` seconds left."""
+    if budget.left() < limit:
+        return Row(note="skipped (budget)")
+    values = []
+    try:
+        fn(limit)  # warm-up: kernels compiled, graphs recorded
+        for _ in range(rounds):
+            if budget.left() < limit:
+                break
+            values.append(fn(limit))
+    except TimeoutError as e:
+        return Row(note=f"> {e.args[0]:.0f} s")
+    except Exception as e:  # a failing row is reported, the others still run
+        return Row(note=f"error: {type(e).__name__}: {str(e)[:80]}")
+    return Row(statistics.median(values)) if values else Row(note="skipped (budget)")
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(FIRST_ID, vocab, size=(n, length)).tolist()
+
+
+# -- our engine ----------------------------------------------------------------------------
+
+class Ours:
+    """`LLM` on the device, greedy, end tokens off (every call makes all its tokens)."""
+
+    def __init__(self, path: Path, device: str):
+        from workbench import LLM
+
+        self.m = LLM.load(path, device=device, kv_cache_size=max(PREFILLS) + 128,
+                          max_batch=max(BATCHES))
+        self.vocab = self.m.config.n_vocab
+        self.seed = 0
+
+    def _prompts(self, n: int, length: int) -> list[list[int]]:
+        self.seed += 1  # fresh prompts each round: nothing reused from the slots
+        return random_prompts(n, length, self.vocab, self.seed)
+
+    def _generate(self, prompt, tokens: int, cancel=None):
+        return self.m.generate(prompt, max_tokens=tokens, temperature=0, stop_tokens=[],
+                               cancel=cancel)
+
+    def decode(self, n: int, tokens: int) -> Callable[[float], float]:
+        def run(limit: float) -> float:
+            from workbench.engine.cancel import Cancelled
+
+            prompts = self._prompts(n, PROMPT)
+            cancel = threading.Event()
+            timer = threading.Timer(limit, cancel.set)
+            timer.start()
+            try:
+                if n == 1:
+                    events = self._generate(prompts[0], tokens, cancel).iter_events()
+                    next(events)  # the prompt is prefilled and the first token chosen
+                    t = time.perf_counter()
+                    k = sum(1 for ev in events if ev.id is not None)
+                    return k / (time.perf_counter() - t)
+                t = time.perf_counter()
+                outs = self.m.generate_batch(prompts, max_tokens=tokens, temperature=0,
+                                             stop_tokens=[], cancel=cancel)
+                return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+            except Cancelled:
+                raise TimeoutError(limit) from None
+            finally:
+                timer.cancel()
+        return run
+
+    def prefill(self, length: int) -> Callable[[float], float]:
+        def run(limit: float) -> float:
+            return length / self._first_token(length)
+        return run
+
+    def ttft_ms(self, limit: float) -> float:
+        return self._first_token(TTFT_PROMPT) * 1e3
+
+    def _first_token(self, length: int) -> float:
+        prompt = self._prompts(1, length)[0]
+        self.m.reset()
+        t = time.perf_counter()
+        next(iter(self._generate(prompt, 1).iter_events()))
+        return time.perf_counter() - t
+
+    def concurrent(self, n: int, tokens: int, limit: float) -> dict:
+        """n requests at once through the scheduler (a thread each, as the server's
+        handlers call it) against each alone: aggregate and single token rates, and
+        whether every request's greedy answer equals its answer alone."""
+        prompts = self._prompts(n, PROMPT)
+        deadline = time.monotonic() + limit
+        _ = self._generate(prompts[0], 4).token_ids  # warm: recordings, kernels
+        alone, one_rate = [], None
+        for p in prompts:
+            if time.monotonic() > deadline:
+                return {"note": f"> {limit:.0f} s (alone runs)"}
+            t = time.perf_counter()
+            alone.append(self._generate(p, tokens).token_ids)
+            one_rate = one_rate or tokens / (time.perf_counter() - t)
+        together: list = [None] * n
+        start = threading.Barrier(n + 1)
+
+        def worker(i: int) -> None:
+            start.wait()
+            together[i] = self._generate(prompts[i], tokens).token_ids
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+        for th in threads:
+            th.start()
+        start.wait()
+        t = time.perf_counter()
+        for th in threads:
+            th.join(max(1.0, deadline - time.monotonic()))
+        wall = time.perf_counter() - t
+        if any(th.is_alive() for th in threads):
+            return {"note": f"> {limit:.0f} s (concurrent run)"}
+        rate = sum(len(x) for x in together) / wall
+        return {"one": one_rate, "concurrent": rate, "ratio": rate / one_rate,
+                "equal_alone": sum(a == b for a, b in zip(alone, together))}
+
+    def greedy(self, prompt: list[int], tokens: int) -> list[int]:
+        self.m.reset()
+        return list(self._generate(prompt, tokens).token_ids)
+
+    def close(self) -> None:
+        self.m.close()
+
+
+# -- PyTorch ---------------------------------------------------------------------------------
+
+class Torch:
+    """The same weights in bf16 on the card: transformers' `generate`, eager or compiled."""
+
+    def __init__(self, model, device: str):
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.model = model.to(device=device, dtype=torch.bfloat16).eval()
+        self.vocab = model.config.vocab_size
+        self.seed = 10_000
+        self.compiled = False
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def _ids(self, n: int, length: int):
+        self.seed += 1
+        return self.torch.tensor(random_prompts(n, length, self.vocab, self.seed),
+                                 device=self.device)
+
+    def _generate(self, ids, tokens: int) -> float:
+        torch = self.torch
+        extra = {"cache_implementation": "static"} if self.compiled else {}
+        self._sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                max_new_tokens=tokens, min_new_tokens=tokens,
+                                do_sample=False, pad_token_id=0, **extra)
+        self._sync()
+        return time.perf_counter() - t
+
+    def decode(self, n: int, tokens: int) -> Callable[[float], float]:
+        def run(limit: float) -> float:
+            ids = self._ids(n, PROMPT)
+            if n == 1 and not self.compiled:  # the tokens after the first, as ours
+                return (tokens - 1) / (self._generate(ids, tokens) - self._generate(ids, 1))
+            # compiled: one call (a second length would compile its own static cache); the
+            # 16-token prefill inside it costs about one decode step of the 128
+            return n * tokens / self._generate(ids, tokens)
+        return run
+
+    def prefill(self, length: int) -> Callable[[float], float]:
+        def run(limit: float) -> float:
+            return length / self._first_token(length)
+        return run
+
+    def ttft_ms(self, limit: float) -> float:
+        return self._first_token(TTFT_PROMPT) * 1e3
+
+    def _first_token(self, length: int) -> float:
+        torch = self.torch
+        ids = self._ids(1, length)
+        self._sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            logits = self.model(ids, logits_to_keep=1).logits
+            int(logits[0, -1].argmax())  # the first token, on the host
+        return time.perf_counter() - t
+
+    def compile(self) -> None:
+        """Static cache and `torch.compile` (CUDA graphs) for the decode steps, as
+        transformers documents it; each new batch size compiles again."""
+        self.model.forward = self.torch.compile(self.model.forward, mode="reduce-overhead",
+                                                fullgraph=True)
+        self.compiled = True
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+def table(rows: list[tuple[str, Row, Row, Row, str]]) -> str:
+    """rows: (what, ours, torch eager, torch compiled, ratio) -> aligned text."""
+    head = ("", "ours", "torch", "torch.compile", "ours/best")
+    cells = [head] + [(w, str(a), str(b), str(c), r) for w, a, b, c, r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i])
+                               for i, c in enumerate(r)) for r in cells)
+
+
+def ratio(ours: Row, *peers: Row, lower_is_better: bool = False) -> str:
+    best = [p.value for p in peers if p.value is not None]
+    if ours.value is None or not best:
+        return "-"
+    if lower_is_better:
+        return f"{min(best) / ours.value:.2f}x"
+    return f"{ours.value / max(best):.2f}x"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    p.add_argument("--files", default=",".join(FILES),
+                   help=f"which files, comma-separated (of {', '.join(FILES)})")
+    p.add_argument("--budget", type=float, default=400.0, help="seconds for the whole run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--decode-tokens", type=int, default=128,
+                   help="tokens per sequence in the decode rows")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile path")
+    p.add_argument("--tiny", action="store_true",
+                   help="a tiny shape on this machine's CPU (trying the script without a GPU)")
+    p.add_argument("--commit", default="", help="the commit measured, for the record")
+    args = p.parse_args(argv)
+    budget = Budget(args.budget)
+    device = "cpu" if args.tiny else "cuda"
+    names = [f for f in args.files.split(",") if f]
+    for f in names:
+        if f not in FILES:
+            p.error(f"unknown file {f!r}: choose from {', '.join(FILES)}")
+
+    import torch
+
+    card = torch.cuda.get_device_name(0) if device == "cuda" else "cpu (--tiny)"
+    results = {"card": card, "commit": args.commit, "budget_s": args.budget,
+               "decode_tokens": args.decode_tokens, "files": {}}
+    print(f"card: {card}; torch {torch.__version__}; budget {args.budget:.0f} s", flush=True)
+    tokens = args.decode_tokens
+    work = Path(tempfile.mkdtemp(prefix="wb-gpu-bench-"))
+    peers: dict[str, dict[str, Row]] = {}  # shape -> row -> PyTorch's best value
+    n_files = len(names)
+    for i, name in enumerate(names):
+        shape_name, qtype = FILES[name]
+        shape = TINY if args.tiny else SHAPES[shape_name]
+        # each file's fair share of what is left, at least a minute
+        share = max(60.0, budget.left() / (n_files - i))
+        file_end = time.monotonic() + share
+        t0 = time.perf_counter()
+        arch, model = build_model(shape, seed=1 + i)
+        path = work / f"{name}.gguf"
+        write_file(arch, model, qtype, path)
+        built = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ours = Ours(path, device)
+        loaded = time.perf_counter() - t0
+        size_mb = path.stat().st_size / 1e6
+        print(f"\n{name}: {'tiny' if args.tiny else shape_name} shape, {qtype}, {size_mb:.0f} MB "
+              f"(built in {built:.0f} s, loaded on {device} in {loaded:.1f} s)", flush=True)
+
+        def per_row(end: float = file_end) -> float:  # a row's share of the file's time
+            return max(5.0, (end - time.monotonic()) / 8)
+
+        o: dict[str, Row] = {}
+        o["decode 1"] = measure(ours.decode(1, tokens), args.rounds, budget, per_row())
+        for n in BATCHES:
+            o[f"decode {n}"] = measure(ours.decode(n, tokens // 2), 1, budget, per_row())
+        for n in PREFILLS:
+            o[f"prefill {n}"] = measure(ours.prefill(n), args.rounds, budget, per_row())
+        o["ttft ms"] = measure(ours.ttft_ms, args.rounds, budget, per_row())
+        conc = (ours.concurrent(CONCURRENT, tokens // 2, per_row()) if budget.left() > 30
+                else {"note": "skipped (budget)"})
+        check_prompt = random_prompts(1, PROMPT, ours.vocab, seed=99)[0]
+        device_ids = ours.greedy(check_prompt, CHECK_TOKENS)
+        ours.close()
+
+        if shape_name not in peers:  # PyTorch once per shape: its speed is the values'
+            peers[shape_name] = torch_rows(model, device, tokens, args, budget, file_end)
+        else:
+            del model
+        eager, compiled = peers[shape_name]["eager"], peers[shape_name]["compiled"]
+        rows = []
+        for what in o:
+            lower = what.startswith("ttft")
+            rows.append((what, o[what], eager.get(what, Row()), compiled.get(what, Row()),
+                         ratio(o[what], eager.get(what, Row()), compiled.get(what, Row()),
+                               lower_is_better=lower)))
+        print(table(rows), flush=True)
+        if "ratio" in conc:
+            print(f"scheduler: {CONCURRENT} concurrent requests {conc['concurrent']:,.0f} tok/s "
+                  f"against one alone {conc['one']:,.0f} tok/s ({conc['ratio']:.1f}x); "
+                  f"{conc['equal_alone']}/{CONCURRENT} answers equal to the request alone",
+                  flush=True)
+        else:
+            print(f"scheduler: {conc['note']}", flush=True)
+        results["files"][name] = {
+            "shape": shape_name, "format": qtype, "bytes": path.stat().st_size,
+            "rows": {what: {"ours": o[what].value, "torch": eager.get(what, Row()).value,
+                            "torch_compile": compiled.get(what, Row()).value,
+                            "ratio": r, "note": o[what].note}
+                     for what, _, _, _, r in rows},
+            "scheduler": conc}
+        # our CPU engine on the same file (its kernels compile first: only with time left)
+        if device == "cuda" and budget.left() > CPU_CHECK_S:
+            cpu = Ours(path, "cpu")
+            cpu_ids = cpu.greedy(check_prompt, CHECK_TOKENS)
+            cpu.close()
+            same = next((j for j, (a, b) in enumerate(zip(device_ids, cpu_ids)) if a != b),
+                        CHECK_TOKENS)
+            print(f"greedy ids on cuda and cpu: the first {same} of {CHECK_TOKENS} equal",
+                  flush=True)
+            results["files"][name]["cpu_equal_prefix"] = same
+        path.unlink()
+        if args.json:  # written after every file: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    print(f"\n{args.budget - budget.left():.0f} s in all", flush=True)
+    return 0
+
+
+def torch_rows(model, device: str, tokens: int, args, budget: Budget,
+               file_end: float) -> dict[str, dict[str, Row]]:
+    """PyTorch's rows for one shape: eager, then compiled with what time is left."""
+    def per_row() -> float:
+        return max(5.0, (file_end - time.monotonic()) / 10)
+
+    peer = Torch(model, device)
+    eager: dict[str, Row] = {"decode 1": measure(peer.decode(1, tokens), args.rounds, budget,
+                                                 per_row())}
+    for n in BATCHES:
+        eager[f"decode {n}"] = measure(peer.decode(n, tokens // 2), 1, budget, per_row())
+    for n in PREFILLS:
+        eager[f"prefill {n}"] = measure(peer.prefill(n), args.rounds, budget, per_row())
+    eager["ttft ms"] = measure(peer.ttft_ms, args.rounds, budget, per_row())
+    compiled: dict[str, Row] = {}
+    if not args.no_compile and device == "cuda":
+        peer.compile()
+        compiled["decode 1"] = measure(peer.decode(1, tokens), args.rounds, budget,
+                                       max(60.0, per_row()))
+        # one batch size, with time left: every size compiles anew
+        compiled["decode 8"] = measure(peer.decode(8, tokens // 2), 1, budget,
+                                       max(90.0, per_row()))
+    del peer
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    return {"eager": eager, "compiled": compiled}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
