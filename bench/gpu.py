@@ -76,6 +76,7 @@ TTFT_PROMPT = 128
 CONCURRENT = 32
 CHECK_TOKENS = 32  # greedy tokens compared with our CPU engine
 CPU_CHECK_S = 30  # what a CPU check may need (its kernels compile on a cold cache)
+COMPILE_S = 150  # what torch.compile of one batch size may need (seen: about 100 s, H200)
 FIRST_ID = 300  # prompts draw ids above the byte symbols, merges and the end token
 
 
@@ -234,13 +235,14 @@ class Ours:
         prompts = self._prompts(n, PROMPT)
         deadline = time.monotonic() + limit
         _ = self._generate(prompts[0], 4).token_ids  # warm: recordings, kernels
-        alone, one_rate = [], None
+        alone, rates = [], []
         for p in prompts:
             if time.monotonic() > deadline:
                 return {"note": f"> {limit:.0f} s (alone runs)"}
             t = time.perf_counter()
             alone.append(self._generate(p, tokens).token_ids)
-            one_rate = one_rate or tokens / (time.perf_counter() - t)
+            rates.append(tokens / (time.perf_counter() - t))
+        one_rate = statistics.median(rates)
         together: list = [None] * n
         start = threading.Barrier(n + 1)
 
@@ -334,20 +336,19 @@ class Torch:
             int(logits[0, -1].argmax())  # the first token, on the host
         return time.perf_counter() - t
 
-    def compile(self) -> None:
-        """Static cache and `torch.compile` (CUDA graphs) for the decode steps, as
-        transformers documents it; each new batch size compiles again."""
-        self.model.forward = self.torch.compile(self.model.forward, mode="reduce-overhead",
-                                                fullgraph=True)
-        self.compiled = True
 
 
 # -- the run -----------------------------------------------------------------------------------
 
 def table(rows: list[tuple[str, Row, Row, Row, str]]) -> str:
-    """rows: (what, ours, torch eager, torch compiled, ratio) -> aligned text."""
+    """rows: (what, ours, torch eager, torch compiled, ratio) -> aligned text (notes cut
+    short; the JSON keeps them whole)."""
+    def cell(r: Row) -> str:
+        text = str(r)
+        return text if len(text) <= 28 else text[:27] + "…"
+
     head = ("", "ours", "torch", "torch.compile", "ours/best")
-    cells = [head] + [(w, str(a), str(b), str(c), r) for w, a, b, c, r in rows]
+    cells = [head] + [(w, cell(a), cell(b), cell(c), r) for w, a, b, c, r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(5)]
     return "\n".join("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i])
                                for i, c in enumerate(r)) for r in cells)
@@ -360,6 +361,44 @@ def ratio(ours: Row, *peers: Row, lower_is_better: bool = False) -> str:
     if lower_is_better:
         return f"{min(best) / ours.value:.2f}x"
     return f"{ours.value / max(best):.2f}x"
+
+
+def our_rows(ours: Ours, tokens: int, rounds: int, budget: Budget, end: float
+             ) -> dict[str, Row]:
+    """Our rows for one file, each given a share of the time until `end`."""
+    def share() -> float:
+        return max(5.0, (end - time.monotonic()) / 8)
+
+    o = {"decode 1": measure(ours.decode(1, tokens), rounds, budget, share())}
+    for n in BATCHES:
+        o[f"decode {n}"] = measure(ours.decode(n, tokens // 2), 1, budget, share())
+    for n in PREFILLS:
+        o[f"prefill {n}"] = measure(ours.prefill(n), rounds, budget, share())
+    o["ttft ms"] = measure(ours.ttft_ms, rounds, budget, share())
+    return o
+
+
+def eager_rows(peer: Torch, tokens: int, rounds: int, budget: Budget, end: float
+               ) -> dict[str, Row]:
+    """PyTorch's plain `generate` and forward for one shape."""
+    def share() -> float:
+        return max(5.0, (end - time.monotonic()) / 7)
+
+    rows = {"decode 1": measure(peer.decode(1, tokens), rounds, budget, share())}
+    for n in BATCHES:
+        rows[f"decode {n}"] = measure(peer.decode(n, tokens // 2), 1, budget, share())
+    for n in PREFILLS:
+        rows[f"prefill {n}"] = measure(peer.prefill(n), rounds, budget, share())
+    rows["ttft ms"] = measure(peer.ttft_ms, rounds, budget, share())
+    return rows
+
+
+def compiled_row(peer: Torch, n: int, tokens: int, rounds: int, budget: Budget) -> Row:
+    """Decode of n sequences with a static cache, which transformers' `generate` compiles
+    (`torch.compile`, mode "reduce-overhead": CUDA graphs); each batch size compiles anew."""
+    peer.compiled = True
+    return measure(peer.decode(n, tokens if n == 1 else tokens // 2), rounds if n == 1 else 1,
+                   budget, COMPILE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,128 +415,104 @@ def main(argv: list[str] | None = None) -> int:
                    help="a tiny shape on this machine's CPU (trying the script without a GPU)")
     p.add_argument("--commit", default="", help="the commit measured, for the record")
     args = p.parse_args(argv)
-    budget = Budget(args.budget)
-    device = "cpu" if args.tiny else "cuda"
     names = [f for f in args.files.split(",") if f]
     for f in names:
         if f not in FILES:
             p.error(f"unknown file {f!r}: choose from {', '.join(FILES)}")
+    budget = Budget(args.budget)
+    device = "cpu" if args.tiny else "cuda"
 
     import torch
 
     card = torch.cuda.get_device_name(0) if device == "cuda" else "cpu (--tiny)"
-    results = {"card": card, "commit": args.commit, "budget_s": args.budget,
-               "decode_tokens": args.decode_tokens, "files": {}}
+    results: dict = {"card": card, "commit": args.commit, "budget_s": args.budget,
+                     "decode_tokens": args.decode_tokens, "files": {}}
     print(f"card: {card}; torch {torch.__version__}; budget {args.budget:.0f} s", flush=True)
-    tokens = args.decode_tokens
-    work = Path(tempfile.mkdtemp(prefix="wb-gpu-bench-"))
-    peers: dict[str, dict[str, Row]] = {}  # shape -> row -> PyTorch's best value
-    n_files = len(names)
+    tokens, work = args.decode_tokens, Path(tempfile.mkdtemp(prefix="wb-gpu-bench-"))
+
+    def save() -> None:  # after every phase: a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=lambda r: r.value))
+
+    # 1. our engine on every file: the rows this benchmark is for come first
+    ours_by_file: dict[str, dict[str, Row]] = {}
+    models: dict[str, object] = {}  # shape -> the transformers model of its first file
+    checks: dict[str, tuple[Path, list[int], list[int]]] = {}
     for i, name in enumerate(names):
         shape_name, qtype = FILES[name]
-        shape = TINY if args.tiny else SHAPES[shape_name]
-        # each file's fair share of what is left, at least a minute
-        share = max(60.0, budget.left() / (n_files - i))
-        file_end = time.monotonic() + share
+        # this file's share of what is left, keeping a third for PyTorch
+        end = time.monotonic() + max(45.0, budget.left() * 0.6 / (len(names) - i))
         t0 = time.perf_counter()
-        arch, model = build_model(shape, seed=1 + i)
+        arch, model = build_model(TINY if args.tiny else SHAPES[shape_name], seed=1 + i)
         path = work / f"{name}.gguf"
         write_file(arch, model, qtype, path)
-        built = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        models.setdefault(shape_name, model)
+        built, t0 = time.perf_counter() - t0, time.perf_counter()
         ours = Ours(path, device)
-        loaded = time.perf_counter() - t0
         size_mb = path.stat().st_size / 1e6
         print(f"\n{name}: {'tiny' if args.tiny else shape_name} shape, {qtype}, {size_mb:.0f} MB "
-              f"(built in {built:.0f} s, loaded on {device} in {loaded:.1f} s)", flush=True)
-
-        def per_row(end: float = file_end) -> float:  # a row's share of the file's time
-            return max(5.0, (end - time.monotonic()) / 8)
-
-        o: dict[str, Row] = {}
-        o["decode 1"] = measure(ours.decode(1, tokens), args.rounds, budget, per_row())
-        for n in BATCHES:
-            o[f"decode {n}"] = measure(ours.decode(n, tokens // 2), 1, budget, per_row())
-        for n in PREFILLS:
-            o[f"prefill {n}"] = measure(ours.prefill(n), args.rounds, budget, per_row())
-        o["ttft ms"] = measure(ours.ttft_ms, args.rounds, budget, per_row())
-        conc = (ours.concurrent(CONCURRENT, tokens // 2, per_row()) if budget.left() > 30
-                else {"note": "skipped (budget)"})
-        check_prompt = random_prompts(1, PROMPT, ours.vocab, seed=99)[0]
-        device_ids = ours.greedy(check_prompt, CHECK_TOKENS)
-        ours.close()
-
-        if shape_name not in peers:  # PyTorch once per shape: its speed is the values'
-            peers[shape_name] = torch_rows(model, device, tokens, args, budget, file_end)
-        else:
-            del model
-        eager, compiled = peers[shape_name]["eager"], peers[shape_name]["compiled"]
-        rows = []
-        for what in o:
-            lower = what.startswith("ttft")
-            rows.append((what, o[what], eager.get(what, Row()), compiled.get(what, Row()),
-                         ratio(o[what], eager.get(what, Row()), compiled.get(what, Row()),
-                               lower_is_better=lower)))
-        print(table(rows), flush=True)
+              f"(built in {built:.0f} s, loaded on {device} in {time.perf_counter() - t0:.1f} s)",
+              flush=True)
+        o = ours_by_file[name] = our_rows(ours, tokens, args.rounds, budget, end)
+        print("  " + "; ".join(f"{k} {v}" for k, v in o.items()), flush=True)
+        conc = (ours.concurrent(CONCURRENT, tokens // 2, max(10.0, end - time.monotonic()))
+                if budget.left() > 30 else {"note": "skipped (budget)"})
         if "ratio" in conc:
-            print(f"scheduler: {CONCURRENT} concurrent requests {conc['concurrent']:,.0f} tok/s "
-                  f"against one alone {conc['one']:,.0f} tok/s ({conc['ratio']:.1f}x); "
+            print(f"  scheduler: {CONCURRENT} concurrent requests {conc['concurrent']:,.0f} tok/s"
+                  f" against one alone {conc['one']:,.0f} tok/s ({conc['ratio']:.1f}x); "
                   f"{conc['equal_alone']}/{CONCURRENT} answers equal to the request alone",
                   flush=True)
         else:
-            print(f"scheduler: {conc['note']}", flush=True)
-        results["files"][name] = {
-            "shape": shape_name, "format": qtype, "bytes": path.stat().st_size,
-            "rows": {what: {"ours": o[what].value, "torch": eager.get(what, Row()).value,
-                            "torch_compile": compiled.get(what, Row()).value,
-                            "ratio": r, "note": o[what].note}
-                     for what, _, _, _, r in rows},
-            "scheduler": conc}
-        # our CPU engine on the same file (its kernels compile first: only with time left)
+            print(f"  scheduler: {conc['note']}", flush=True)
+        prompt = random_prompts(1, PROMPT, ours.vocab, seed=99)[0]
+        checks[name] = (path, prompt, ours.greedy(prompt, CHECK_TOKENS))
+        ours.close()
+        results["files"][name] = {"shape": shape_name, "format": qtype,
+                                  "bytes": path.stat().st_size, "scheduler": conc}
+        save()
+
+    # 2. PyTorch once per shape (its speed does not depend on the values), eager first
+    peers: dict[str, tuple[Torch, dict[str, Row], dict[str, Row]]] = {}
+    for shape_name, model in models.items():
+        end = time.monotonic() + budget.left() / (2 * len(models))
+        peer = Torch(model, device)
+        peers[shape_name] = (peer, eager_rows(peer, tokens, args.rounds, budget, end), {})
+    if not args.no_compile and device == "cuda":  # one sequence on every shape, then 8
+        for n in (1, 8):
+            for peer, _, compiled in peers.values():
+                compiled[f"decode {n}"] = compiled_row(peer, n, tokens, args.rounds, budget)
+
+    # 3. the tables
+    for name in names:
+        shape_name = FILES[name][0]
+        _, eager, compiled = peers[shape_name]
+        o, rows = ours_by_file[name], []
+        for what in o:
+            e, c = eager.get(what, Row()), compiled.get(what, Row())
+            rows.append((what, o[what], e, c,
+                         ratio(o[what], e, c, lower_is_better=what.startswith("ttft"))))
+        print(f"\n{name} ({shape_name}, {FILES[name][1]}) on {card}\n{table(rows)}", flush=True)
+        results["files"][name]["rows"] = {
+            what: {"ours": a.value, "torch": b.value, "torch_compile": c.value, "ratio": r,
+                   "notes": [x.note for x in (a, b, c) if x.note]}
+            for what, a, b, c, r in rows}
+    save()
+
+    # 4. with time left: our CPU engine's greedy ids on the same files (its kernels compile)
+    for name, (path, prompt, device_ids) in checks.items():
         if device == "cuda" and budget.left() > CPU_CHECK_S:
             cpu = Ours(path, "cpu")
-            cpu_ids = cpu.greedy(check_prompt, CHECK_TOKENS)
+            cpu_ids = cpu.greedy(prompt, CHECK_TOKENS)
             cpu.close()
             same = next((j for j, (a, b) in enumerate(zip(device_ids, cpu_ids)) if a != b),
                         CHECK_TOKENS)
-            print(f"greedy ids on cuda and cpu: the first {same} of {CHECK_TOKENS} equal",
-                  flush=True)
+            print(f"{name}: greedy ids on cuda and cpu, the first {same} of {CHECK_TOKENS} "
+                  f"equal", flush=True)
             results["files"][name]["cpu_equal_prefix"] = same
         path.unlink()
-        if args.json:  # written after every file: a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps(results, indent=1))
+    save()
     print(f"\n{args.budget - budget.left():.0f} s in all", flush=True)
     return 0
-
-
-def torch_rows(model, device: str, tokens: int, args, budget: Budget,
-               file_end: float) -> dict[str, dict[str, Row]]:
-    """PyTorch's rows for one shape: eager, then compiled with what time is left."""
-    def per_row() -> float:
-        return max(5.0, (file_end - time.monotonic()) / 10)
-
-    peer = Torch(model, device)
-    eager: dict[str, Row] = {"decode 1": measure(peer.decode(1, tokens), args.rounds, budget,
-                                                 per_row())}
-    for n in BATCHES:
-        eager[f"decode {n}"] = measure(peer.decode(n, tokens // 2), 1, budget, per_row())
-    for n in PREFILLS:
-        eager[f"prefill {n}"] = measure(peer.prefill(n), args.rounds, budget, per_row())
-    eager["ttft ms"] = measure(peer.ttft_ms, args.rounds, budget, per_row())
-    compiled: dict[str, Row] = {}
-    if not args.no_compile and device == "cuda":
-        peer.compile()
-        compiled["decode 1"] = measure(peer.decode(1, tokens), args.rounds, budget,
-                                       max(60.0, per_row()))
-        # one batch size, with time left: every size compiles anew
-        compiled["decode 8"] = measure(peer.decode(8, tokens // 2), 1, budget,
-                                       max(90.0, per_row()))
-    del peer
-    if device == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
-    return {"eager": eager, "compiled": compiled}
 
 
 if __name__ == "__main__":
