@@ -145,6 +145,21 @@ def test_chat_json_closed_at_the_budget_warns_and_returns_the_object(smollm2):
     assert [w.category for w in caught] == [ClosedEarlyWarning]
 
 
+@pytest.mark.parametrize("closing", [True, False], ids=["closer", "no-closer"])
+def test_an_open_ended_answer_complete_at_the_budget_is_returned(smollm2, closing):
+    """`root ::= [0-9]+` is complete after any digit: an answer the budget cut is valid,
+    returned with a warning (and marked closed at the budget), never IncompleteOutputError."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value, c = smollm2.chat_json([{"role": "user", "content": "Write a long number."}],
+                                     grammar="root ::= [0-9]+", max_tokens=8, temperature=0,
+                                     logits_processors=[letter_lover(smollm2.tokenizer, "1")],
+                                     closing=closing, return_completion=True)
+    assert c.usage.completion_tokens == 8 and c.finish_reason == "length"
+    assert c.closed_early == "budget" and c.text.isdigit() and value == int(c.text)
+    assert [w.category for w in caught] == [ClosedEarlyWarning]
+
+
 @pytest.mark.slow
 def test_chat_json_takes_a_gbnf_grammar(smollm2):
     json_like = 'root ::= "{\\"name\\": \\"" [a-z]+ "\\"}"'

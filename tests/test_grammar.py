@@ -298,7 +298,8 @@ def sample_messages(path, schema) -> list[dict]:
 
 # A greedy and a seeded generation per schema of the sample
 SAMPLE_OPTIONS = (dict(temperature=0, max_tokens=768, repeat_penalty=1.1),
-                  dict(temperature=0.8, seed=0, max_tokens=768, repeat_penalty=1.1))
+                  dict(temperature=0.8, seed=0, max_tokens=768, repeat_penalty=1.1,
+                       top_k=40, top_p=0.95, min_p=0.05))
 
 
 def sample_runs() -> list[tuple]:

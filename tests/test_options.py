@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -105,11 +107,11 @@ def test_logit_bias_takes_ids_as_integers_or_digit_strings():
 
 def test_python_defaults_follow_the_seed_table():
     """parabun's `chat`/`generate` table: greedy, 512 tokens, the model's end tokens, no
-    echo; the filters (llama-cpp-python's) act once temperature > 0."""
+    echo; the filters off unless given (parabun's topK/topP, binfer's --top-k 0 --top-p 1)."""
     from workbench.engine.llm import LLM
 
     assert (DEFAULTS.temperature, DEFAULTS.max_tokens, DEFAULTS.stop_tokens) == (0, 512, None)
-    assert (DEFAULTS.top_k, DEFAULTS.top_p, DEFAULTS.min_p) == (40, 0.95, 0.05)
+    assert (DEFAULTS.top_k, DEFAULTS.top_p, DEFAULTS.min_p) == (0, 1.0, 0.0)
     assert inspect.signature(LLM.generate).parameters["include_prompt"].default is False
     assert inspect.signature(LLM.embed).parameters["normalize"].default is False
 
@@ -125,6 +127,43 @@ def test_the_generation_methods_show_every_option_with_its_default():
             "options"].KEYWORD_ONLY
     assert "overrides" not in inspect.signature(LLM.generate).parameters
     assert "generate_args" in inspect.signature(LLM.chat).parameters  # grammar=, prefix= ...
+
+
+def _readme_defaults() -> dict[str, str]:
+    """The README's options table: option name -> its "Python API, CLI" cell."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 4:
+            for name in re.findall(r"`(\w+)`", cells[0]):
+                rows[name] = cells[1]
+    return rows
+
+
+def test_the_readme_the_options_and_the_cli_help_agree_on_the_defaults():
+    """One table for the seed user: the README's row, `GenerationOptions` and `--help`."""
+    import contextlib
+    import io
+
+    from workbench import cli
+
+    readme = _readme_defaults()
+    assert readme["top_k"] == readme["top_p"] == readme["min_p"] == "off (0 / 1.0 / 0)"
+    assert (DEFAULTS.top_k, DEFAULTS.top_p, DEFAULTS.min_p) == (0, 1.0, 0.0)
+    assert readme["temperature"].startswith(f"{DEFAULTS.temperature:g} ")
+    assert readme["max_tokens"] == str(DEFAULTS.max_tokens)
+    for command in ("generate", "chat", "batch"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            cli._parser().parse_args([command, "--help"])
+        help_text = " ".join(out.getvalue().split())
+        for flag, value in (("--top-k", "0 = off (default: 0)"),
+                            ("--top-p", "1.0 = off (default: 1.0)"),
+                            ("--min-p", "0 = off (default: 0.0)"),
+                            ("--temperature", f"(default: {DEFAULTS.temperature})"),
+                            ("--max-tokens", f"(default: {DEFAULTS.max_tokens})")):
+            assert f"{flag} " in help_text and value in help_text, (command, flag)
 
 
 def test_cli_flags_default_to_the_options():
@@ -161,14 +200,14 @@ def test_remote_requests_take_options_objects():
 
 
 def test_widget_controls_keep_their_own_defaults():
-    from workbench.widgets.chat import CHAT_TEMPERATURE, ChatCell
+    from workbench.widgets.chat import CHAT_TEMPERATURE, CHAT_TOP_P, ChatCell
     from workbench.widgets.json_cell import JSONCell
 
     assert ChatCell.temperature.default_value == CHAT_TEMPERATURE == 0.8  # a chat cell samples
     assert JSONCell.temperature.default_value == DEFAULTS.temperature == 0
     for cell in (ChatCell, JSONCell):
         assert cell.max_tokens.default_value == DEFAULTS.max_tokens
-    assert ChatCell.top_p.default_value == DEFAULTS.top_p
+    assert ChatCell.top_p.default_value == CHAT_TOP_P == 0.95  # its slider's own start
 
 
 def test_the_remote_client_imports_no_engine():

@@ -184,6 +184,10 @@ class Decoding:
             self.held += self.decoder.push(token)
             released, self.held, hit = split_stop(self.held, self.stop)
             piece = tok.decode([token])
+        at_budget = self.n_generated >= self.max_tokens or room <= 0
+        if at_budget and not hit and closed is None and matcher is not None \
+                and matcher.is_accepting and not matcher.is_finished:
+            closed = "budget"  # complete where the budget cut it: closed there, valid
         events = [TokenEvent(token, released, piece, lp, top, ent, mask_ms,
                              closed, closing_ms)]
         if hit:
@@ -191,7 +195,7 @@ class Decoding:
             return None, events
         if matcher is not None and matcher.is_finished:  # nothing more can follow
             return None, events + self._finish("stop")
-        if self.n_generated >= self.max_tokens or room <= 0:
+        if at_budget:
             return None, events + self._finish("length")
         return token, events
 

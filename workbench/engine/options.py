@@ -25,13 +25,13 @@ from typing import Any, TypeVar
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. Greedy by default (parabun's `temperature: 0`: the same call
-    gives the same text); the filters' defaults are llama-cpp-python's and apply once
-    `temperature` > 0."""
+    gives the same text); with `temperature` > 0 the model's own distribution is sampled,
+    the filters off unless given (parabun's topK/topP, binfer's `--top-k 0 --top-p 1.0`)."""
 
     temperature: float = 0.0  # 0 means greedy argmax; > 0 samples
-    top_k: int = 40  # keep the k most likely tokens; 0 keeps all
-    top_p: float = 0.95  # keep the smallest set whose probability reaches p; 1.0 keeps all
-    min_p: float = 0.05  # drop tokens below min_p times the best token's probability
+    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
+    top_p: float = 1.0  # keep the smallest set whose probability reaches p; 1.0 keeps all
+    min_p: float = 0.0  # drop tokens below min_p times the best token's probability; 0 keeps all
     repeat_penalty: float = 1.0  # > 1 discourages tokens seen in the last repeat_last_n
     repeat_last_n: int = 64
     presence_penalty: float = 0.0  # subtracted from the logit of every token seen in the window

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 STATIC = Path(__file__).parent / "static"
 UPDATE_INTERVAL = 0.05  # seconds between widget updates while streaming (~20/s)
 CHAT_TEMPERATURE = 0.8  # where the cell's temperature slider starts: a chat cell samples
+CHAT_TOP_P = 0.95  # and its top_p slider: sampled chat keeps the nucleus (the API's is off)
 
 _markdown = MarkdownIt("commonmark", {"html": False})
 _markdown_lock = threading.Lock()
@@ -64,10 +65,10 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
     _css = STATIC / "widgets.css"
 
     system = traitlets.Unicode("").tag(sync=True)
-    # sampling controls: the slider starts at the cell's own CHAT_TEMPERATURE (the
-    # Python API is greedy); top_p and max_tokens start at the engine's defaults
+    # sampling controls: the sliders start at the cell's own CHAT_TEMPERATURE and
+    # CHAT_TOP_P (the Python API is greedy, its filters off); max_tokens at the engine's
     temperature = traitlets.Float(CHAT_TEMPERATURE).tag(sync=True)
-    top_p = traitlets.Float(DEFAULTS.top_p).tag(sync=True)
+    top_p = traitlets.Float(CHAT_TOP_P).tag(sync=True)
     max_tokens = traitlets.Int(DEFAULTS.max_tokens).tag(sync=True)
     log = traitlets.List(traitlets.Dict()).tag(sync=True)
     generating = traitlets.Bool(False).tag(sync=True)
@@ -78,7 +79,7 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
 
 
     def __init__(self, model: LLM, system: str = "You are helpful and concise.",
-                 temperature: float = CHAT_TEMPERATURE, top_p: float = DEFAULTS.top_p,
+                 temperature: float = CHAT_TEMPERATURE, top_p: float = CHAT_TOP_P,
                  max_tokens: int = DEFAULTS.max_tokens, **options: Any):
         """`options` are passed on to `model.chat` (e.g. `seed`, `top_k`, `stop`, or
         `options=` a `GenerationOptions`; the cell's controls override its fields)."""
