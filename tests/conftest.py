@@ -3,8 +3,10 @@ that several modules use live in tests/support/)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import time
 
 import pytest
 
@@ -29,6 +31,9 @@ if os.environ.get("WORKBENCH_BLOCK_PEERS") == "1":
     sys.meta_path.insert(0, _PeerBlocker())
 
 
+_SESSION_LLMS: list = []  # the session fixtures' LLMs, loaded so far
+
+
 def _model_fixture(name: str, kind: str, alias: str):
     """A session fixture `name`: `workbench.<kind>.load(alias)`, closed after the last test."""
 
@@ -37,9 +42,35 @@ def _model_fixture(name: str, kind: str, alias: str):
         import workbench
 
         with getattr(workbench, kind).load(alias) as model:
+            if kind == "LLM":
+                _SESSION_LLMS.append(model)
             yield model
+            if model in _SESSION_LLMS:
+                _SESSION_LLMS.remove(model)
 
     return loaded
+
+
+@pytest.fixture(autouse=True)
+def _no_generation_outlives_its_test(request):
+    """After each test the shared session models are idle. A generation a test leaves
+    running (a Completion kept alive by a traceback, a stream never closed) decodes on
+    beside the next tests' requests, in their batches: the batch-invariance checks then
+    see neighbours they did not ask for. Waits a moment for abandoned generations to
+    stop, then fails the test that left one."""
+    yield
+    busy = [m for m in _SESSION_LLMS if m._scheduler.pending]
+    if not busy:
+        return
+    gc.collect()  # frees Completions only a reference cycle kept alive: they then stop
+    deadline = time.monotonic() + 10.0
+    while busy and time.monotonic() < deadline:
+        time.sleep(0.05)
+        busy = [m for m in busy if m._scheduler.pending]
+    if busy:
+        names = ", ".join(f"{m.path.name} ({m._scheduler.pending} requests)" for m in busy)
+        pytest.fail(f"{request.node.nodeid} left generations running on {names}",
+                    pytrace=False)
 
 
 smollm2 = _model_fixture("smollm2", "LLM", "smollm2-135m")

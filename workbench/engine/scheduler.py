@@ -111,6 +111,12 @@ class Scheduler:
 
     # -- the callers' side -------------------------------------------------------------------
     @property
+    def pending(self) -> int:
+        """Requests admitted or waiting for a place (0: the scheduler is idle)."""
+        with self._cond:
+            return len(self._waiting) + len(self._running)
+
+    @property
     def kept(self) -> KVCache | None:
         """The cache of the last request that finished, while its slot is idle (None
         once another request has taken the slot, or before any finished)."""
