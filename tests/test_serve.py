@@ -591,3 +591,48 @@ def test_a_client_leaving_the_queue_frees_its_place(engines):
         assert answers[0].json()["choices"][0]["message"]["content"] \
             == llm.chat(QUESTION, max_tokens=4, temperature=0).text
         assert wait_for(lambda: server.running.peek() == 0 and not llm.busy.peek(), 10)
+
+
+class Echo:
+    """A duck-typed engine whose methods return text, not `Completion`s: `chat` a plain
+    iterator of pieces, `generate` an async generator, `chat_batch` a list of strings."""
+
+    def __init__(self):
+        self.closed = threading.Event()
+
+    def chat(self, messages, **options):
+        return iter(["You said: ", messages[-1]["content"]])
+
+    def chat_batch(self, conversations, **options):
+        return [f"#{i}" for i, _ in enumerate(conversations)]
+
+    def generate(self, prompt, **options):
+        async def pieces():
+            try:
+                for word in prompt.split():
+                    yield word.upper() + " "
+            finally:
+                self.closed.set()
+        return pieces()
+
+
+def test_an_engine_returning_plain_or_async_iterators_of_text_is_served():
+    import workbench
+
+    engine = Echo()
+    with workbench.serve({"echo": engine}, port=0) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="-")
+        said = [{"role": "user", "content": "hello"}]
+        answer = client.chat.completions.create(model="echo", messages=said)
+        assert answer.choices[0].message.content == "You said: hello"
+        assert answer.choices[0].finish_reason == "stop"
+        assert answer.usage.completion_tokens == 2
+        stream = client.chat.completions.create(model="echo", messages=said, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+            "You said: hello"
+        batch = client.chat.completions.create(model="echo", messages=said, n=2)
+        assert [c.message.content for c in batch.choices] == ["#0", "#1"]
+        text = client.completions.create(model="echo", prompt="a b c")
+        assert text.choices[0].text == "A B C " and engine.closed.is_set()
+        streamed = client.completions.create(model="echo", prompt="x y", stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == "X Y "

@@ -9,11 +9,13 @@ are out reports the error as its last event, as OpenAI does.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import Request
@@ -21,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from workbench.engine.cancel import Cancelled, check_cancel
-from workbench.engine.results import TokenEvent
+from workbench.engine.results import TokenEvent, Usage
 from workbench.server.jobs import JOB_DONE, ClientGone, Job, ServerState, engine_accepts, start_job
 from workbench.server.schemas import (
     MAX_CHOICES,
@@ -105,6 +107,73 @@ def _read_choice(put, cancelled: threading.Event, failed: threading.Event | None
     put(("end", i, completion.finish_reason, completion.usage))
 
 
+class TextPieces:
+    """What a duck-typed engine's `chat` / `generate` returned instead of a `Completion`:
+    a string, a plain or async iterator of text pieces, or a coroutine giving either, read
+    as a completion of one event per piece (no token ids, so no logprobs; usage counts
+    pieces). An async iterator is run on an event loop of the reading thread's own."""
+
+    prompt_text = ""
+    finish_reason = "stop"
+
+    def __init__(self, result: Any):
+        self._result = result
+        self._pieces = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(0, self._pieces)
+
+    def iter_events(self) -> Iterator[TokenEvent]:
+        for piece in self._read():
+            if not isinstance(piece, str):
+                raise TypeError(f"the engine gave a {type(piece).__name__} where a piece of "
+                                "text was expected")
+            self._pieces += 1
+            yield TokenEvent(None, piece, piece)
+
+    def _read(self) -> Iterator[Any]:
+        result = self._result
+        if inspect.isawaitable(result):
+            result = self._run(result)
+        if isinstance(result, str):
+            yield result
+        elif hasattr(result, "__aiter__"):
+            it = result.__aiter__()
+            while True:
+                try:
+                    yield self._run(it.__anext__())
+                except StopAsyncIteration:
+                    return
+        else:
+            yield from result
+
+    def _run(self, awaitable: Any) -> Any:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(awaitable)
+
+    def close(self) -> None:
+        """Stop the engine's iterator (a generator's `close`, an async one's `aclose`)."""
+        result = self._result
+        try:
+            if hasattr(result, "aclose"):
+                self._run(result.aclose())
+            elif hasattr(result, "close"):
+                result.close()
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+                self._loop = None
+
+
+def as_completion(result: Any) -> Any:
+    """`result` as the server reads a completion: a `Completion` (anything with
+    `iter_events`) as it is, anything else through `TextPieces`."""
+    return result if hasattr(result, "iter_events") else TextPieces(result)
+
+
 def _choices(engine: Any, method: str, batch_method: str, inputs: list[Any], n: int,
              options: dict, stream: bool) -> Callable[[threading.Event], list[Any]]:
     """Start `n` completions of each input: one call each (choice i gets seed s + i, as a
@@ -118,7 +187,7 @@ def _choices(engine: Any, method: str, batch_method: str, inputs: list[Any], n: 
         if len(repeated) > 1 and not stream and hasattr(engine, batch_method):
             batch = getattr(engine, batch_method)
             extra = {"cancel": cancelled} if engine_accepts(batch, "cancel") else {}
-            return batch(repeated, **options, **extra)
+            return [as_completion(c) for c in batch(repeated, **options, **extra)]
         call = getattr(engine, method)
         extra = {"cancel": cancelled} if engine_accepts(call, "cancel", by_name=True) else {}
         seed = options.pop("seed", None)
@@ -126,7 +195,7 @@ def _choices(engine: Any, method: str, batch_method: str, inputs: list[Any], n: 
         for i, x in enumerate(repeated):
             check_cancel(cancelled)
             seeded = {} if seed is None else {"seed": seed + i}
-            completions.append(call(x, **options, **seeded, **extra))
+            completions.append(as_completion(call(x, **options, **seeded, **extra)))
         return completions
 
     return start

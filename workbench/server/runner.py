@@ -138,7 +138,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
         >>> server.stop()
 
     engine: an `LLM`, `Encoder`, `WhisperModel` or `RemoteEngine` (anything with
-        `.chat`, `.generate`, `.embed` or `.transcribe`), or a mapping
+        `.chat`, `.generate`, `.embed` or `.transcribe`; a `chat` or `generate` may
+        return a `Completion`, a string, or a plain or async iterator of text), or a mapping
         {model id: engine} to serve several (a mapping whose values are not engines,
         such as options written as a dict, raises TypeError: options are keywords).
     model_id: the id clients name in `model` (one engine); default: the registry
