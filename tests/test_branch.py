@@ -21,7 +21,7 @@ PROMPT = "The capital of France is"
 def _greedy(branch: Branch, n: int) -> list[int]:
     out = []
     for _ in range(n):
-        token, stop = branch.produce()
+        token, stop, _ = branch.produce()
         if stop:
             break
         branch.commit(token)
@@ -50,6 +50,19 @@ def test_fork_continues_like_a_fresh_run(smollm2):
     for b in (root, child, grandchild):
         assert continued[b] == _fresh(smollm2, history[b], len(continued[b])), b
     assert grandchild.tokens[: len(history[root])] == history[root]
+
+
+def test_produce_gives_the_token_its_stop_and_its_text(smollm2):
+    """lloyal's `produce()`: {token, isStop}, here with the token's text."""
+    store = BranchStore(smollm2, max_active=2)
+    root = Branch.create(smollm2, {"temperature": 0}, store=store)
+    root.prefill(smollm2.tokenize(PROMPT))
+    produced = root.produce()
+    assert produced.token == int(np.argmax(root.logits)) and produced.is_stop is False
+    assert produced.text == smollm2.detokenize([produced.token]) == " Paris"
+    end = next(iter(smollm2.tokenizer.eot_ids))
+    assert root.is_stop(end) and root.produce() == produced  # greedy: the same again
+    root.prune()
 
 
 @pytest.mark.slow
@@ -166,7 +179,7 @@ def test_branch_hooks_logits_processors_and_kv_remove(smollm2):
 
     banned = Branch.create(smollm2, {"temperature": 0}, store=store, logits_processors=[ban])
     banned.prefill(smollm2.tokenize(PROMPT))
-    token, _ = banned.produce()
+    token, _, _ = banned.produce()
     assert token != greedy and token == int(np.argsort(-banned.logits)[1])
     assert banned.fork().produce()[0] == token  # a fork keeps the processors
     # kv_remove on a branch: continuing equals a fresh run on the remaining tokens
@@ -192,7 +205,7 @@ STORY = "Once upon a time, in a small village by the sea, there lived"
 
 def _sample(branch: Branch, n: int) -> str:
     for _ in range(n):
-        token, stop = branch.produce()
+        token, stop, _ = branch.produce()
         if stop:
             break
         branch.commit(token)

@@ -316,7 +316,7 @@ def test_branches_and_prefixes_on_a_device(tiny_path, device):
             history = b.tokens
             got = []
             for _ in range(6):
-                token, stop = b.produce()
+                token, stop, _ = b.produce()
                 if stop:
                     break
                 b.commit(token)

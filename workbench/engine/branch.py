@@ -5,7 +5,7 @@
     >>> root.prefill(m.tokenize("The capital of France is"))
     >>> child = root.fork()                  # shares root's keys and values: nothing copied
     >>> other = root.fork(seed=7)            # and draws from its own random state
-    >>> token, is_stop = child.produce()     # sample (does not change the branch)
+    >>> token, is_stop, text = child.produce()  # sample (does not change the branch)
     >>> child.commit(token)                  # accept it and run it through the model
     >>> store.commit([(root, a), (child, b)])  # several branches, one forward pass
     >>> store.prefill([(child, ids), (other, ids2)])  # prompts too, one pass per chunk
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,6 +37,15 @@ from workbench.engine.models.llama import check_ids
 from workbench.engine.results import Alternative, TokenEvent
 from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers.stream import StreamDecoder
+
+
+class Produced(NamedTuple):
+    """A token `Branch.produce` sampled: its id, whether it ends the branch (an end token,
+    or a finished grammar) and its text (a piece of a UTF-8 character shows as U+FFFD)."""
+
+    token: int
+    is_stop: bool
+    text: str
 
 
 class BranchStore:
@@ -257,9 +266,10 @@ class Branch:
             self.logits = self.model._prefill(tokens, self.cache)
         self.store.forward_passes += -(-len(tokens) // PREFILL_CHUNK)  # one per chunk
 
-    def produce(self) -> tuple[int, bool]:
-        """Sample the next token from the current logits: (token, is_stop). Only the
-        sampler's random state changes; `accept` or `commit` the token to keep it."""
+    def produce(self) -> Produced:
+        """Sample the next token from the current logits: `Produced(token, is_stop,
+        text)` (lloyal's `{token, isStop}`, with the token's text). Only the sampler's
+        random state changes; `accept` or `commit` the token to keep it."""
         self._check_alive()
         if self.logits is None:
             raise RuntimeError("prefill the branch before producing tokens")
@@ -276,7 +286,7 @@ class Branch:
                 raise ValueError(f"a logits processor returned shape {out.shape}")
             logits = out
         token = self.sampler.sample(logits, self.cache.tokens, allowed)
-        return token, self.is_stop(token)
+        return Produced(token, self.is_stop(token), self.model.tokenizer.decode([token]))
 
     def is_stop(self, token: int) -> bool:
         return self.model.is_stop_token(token) or (

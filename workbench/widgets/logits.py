@@ -216,7 +216,7 @@ class LogitsCell(Worker, ipywidgets.VBox):
             live = [b for b, stopped in zip(branches, starts) if not stopped]
             for _ in range(max_tokens - 1):
                 step = [(b, b.produce()) for b in live]
-                step = [(b, t) for b, (t, stop) in step if not stop]
+                step = [(b, t) for b, (t, stop, _) in step if not stop]
                 if not step:
                     break
                 store.commit(step)
