@@ -337,6 +337,9 @@ def test_espeak_sentences_beam5(whisper, tmp_path, device):
     french = _espeak(FRENCH, "fr", tmp_path)
     language, p = base.detect_language(french)
     assert language == "fr" and p > 0.5
+    assert base.detect_language_from_encoder(base.encode(french)) == (language, p)
+    with pytest.raises(ValueError, match="encoder's output has shape"):
+        base.detect_language_from_encoder(np.zeros((4, 4), np.float32))
     t = transcribe(whisper, "whisper-base", device, "espeak-fr", french, language="auto",
                    exact=False)
     assert t.language == "fr" and "paris" in words(t)

@@ -35,6 +35,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -200,6 +201,12 @@ class WhisperModel(LocalEngine):
         """
         if not self.multilingual:
             return "en", 1.0
+        return self.detect_language_from_encoder(self.encode(audio))
+
+    def encode(self, audio: str | os.PathLike | bytes | np.ndarray) -> Any:
+        """The audio encoder's output for the first 30 s of `audio` (as `detect_language`
+        takes it): (n_audio_ctx, n_audio_state) float32, on the model's device. Pass it to
+        `detect_language_from_encoder`."""
         if isinstance(audio, np.ndarray) and audio.ndim == 2 \
                 and audio.shape[0] == self.config.n_mels:
             mel = _chunk(audio, 0)
@@ -215,7 +222,19 @@ class WhisperModel(LocalEngine):
             log10 = window_log10_mel(x, filters)
             mel = scale_log_mel(log10[:, : N_FRAMES], max(LOG_MEL_FLOOR, float(log10.max())))
         with self._busy, self._lock:
-            features = self._net().encode(mel)
+            return self._net().encode(mel)
+
+    def detect_language_from_encoder(self, features: Any) -> tuple[str, float]:
+        """`detect_language` from the encoder's output (`encode`): one decoder step from
+        `<|startoftranscript|>`, the most likely language token and its probability
+        among the language tokens (whisper's detectLanguageFromEncoder)."""
+        if not self.multilingual:
+            return "en", 1.0
+        shape = tuple(getattr(features, "shape", ()))
+        want = (self.config.n_audio_ctx, self.config.n_audio_state)
+        if shape != want:
+            raise ValueError(f"the encoder's output has shape {want}, got {shape}")
+        with self._busy, self._lock:
             probs = self._language_probs(features)
         best = int(np.argmax(probs))
         return self.tokenizer.languages[best], float(probs[best])
