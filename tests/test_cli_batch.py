@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from workbench import batch
 from workbench.cli import main
+from workbench.engine.options import DEFAULTS
 
 SUBJECTS = ["France", "Japan", "Peru", "Kenya", "Norway", "Chile", "Egypt", "India"]
 
@@ -215,6 +217,43 @@ def test_batch_per_line_options_and_a_line_that_fails(tmp_path, capsys, smollm2)
     assert "2 of 3 lines already done" in err and "tried again" in err
     ids = [r["id"] for r in _read_jsonl(out)]  # (in the order the lines finished)
     assert sorted(ids[:2]) == ["a", "b"] and ids[2] == "long"
+
+
+PLAIN_PROMPTS = ["The capital of France is", "The capital of Japan is", "A haiku:"]
+
+
+def test_batch_of_plain_text_prompts_writes_one_answer_per_line(tmp_path, capsys, smollm2,
+                                                                monkeypatch):
+    """binfer's `-i prompts.txt -o outputs.txt`: one prompt per line (blank lines skipped),
+    one answer per line in the input's order; `--use-template` chats them; `-q` prints
+    nothing while loading, `-v` the startup timing; `--no-cuda-graphs` sets the switch."""
+    monkeypatch.setenv("WORKBENCH_CUDA_GRAPHS", "1")  # restored after the test
+    source, out = tmp_path / "prompts.txt", tmp_path / "outputs.txt"
+    source.write_text(f"{PLAIN_PROMPTS[0]}\n\n{PLAIN_PROMPTS[1]}\r\n{PLAIN_PROMPTS[2]}\n")
+    assert not batch.is_jsonl(source)
+    assert main(["batch", "-i", str(source), "-o", str(out), "-t", "0", "-n", "12", "-q",
+                 "--no-cuda-graphs"]) == 0
+    assert capsys.readouterr().err == "" and os.environ["WORKBENCH_CUDA_GRAPHS"] == "0"
+    rows = out.read_text(encoding="utf-8").split("\n")
+    want = [smollm2.generate(p, temperature=0, max_tokens=12).text for p in PLAIN_PROMPTS]
+    assert rows == [batch.escape_line(w) for w in want] + [""]
+    assert any("\n" in w for w in want) and all("\n" not in r for r in rows[:3])
+    assert not (tmp_path / "outputs.txt.progress.jsonl").exists()
+
+    chats = tmp_path / "chats.txt"
+    assert main(["batch", "-i", str(source), "-o", str(chats), "-t", "0", "-n", "8",
+                 "--use-template", "-v"]) == 0
+    assert re.search(r"loaded on cpu in [0-9.]+ s; kernels ready", capsys.readouterr().err)
+    want = [smollm2.chat([{"role": "user", "content": p}], temperature=0, max_tokens=8).text
+            for p in PLAIN_PROMPTS]
+    assert chats.read_text(encoding="utf-8").split("\n") == \
+        [batch.escape_line(w) for w in want] + [""]
+    assert batch.escape_line("a\\b\nc\rd") == "a\\\\b\\nc\\rd"
+    with pytest.raises(ValueError, match="use-template is for plain text"):
+        jsonl = tmp_path / "in.jsonl"
+        _write_jsonl(jsonl, [{"prompt": "x"}])
+        batch.run_file(lambda: smollm2, jsonl, tmp_path / "o.jsonl", DEFAULTS,
+                       use_template=True)
 
 
 # -- a JSON Schema of the Chrome trace-event format (the parts Perfetto reads) -------------

@@ -19,6 +19,13 @@ finish, not the input's):
 A line whose generation fails gets `"error"` instead of `text`. Run again with the same
 output file and the lines already answered are skipped: a killed run loses only the
 lines in flight (a truncated last line is dropped); failed lines are tried again.
+
+A plain text input (binfer's `-i prompts.txt`: any file that is not JSONL) holds one
+prompt per line, each continued as it is (with `use_template`, sent as a chat's user
+message); its output is plain text too, one answer per line in the input's order, with
+backslashes, newlines and carriage returns written as `\\`, `\n` and `\r`. Until every
+line is answered the answers are kept in `OUT.progress.jsonl` (so a run resumes the same
+way), and the text file is written at the end.
 """
 
 from __future__ import annotations
@@ -126,6 +133,51 @@ def read_lines(path: str | os.PathLike, options: GenerationOptions, grammar: Any
         lines.append(BatchLine(line_id, number, prompt, messages, line_options,
                                line_grammar))
     return lines
+
+
+def is_jsonl(path: str | os.PathLike) -> bool:
+    """Whether `path` is a JSONL batch: named `.jsonl`, or (not named `.txt`) every one
+    of its first non-blank lines a JSON object."""
+    path = Path(path)
+    if path.suffix.lower() in (".jsonl", ".txt"):
+        return path.suffix.lower() == ".jsonl"
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = [line for line in (f.readline() for _ in range(50)) if line.strip()]
+    except (OSError, UnicodeDecodeError):
+        return True  # read_lines reports it
+    for line in head:
+        try:
+            if not isinstance(json.loads(line), dict):
+                return False
+        except ValueError:
+            return False
+    return bool(head)
+
+
+def read_text_lines(path: str | os.PathLike, options: GenerationOptions, grammar: Any = None,
+                    use_template: bool = False) -> list[BatchLine]:
+    """binfer's input: one prompt per line of the text file at `path` (blank lines
+    skipped, ids are line numbers); with `use_template` each is a chat's user message."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    lines = []
+    for number, raw in enumerate(text.split("\n"), 1):
+        prompt = raw.rstrip("\r")
+        if not prompt.strip():
+            continue
+        chat = [{"role": "user", "content": prompt}] if use_template else None
+        lines.append(BatchLine(number, number, None if use_template else prompt, chat,
+                               options, grammar))
+    return lines
+
+
+def escape_line(text: str) -> str:
+    """An answer as one line of a text output (backslash, newline and CR escaped)."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def _is_conversation(messages: Any) -> bool:
@@ -254,29 +306,56 @@ def check_output(source: str | os.PathLike, out: str | os.PathLike) -> None:
 
 def run_file(llm_factory: Callable[[], Any], source: str | os.PathLike,
              out: str | os.PathLike, options: GenerationOptions, grammar: Any = None, *,
-             file=None) -> int:
-    """The `workbench batch` command: read and check `source`, skip what `out` already
-    answers, load the model (`llm_factory()`) only if lines remain, and answer them with
-    a progress bar on `file` (default: stderr). Returns the exit status (1 when lines
-    failed)."""
-    from tqdm import tqdm
-
+             file=None, use_template: bool = False, quiet: bool = False) -> int:
+    """The `workbench batch` command: read and check `source` (JSONL, or plain text: one
+    prompt per line, `use_template` to chat them), skip what `out` already answers, load
+    the model (`llm_factory()`) only if lines remain, and answer them with a progress bar
+    on `file` (default: stderr; none when `quiet`). Returns the exit status (1 when
+    lines failed)."""
     file = file or sys.stderr
     check_output(source, out)
-    lines = read_lines(source, options, grammar)
+    if is_jsonl(source):
+        if use_template:
+            raise ValueError("--use-template is for plain text prompts; a JSONL line "
+                             "chooses \"prompt\" or \"messages\" itself")
+        return _answer_file(llm_factory, read_lines(source, options, grammar), out, file,
+                            quiet)
+    lines = read_text_lines(source, options, grammar, use_template)
+    progress = Path(f"{out}.progress.jsonl")
+    check_output(source, progress)
+    status = _answer_file(llm_factory, lines, progress, file, quiet)
+    if status == 0:  # every line answered: the text file, in the input's order
+        by_id = {}
+        for raw in progress.read_text(encoding="utf-8").splitlines():
+            if raw.strip():
+                record = json.loads(raw)
+                by_id[id_key(record["id"])] = record["text"]
+        tmp = Path(f"{out}.tmp")
+        tmp.write_text("".join(escape_line(by_id[id_key(line.id)]) + "\n" for line in lines),
+                       encoding="utf-8")
+        os.replace(tmp, out)
+        progress.unlink()
+    return status
+
+
+def _answer_file(llm_factory: Callable[[], Any], lines: list[BatchLine],
+                 out: str | os.PathLike, file, quiet: bool) -> int:
+    """Answer the `lines` that `out` (JSONL) does not hold yet, appending to it."""
+    from tqdm import tqdm
+
     done, dropped = read_done(out)
     todo = [line for line in lines if id_key(line.id) not in done]
     n_done = len(lines) - len(todo)
-    if dropped:
+    if dropped and not quiet:
         print(f"workbench: dropped from {out}: {'; '.join(dropped)}", file=file)
-    if n_done:
+    if n_done and not quiet:
         print(f"workbench: {n_done} of {len(lines)} lines already done in {out}; "
               f"{len(todo)} to go", file=file)
     if not todo:
         return 0
     llm = llm_factory()
     with tqdm(total=len(lines), initial=n_done, unit="line", desc="batch", file=file,
-              dynamic_ncols=True) as bar:
+              dynamic_ncols=True, disable=quiet) as bar:
         failed = run(llm, todo, out, progress=lambda record: bar.update(1))
     if failed:
         print(f"workbench: {failed} of {len(todo)} lines failed (their \"error\" is in {out}; "

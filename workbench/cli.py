@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -109,17 +110,24 @@ def _parser() -> argparse.ArgumentParser:
     _profiling_options(gen)
     gen.set_defaults(func=_generate)
 
-    batch = sub.add_parser("batch", help="answer a JSONL file of prompts, batched, resumably",
+    batch = sub.add_parser("batch", help="answer a file of prompts, batched, resumably",
                            description="Answer every line of IN (JSONL: {\"prompt\": ...} or "
                            "{\"messages\": [...]}, with an optional \"id\" and per-line "
                            "options such as max_tokens, temperature, seed, stop, grammar, "
                            "schema) and append one JSON line per answer to OUT as it "
                            "finishes. The model decodes the lines together. Run again with "
                            "the same OUT to resume: lines already answered are skipped. The "
-                           "flags set the defaults the lines override.")
-    batch.add_argument("-i", "--input", required=True, metavar="IN", help="the JSONL input")
+                           "flags set the defaults the lines override. A plain text IN (not "
+                           "JSONL) holds one prompt per line; OUT is then text too, one "
+                           "answer per line in IN's order (newlines written as \\n).")
+    batch.add_argument("-i", "--input", required=True, metavar="IN",
+                       help="the input: JSONL, or plain text with one prompt per line")
     batch.add_argument("-o", "--output", required=True, metavar="OUT",
-                       help="the JSONL output (appended to; what it answers is skipped)")
+                       help="the output (JSONL: appended to, what it answers is skipped; "
+                            "for a text input, one answer per line)")
+    batch.add_argument("--use-template", action="store_true",
+                       help="plain text prompts go through the chat template (each a user "
+                            "message); without it they are continued as they are")
     batch.add_argument("--max-batch", type=int, default=None, metavar="N",
                        help="sequences decoded together (default: the model's, 8)")
     _generation_options(batch)
@@ -260,6 +268,13 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
                    help="constrain the output with the GBNF grammar in FILE")
     p.add_argument("--schema", metavar="FILE", default=None,
                    help="constrain the output to JSON valid under the JSON Schema in FILE")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA, launch each kernel instead of replaying recorded decode "
+                        "steps (as WORKBENCH_CUDA_GRAPHS=0)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no loading output (kernel preparation, progress)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print the startup timing (model load, kernels) to stderr")
 
 
 def _profiling_options(p: argparse.ArgumentParser) -> None:
@@ -331,24 +346,39 @@ def _options(args) -> GenerationOptions:
 
 
 def _load(args, **kwargs):
+    """The LLM the generation commands' flags name, its kernels ready (`-v`: the time each
+    took; `--no-cuda-graphs` before the model loads)."""
     from workbench.engine.backend import DeviceUnavailableError
     from workbench.engine.llm import LLM
 
+    if args.no_cuda_graphs:
+        os.environ["WORKBENCH_CUDA_GRAPHS"] = "0"
+    start = time.perf_counter()
     try:
-        return _prepared(LLM.load(args.model, kv_cache_size=args.ctx, device=args.device,
-                                  **kwargs))
+        m = LLM.load(args.model, kv_cache_size=args.ctx, device=args.device, **kwargs)
     except DeviceUnavailableError as exc:
         raise ValueError(str(exc)) from None
+    loaded = time.perf_counter()
+    _prepared(m, quiet=args.quiet)
+    if args.verbose:
+        print(f"workbench: {m.path.name} loaded on {m.device.peek()} in "
+              f"{loaded - start:.2f} s; kernels ready {time.perf_counter() - loaded:.2f} s "
+              "later", file=sys.stderr)
+    return m
 
 
-def _prepared(engine):
+def _prepared(engine, quiet: bool = False):
     """`engine` once its CPU kernels are ready, with a status line on stderr meanwhile
-    ("preparing kernels for this CPU (3/5): ..."; only the first run on a machine waits)."""
+    ("preparing kernels for this CPU (3/5): ..."; only the first run on a machine waits),
+    or silently (`quiet`)."""
     from workbench.engine.profiling import span
     from workbench.engine.warmup import show_progress
 
     with span("warmup"):
-        show_progress(engine.warming, file=sys.stderr)
+        if quiet:
+            engine.warmup.wait()
+        else:
+            show_progress(engine.warming, file=sys.stderr)
     return engine
 
 
@@ -529,7 +559,7 @@ def _batch(args) -> int:
     options, grammar = _options(args), _constraint(args)
     extra = {} if args.max_batch is None else {"max_batch": args.max_batch}
     return batch.run_file(lambda: _load(args, **extra), args.input, args.output, options,
-                          grammar)
+                          grammar, use_template=args.use_template, quiet=args.quiet)
 
 
 def _chat(args) -> int:
