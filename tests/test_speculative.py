@@ -243,14 +243,68 @@ def test_refusals(tiny_paths, tiny):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="draft_tokens"):
             target.generate(PROMPT[:6], draft=draft, draft_tokens=bad)
-    with pytest.raises(TypeError, match="draft must be an LLM"):
+    with pytest.raises(ValueError, match="draft must be an LLM or 'ngram'"):
         target.generate(PROMPT[:6], draft="small.gguf")
+    with pytest.raises(TypeError, match="draft must be an LLM"):
+        target.generate(PROMPT[:6], draft=3)
     with pytest.raises(ValueError, match="grammar"):
         target.generate(PROMPT[:6], draft=draft, grammar='root ::= "a"')
     with pytest.raises(ValueError, match="grammar"):
         target.generate(PROMPT[:6], draft=draft, schema={"type": "integer"})
     with pytest.raises(ValueError, match="logits_processors"):
         target.generate(PROMPT[:6], draft=draft, logits_processors=[lambda ids, x: x])
+
+
+# -- prompt lookup (draft="ngram") -----------------------------------------------------------
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    from workbench.engine.speculative import lookup_proposal
+
+    assert lookup_proposal([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]
+    assert lookup_proposal([1, 2, 3, 4, 1, 2, 3], 9) == [4, 1, 2, 3]
+    # the longest n-gram wins over a later, shorter match; the latest of equals wins
+    assert lookup_proposal([7, 8, 5, 0, 8, 6, 9, 7, 8], 2) == [5, 0]
+    assert lookup_proposal([4, 1, 5, 1, 6, 1], 1) == [6]
+    assert lookup_proposal([1, 2, 3], 4) == [] and lookup_proposal([3], 4) == []
+    assert lookup_proposal([1, 2, 1], 0) == []
+
+
+REPEATING = PROMPT[:6] + PROMPT[:6] + PROMPT[:3]  # an answer that copies its prompt pays
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 4])
+def test_prompt_lookup_greedy_output_is_the_targets_own(tiny, draft_tokens):
+    target, _ = tiny
+    for prompt in (REPEATING, PROMPT[:8]):
+        alone = target.generate(prompt, temperature=0, max_tokens=30)
+        got = target.generate(prompt, temperature=0, max_tokens=30, draft="ngram",
+                              draft_tokens=draft_tokens)
+        assert got.token_ids == alone.token_ids and got.text == alone.text
+        assert got.usage.drafted_tokens > 0
+        assert got.draft_counts.target_passes + got.usage.accepted_tokens == 30
+
+
+def test_prompt_lookup_sampled_output_follows_the_targets_distribution(tiny):
+    """One-hot proposals under the same acceptance rule: the joint of the first three
+    tokens is the target sampler's (kept and rejected proposals both occur)."""
+    target, _ = tiny
+    sampled = dict(SAMPLED, repeat_penalty=1.0)  # the copied tokens are not penalised
+    # a prompt that holds the target's own continuation of its start, then that start
+    # again: the lookup proposes what the target tends to write
+    echo = PROMPT[:6] + target.generate(PROMPT[:6], temperature=0, max_tokens=6).token_ids
+    echo += PROMPT[:6]
+    joint = _exact_joint(target, echo, sampled)
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(N_DRAWS):
+        c = target.generate(echo, draft="ngram", draft_tokens=2, seed=seed,
+                            max_tokens=N_TOKENS, **sampled)
+        counts[_outcome(c)] += 1
+        drafted += c.usage.drafted_tokens
+        accepted += c.usage.accepted_tokens
+    assert set(counts) <= set(joint), "an outcome the target cannot produce"
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert _p_value(counts, joint) > 1e-3
 
 
 # -- real models ---------------------------------------------------------------------------

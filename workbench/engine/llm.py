@@ -236,7 +236,7 @@ class LLM(Prompting, LocalEngine):
                  grammar: Grammar | str | None = None, schema: Any = None,
                  closing: Closing | bool = True, prefix: PrefixCache | None = None,
                  logits_processors: Sequence[LogitsProcessor] = (),
-                 cancel: CancelFlag | None = None, draft: LLM | None = None,
+                 cancel: CancelFlag | None = None, draft: LLM | str | None = None,
                  draft_tokens: int = speculative.DRAFT_TOKENS, **overrides: Any) -> Completion:
         """Continue `prompt` (text, or token ids) without a chat template.
 
@@ -277,9 +277,13 @@ class LLM(Prompting, LocalEngine):
         `draft_tokens` tokens, this model checks them in one forward pass and
         keeps what its own sampler would have drawn, so the output follows this
         model's distribution exactly (greedy: its very tokens); `usage` then
-        reports `drafted_tokens`, `accepted_tokens` and `acceptance_rate`. It
-        runs on caches of its own, outside the batch, and refuses `grammar`,
-        `schema` and `logits_processors` (ValueError).
+        reports `drafted_tokens`, `accepted_tokens` and `acceptance_rate`.
+        `draft="ngram"` drafts without a second model (prompt lookup): the
+        proposals are what followed the latest earlier occurrence of the last
+        few tokens in the prompt and output, which pays where the answer copies
+        the prompt (editing code, extracting). It runs on caches of its own,
+        outside the batch, and refuses `grammar`, `schema` and
+        `logits_processors` (ValueError).
         """
         opts = GenerationOptions.of(options, **overrides)
         ids, prompt_text = self._prompt_ids(prompt, add_bos, include_prompt)

@@ -22,13 +22,21 @@ temperature 0 both are one-hot and the rule reduces to: keep proposals up to the
 one the target's argmax disagrees with, then emit the target's argmax. Greedy output is
 the target's own token for token; sampled output with a seed is repeatable.
 
-The generation runs in the caller's thread on two KV caches of its own (not the
+With `draft="ngram"` (prompt lookup) no second model runs: the proposals are the tokens
+that followed the latest earlier occurrence of the output's last few tokens in the
+prompt and output so far (the longest such n-gram, `LOOKUP_NGRAM` tokens down to 1),
+and q is one-hot on each, so the same rule keeps a proposal with probability p(x)
+(greedy: when it is the target's argmax). Editing and extraction tasks, whose output
+copies long stretches of the prompt, then need far fewer target passes.
+
+The generation runs in the caller's thread on KV caches of its own (not the
 scheduler's slots), taking each model's forward lock per pass, so it interleaves with
 the scheduler's batches of either model without touching their caches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,7 +45,7 @@ import numpy as np
 
 from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.decoding import Decoding
-from workbench.engine.kv_cache import ContextFullError, KVCache
+from workbench.engine.kv_cache import ContextFullError
 from workbench.engine.prefix_cache import PrefixCache
 from workbench.engine.results import DraftCounts, TokenEvent
 from workbench.engine.sampling import Sampler
@@ -46,6 +54,8 @@ if TYPE_CHECKING:
     from workbench.engine.llm import LLM
 
 DRAFT_TOKENS = 4  # proposals per round: the default of `generate(..., draft_tokens=)`
+LOOKUP = "ngram"  # `draft=` for prompt-lookup drafting (no draft model)
+LOOKUP_NGRAM = 3  # the longest n-gram prompt lookup matches (then shorter ones)
 
 
 def check_draft(target: LLM, draft: Any, draft_tokens: Any, prompt_ids: list[int], *,
@@ -56,9 +66,11 @@ def check_draft(target: LLM, draft: Any, draft_tokens: Any, prompt_ids: list[int
     `ContextFullError`."""
     from workbench.engine.llm import LLM
 
-    if not isinstance(draft, LLM):
-        raise TypeError(f"draft must be an LLM (a smaller model with the same vocabulary), "
-                        f"not {type(draft).__name__}")
+    if isinstance(draft, str) and draft != LOOKUP:
+        raise ValueError(f"draft must be an LLM or {LOOKUP!r} (prompt lookup), got {draft!r}")
+    if not isinstance(draft, (LLM, str)):
+        raise TypeError(f"draft must be an LLM (a smaller model with the same vocabulary) or "
+                        f"{LOOKUP!r} (prompt lookup), not {type(draft).__name__}")
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
         raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
     if grammar is not None:
@@ -67,6 +79,11 @@ def check_draft(target: LLM, draft: Any, draft_tokens: Any, prompt_ids: list[int
     if logits_processors:
         raise ValueError("speculative decoding (draft=) does not support logits_processors; "
                          "generate without a draft to use them")
+    if draft == LOOKUP:
+        if len(prompt_ids) >= target.kv_cache_size:
+            raise ContextFullError(f"the prompt has {len(prompt_ids)} tokens and the context "
+                                   f"holds {target.kv_cache_size}")
+        return
     _check_vocabulary(target, draft)
     room = min(target.kv_cache_size, draft.kv_cache_size)
     if len(prompt_ids) >= room:
@@ -75,40 +92,47 @@ def check_draft(target: LLM, draft: Any, draft_tokens: Any, prompt_ids: list[int
             f"and the draft holds {room}; load both with a larger kv_cache_size")
 
 
-def speculative_events(target: LLM, draft: LLM, prompt_ids: list[int], seq: Decoding,
+def speculative_events(target: LLM, draft: LLM | str, prompt_ids: list[int], seq: Decoding,
                        draft_tokens: int, counts: DraftCounts, *,
                        prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
                        ) -> Generator[TokenEvent, None, str]:
     """Yield the events of `seq` (a `Decoding` of `target`, checked by `check_draft`)
-    generated speculatively with `draft` proposing up to `draft_tokens` tokens per
-    round; `counts` is updated after every round. Returns the finish reason.
+    generated speculatively with `draft` (a model, or `LOOKUP`) proposing up to
+    `draft_tokens` tokens per round; `counts` is updated after every round. Returns the
+    finish reason.
 
     `prefix` (the target's `PrefixCache`) spares the target's prefill of the prompt
     tokens it holds. `cancel` is looked at between prefill chunks and rounds."""
     if seq.max_tokens == 0:
         return "length"
-    t_model, d_model = target._require_model(), draft._require_model()
-    limit = min(target.kv_cache_size, draft.kv_cache_size)  # the context of the pair
+    t_model = target._require_model()
+    lookup = draft == LOOKUP
+    limit = target.kv_cache_size if lookup else min(target.kv_cache_size,
+                                                    draft.kv_cache_size)
     size = min(limit, len(prompt_ids) + seq.max_tokens)  # the most positions ever fed
-    t_cache, d_cache = t_model.new_cache(size), d_model.new_cache(size)
+    t_cache = t_model.new_cache(size)
     sampler = seq.sampler  # the target's: its transforms and its random generator
-    d_sampler = Sampler(sampler.params, draft.config.n_vocab)  # the same transforms
-    with target._busy, draft._busy:
+    drafter = (_Lookup(target.config.n_vocab) if lookup
+               else _DraftModel(draft, size, Sampler(sampler.params, draft.config.n_vocab)))
+    with contextlib.ExitStack() as held:
+        held.enter_context(target._busy)
+        if not lookup:
+            held.enter_context(draft._busy)
         if prefix is not None:
             t_cache.restore(prefix, min(prefix.common_prefix(prompt_ids),
                                         len(prompt_ids) - 1))
-        for llm, cache in ((target, t_cache), (draft, d_cache)):
-            rest = prompt_ids[cache.offset : -1]  # the last one is fed with the proposals
-            if rest:
-                llm._prefill(rest, cache, cancel=cancel)
-            llm.prefilled_tokens += len(rest) + 1
+        rest = prompt_ids[t_cache.offset : -1]  # the last one is fed with the proposals
+        if rest:
+            target._prefill(rest, t_cache, cancel=cancel)
+        target.prefilled_tokens += len(rest) + 1
+        drafter.prefill(prompt_ids, cancel)
         while True:
             check_cancel(cancel)
             history = list(seq.history)  # prompt and output: the caches hold a prefix
             k = min(draft_tokens, seq.max_tokens - seq.n_generated - 1,
                     size - len(history))
-            proposal, q = _propose(draft, d_model, d_cache, history, k, d_sampler,
-                                   sampler.rng)
+            proposal, q = drafter.propose(history, k, sampler.rng)
+            k = len(proposal)  # prompt lookup may find fewer (or none)
             feed = history[t_cache.offset :] + proposal
             with target._forward_lock:  # (k + 1, n_vocab): after `last`, each proposal
                 logits = t_model.forward(np.asarray(feed), t_cache)[-(k + 1) :]
@@ -118,7 +142,7 @@ def speculative_events(target: LLM, draft: LLM, prompt_ids: list[int], seq: Deco
             counts.accepted += len(chosen) - 1
             keep = len(history) + len(chosen) - 1  # the prompt, output, kept proposals
             t_cache.trim(keep)
-            d_cache.trim(min(d_cache.offset, keep))
+            drafter.trim(keep)
             for row, token in zip(logits, chosen):
                 position = len(seq.history)
                 token, events = seq.push(token, row, room=limit - position)
@@ -127,24 +151,83 @@ def speculative_events(target: LLM, draft: LLM, prompt_ids: list[int], seq: Deco
                     return seq.finish_reason or "stop"
 
 
-def _propose(draft: LLM, model: Any, cache: KVCache, history: list[int], k: int,
-             sampler: Sampler, rng: np.random.Generator
-             ) -> tuple[list[int], list[np.ndarray]]:
-    """`k` tokens the draft samples after `history` (whose first `cache.offset` tokens its
-    cache holds) and the distributions q (n_vocab,) they were drawn from. The cache then
-    holds everything but the last proposal."""
-    proposal: list[int] = []
-    dists: list[np.ndarray] = []
-    feed = history[cache.offset :]
-    for _ in range(k):
-        with draft._forward_lock:
-            logits = model.logits(model.hidden(np.asarray(feed), cache)[-1:])[0]
-        q = sampler.probabilities(logits, history + proposal)
-        token = _draw(q, rng)
-        proposal.append(token)
-        dists.append(q)
-        feed = [token]
-    return proposal, dists
+class _DraftModel:
+    """Proposals sampled from a draft model, on a KV cache of its own."""
+
+    def __init__(self, draft: LLM, size: int, sampler: Sampler):
+        self.draft, self.sampler = draft, sampler
+        self.model = draft._require_model()
+        self.cache = self.model.new_cache(size)
+
+    def prefill(self, prompt_ids: list[int], cancel: CancelFlag | None) -> None:
+        rest = prompt_ids[:-1]  # the last one is fed with the first proposal
+        if rest:
+            self.draft._prefill(rest, self.cache, cancel=cancel)
+        self.draft.prefilled_tokens += len(rest) + 1
+
+    def propose(self, history: list[int], k: int, rng: np.random.Generator
+                ) -> tuple[list[int], list[np.ndarray]]:
+        """`k` tokens the draft samples after `history` (whose first `cache.offset` tokens
+        its cache holds) and the distributions q (n_vocab,) they were drawn from. The
+        cache then holds everything but the last proposal."""
+        draft, model, cache = self.draft, self.model, self.cache
+        proposal: list[int] = []
+        dists: list[np.ndarray] = []
+        feed = history[cache.offset :]
+        for _ in range(k):
+            with draft._forward_lock:
+                logits = model.logits(model.hidden(np.asarray(feed), cache)[-1:])[0]
+            q = self.sampler.probabilities(logits, history + proposal)
+            token = _draw(q, rng)
+            proposal.append(token)
+            dists.append(q)
+            feed = [token]
+        return proposal, dists
+
+    def trim(self, keep: int) -> None:
+        self.cache.trim(min(self.cache.offset, keep))
+
+
+class _Lookup:
+    """Prompt lookup: proposals copied from what followed the latest earlier occurrence of
+    the history's last n tokens (n = LOOKUP_NGRAM down to 1), each with a one-hot q."""
+
+    def __init__(self, n_vocab: int):
+        self.n_vocab = n_vocab
+
+    def prefill(self, prompt_ids: list[int], cancel: CancelFlag | None) -> None:
+        pass  # nothing to read: the history is the draft
+
+    def propose(self, history: list[int], k: int, rng: np.random.Generator
+                ) -> tuple[list[int], list[np.ndarray]]:
+        proposal = lookup_proposal(history, k)
+        dists = []
+        for token in proposal:
+            q = np.zeros(self.n_vocab)
+            q[token] = 1.0
+            dists.append(q)
+        return proposal, dists
+
+    def trim(self, keep: int) -> None:
+        pass
+
+
+def lookup_proposal(history: Sequence[int], k: int, ngram: int = LOOKUP_NGRAM) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
+    `history`, for the longest n <= `ngram` that occurs earlier; [] when none does."""
+    if k < 1:
+        return []
+    seq = np.asarray(history, dtype=np.int64)
+    total = len(seq)
+    for n in range(min(ngram, total - 1), 0, -1):
+        tail = seq[total - n :]
+        # windows[i] = seq[i : i + n], for the starts i of matches that end before the tail
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: total - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # what followed the latest match
+            return [int(t) for t in seq[start : start + k]]
+    return []
 
 
 def _verify(sampler: Sampler, logits: np.ndarray, history: list[int], proposal: list[int],
