@@ -168,3 +168,48 @@ def test_a_failing_request_leaves_the_others_running(smollm2):
     list(it_ok)
     m.reset()
     assert ok.token_ids == m.chat(_chat(QUESTIONS[0]), **GREEDY).token_ids
+
+
+# -- sharing the cores (workbench.engine.cores) -----------------------------------------------
+
+class _Stat:
+    """A stand-in /proc/stat whose `procs_running` the test sets, and a clock."""
+
+    def __init__(self, tmp_path):
+        self.path, self.now = tmp_path / "stat", 0.0
+
+    def running(self, n: int) -> None:
+        self.path.write_text(f"cpu  1 2 3 4\nprocs_running {n}\nprocs_blocked 0\n")
+
+    def clock(self) -> float:
+        return self.now
+
+
+def test_core_share_uses_the_cores_other_work_leaves(tmp_path):
+    from workbench.engine.cores import DOWN_READINGS, READ_EVERY_S, UP_READINGS, CoreShare
+
+    stat = _Stat(tmp_path)
+    stat.running(2)  # our two threads alone
+    share = CoreShare(pool=2, cores=2, path=str(stat.path), clock=stat.clock)
+
+    def readings(n: int) -> int:
+        for _ in range(n):
+            stat.now += 2 * READ_EVERY_S
+            threads = share.next_step()
+        return threads
+
+    assert share.enabled and readings(3) == 2
+    stat.running(3)  # one busy process beside them
+    assert readings(DOWN_READINGS - 1) == 2  # a single reading does not flap it
+    assert readings(1) == 1
+    stat.running(2)  # our one thread and the busy process: still taken
+    assert readings(10) == 1
+    stat.running(3)  # two busy processes: still one thread, the least
+    assert readings(3) == 1
+    stat.running(1)  # the others are gone
+    assert readings(UP_READINGS - 1) == 1 and readings(1) == 2
+    assert share.next_step() == 2  # between readings: the last decision
+    share.set_enabled(False)
+    stat.running(5)
+    assert readings(5) == 2
+    assert CoreShare(pool=2, path=str(tmp_path / "none")).enabled is False

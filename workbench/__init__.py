@@ -68,12 +68,11 @@ _LAZY = {
     "compile_schema": "engine.grammar", "UnsupportedSchemaError": "engine.grammar",
     "GGUFError": "engine.gguf", "AudioError": "engine.audio", "Cancelled": "engine.cancel",
     "RemoteEngine": "server.remote",
-    "pull": "engine.sources",
+    "pull": "engine.sources", "architectures": "engine.sources",
 }
 
 # the server's packages (FastAPI, uvicorn) load when `serve` is called, not here
 from workbench.registry import (  # noqa: E402
-    architectures,
     register_alias,
     resolve_alias,
     unregister_alias,
@@ -93,7 +92,7 @@ if TYPE_CHECKING:
     from workbench.engine.options import GenerationOptions
     from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError
     from workbench.engine.results import Completion, TokenEvent, Transcript
-    from workbench.engine.sources import pull
+    from workbench.engine.sources import architectures, pull
     from workbench.engine.whisper import WhisperModel
     from workbench.server.remote import RemoteEngine
 

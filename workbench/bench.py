@@ -215,10 +215,8 @@ class LlamaCppSide:
 
     def __init__(self, path: str, n_ctx: int, threads: int, decode_tokens: int,
                  long_ids: list[int], chat_text: str):
-        from llama_cpp import Llama
-
-        self.peer = Llama(path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+        self.peer = load_llama_cpp(path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
         self.threads, self.decode_tokens = threads, decode_tokens
         self.long_ids, self.chat_text = long_ids, chat_text
 
@@ -254,6 +252,36 @@ class LlamaCppSide:
     def parallel(self, n: int) -> float:
         return _llama_cpp_parallel(self.peer, [PROMPTS[i % len(PROMPTS)] for i in range(n)],
                                    self.decode_tokens, self.threads)
+
+
+def load_llama_cpp(path: str, **options):
+    """llama-cpp-python's `Llama(path, **options)`; on CPUs with AMX without llama.cpp's
+    extra buffer types (its AMX repacking), which crash any batch of more than one token
+    in llama-cpp-python 0.3.36 (seen on a Xeon with AMX: a segfault at the first prompt)."""
+    from unittest import mock
+
+    import llama_cpp
+
+    if not _has_amx():
+        return llama_cpp.Llama(path, **options)
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def without_extra_bufts():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    with mock.patch.object(llama_cpp.llama_cpp, "llama_model_default_params",
+                           without_extra_bufts):
+        return llama_cpp.Llama(path, **options)
+
+
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
 
 
 class PeerProcess:

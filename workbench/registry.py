@@ -432,14 +432,6 @@ def _write_aliases(table: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-def architectures() -> list[str]:
-    """The `general.architecture` values of the GGUF files this engine runs, sorted: the
-    decoder families `LLM` loads and the encoders `Encoder` loads (Whisper's ggml files
-    carry no architecture name; `WhisperModel` loads them)."""
-    from workbench.engine.models import bert, gemma3, llama_config
-
-    return sorted({*llama_config.ARCHITECTURES, *gemma3.ARCHITECTURES, *bert.ARCHITECTURES})
-
 
 def _entry(alias: str) -> RegisteredModel:
     try:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from workbench.engine.cancel import CancelFlag, Cancelled
+from workbench.engine.cores import CoreShare
 from workbench.engine.decoding import Decoding
 from workbench.engine.kv_cache import ContextFullError, KVCache
 from workbench.engine.prefix_cache import PrefixCache, common_prefix
@@ -107,6 +108,7 @@ class Scheduler:
         self._step_lock = threading.Lock()  # held by the thread through each step
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._cores: CoreShare | None = None  # the CPU's compute threads per step
         self.steps = 0  # steps run (each: at most one decode and one prefill pass)
 
     # -- the callers' side -------------------------------------------------------------------
@@ -227,11 +229,25 @@ class Scheduler:
                     break
             with self._step_lock, span("step", cat="step"):
                 try:
+                    self._use_cores()
                     self._step()
                 except Exception as exc:  # noqa: BLE001 - a bug here must not hang callers
                     self._fail_all(exc)
         if closing:
             self._fail_all(RuntimeError("this LLM has been closed"))
+
+    def _use_cores(self) -> None:
+        """On the CPU, the compute threads of the next step: those the cores other work
+        leaves free (`workbench.engine.cores`), set for this thread's parallel regions."""
+        if self.llm.backend is not None:
+            return
+        import numba
+
+        if self._cores is None:
+            self._cores = CoreShare(numba.config.NUMBA_NUM_THREADS)
+        n = self._cores.next_step()
+        if n != numba.get_num_threads():
+            numba.set_num_threads(n)
 
     def _step(self) -> None:
         """Admit, sample, decode, read prompts: one step of every running sequence."""

@@ -1,0 +1,97 @@
+"""Sharing the cores: how many compute threads the CPU engine's next step may use.
+
+A decode step runs over a hundred parallel regions, and each ends when its slowest
+thread is done. While another program keeps a core busy (the notebook's browser, a
+video call, an IDE's indexer), one of our threads waits for its turn on every region:
+on 2 cores, beside one busy process, decoding with both threads kept about a third of
+its speed. With one thread fewer than there are busy cores, nothing waits for a
+descheduled thread, and the thread we keep has a core to itself.
+
+`CoreShare` decides between steps, from Linux's count of runnable threads
+(`procs_running` in /proc/stat, which the kernel keeps current): those not ours are
+other work, and we use the cores they leave, at least one. It goes down after two
+readings in a row see the cores taken and back up after `UP_READINGS` see them free,
+so a moment's spike does not flap it. Elsewhere (no /proc/stat) it keeps every thread.
+The kernels' results do not depend on how many threads run them, so neither does the
+output: only its speed changes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+READ_EVERY_S = 0.1  # seconds between readings of /proc/stat while steps run
+DOWN_READINGS = 2  # readings in a row that see fewer free cores before using fewer
+UP_READINGS = 5  # readings in a row that see more before using more again
+PROC_STAT = "/proc/stat"
+ENABLED = os.environ.get("WORKBENCH_SHARE_CORES", "1") != "0"  # off: always every thread
+
+
+def runnable_threads(path: str = PROC_STAT) -> int | None:
+    """The threads runnable on the machine right now (the reader included), or None where
+    the system does not say."""
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if line.startswith(b"procs_running "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+class CoreShare:
+    """The number of compute threads for the next step, out of a pool of `pool` (Numba's
+    NUMBA_NUM_THREADS), on a machine of `cores` cores for this process."""
+
+    def __init__(self, pool: int, cores: int | None = None, path: str = PROC_STAT,
+                 clock=time.monotonic):
+        self.pool = max(1, int(pool))
+        self.cores = cores or _usable_cores()
+        self.path, self.clock = path, clock
+        self.threads = self.pool  # what the steps use now
+        self._last_read = -1e9
+        self._streak = 0  # readings in a row that want another number (signed: up > 0)
+        self.enabled = ENABLED and runnable_threads(path) is not None
+
+    def set_enabled(self, on: bool) -> None:
+        """Share the cores (on, where /proc/stat says how busy they are) or always use the
+        whole pool (off)."""
+        self.enabled = bool(on) and runnable_threads(self.path) is not None
+        if not self.enabled:
+            self.threads, self._streak = self.pool, 0
+
+    def next_step(self) -> int:
+        """The threads the next step should use (a reading of /proc/stat at most every
+        `READ_EVERY_S`; in between, the last decision)."""
+        if not self.enabled or self.pool == 1:
+            return self.threads
+        now = self.clock()
+        if now - self._last_read < READ_EVERY_S:
+            return self.threads
+        self._last_read = now
+        running = runnable_threads(self.path)
+        if running is None:
+            return self.threads
+        # ours: this thread and the team's workers (working, or spinning between regions)
+        others = max(0, running - self.threads)
+        want = max(1, min(self.pool, self.cores - others))
+        if want < self.threads:
+            self._streak = min(self._streak, 0) - 1
+            if -self._streak >= DOWN_READINGS:
+                self.threads, self._streak = want, 0
+        elif want > self.threads:
+            self._streak = max(self._streak, 0) + 1
+            if self._streak >= UP_READINGS:
+                self.threads, self._streak = want, 0
+        else:
+            self._streak = 0
+        return self.threads
