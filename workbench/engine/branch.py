@@ -364,7 +364,7 @@ class Branch:
             if self.cache.offset >= self.cache.max_len:
                 break
             logits = self.logits
-            token, stop = self.produce()
+            token, stop, _ = self.produce()
             if stop and self.model.is_stop_token(token):
                 break
             event = self._event(token, logits, decoder)
