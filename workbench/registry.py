@@ -432,7 +432,6 @@ def _write_aliases(table: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-
 def _entry(alias: str) -> RegisteredModel:
     try:
         return MODELS[alias]
