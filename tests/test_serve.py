@@ -637,3 +637,20 @@ def test_an_engine_returning_plain_or_async_iterators_of_text_is_served():
         assert text.choices[0].text == "A B C " and engine.closed.is_set()
         streamed = client.completions.create(model="echo", prompt="x y", stream=True)
         assert "".join(c.choices[0].text for c in streamed) == "X Y "
+
+
+def test_a_draft_field_is_refused_not_ignored():
+    """Speculative decoding per request is not served: a `draft` field is a 400."""
+    import workbench
+
+    with workbench.serve({"echo": Echo()}, port=0) as s:
+        for route, body in (("chat/completions", {"messages": [{"role": "user",
+                                                                 "content": "hi"}]}),
+                            ("completions", {"prompt": "hi"})):
+            for field in ({"draft": "small"}, {"draft_tokens": 4}):
+                r = httpx.post(f"{s.base_url}/{route}", json={"model": "echo", **body,
+                                                               **field})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["param"] == next(iter(field)) and "draft model" in error["message"]
+

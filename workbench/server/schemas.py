@@ -7,7 +7,7 @@ samples from the model's own distribution as OpenAI does), `max_tokens` 16 for
 /v1/completions and, for chat, as many as the context holds (under the server's
 `max_tokens_limit`). A request that sets a field gets exactly that value. Fields we
 do not know are ignored (clients such as LangChain send `user`, `metadata` ...);
-fields we know but cannot honour (`tools`, `suffix`) are refused with a 400.
+fields we know but cannot honour (`tools`, `suffix`, `draft`) are refused with a 400.
 Beyond OpenAI's fields we accept llama.cpp server's `top_k`, `min_p`,
 `repeat_penalty` and `grammar` (GBNF). A field named as a `GenerationOptions`
 field goes to the engine as it is; the fields declared here carry the HTTP API's
@@ -127,9 +127,18 @@ class _Sampling(_Request):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repeat_penalty: Annotated[float, Field(gt=0.0)] | None = None
     grammar: str | None = None
+    # speculative decoding, which this server does not take per request: refused, so that
+    # a client that asks for it is told rather than silently served without
+    draft: Any = None
+    draft_tokens: Any = None
 
     def sampling(self) -> dict[str, Any]:
         """Engine options: OpenAI's sampling defaults, then the fields this request set."""
+        for name in ("draft", "draft_tokens"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name}: this server decodes without a draft model "
+                               "(speculative decoding per request is not supported)",
+                               param=name, code="unsupported_parameter")
         options = {**OPENAI_SAMPLING,
                    **self.options(*(n for n in _AS_WRITTEN if n in type(self).model_fields))}
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
