@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from workbench.bench import PROMPTS, SETTLE_S, PeerProcess, set_threads
+from workbench.bench import PROMPTS, SETTLE_S, PeerProcess, decode_rate, set_threads
 
 LOADS = (0, 1, 2)  # busy processes beside the engines
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
@@ -63,12 +63,8 @@ class Ours:
 
     def decode(self) -> float:
         self.m.reset()
-        events = self.m.generate(PROMPTS[0], max_tokens=self.decode_tokens, temperature=0,
-                                 logit_bias=self.no_eos).iter_events()
-        next(events)
-        t = time.perf_counter()
-        k = sum(1 for ev in events if ev.id is not None)
-        return k / (time.perf_counter() - t)
+        return decode_rate(self.m.generate(PROMPTS[0], max_tokens=self.decode_tokens,
+                                           temperature=0, logit_bias=self.no_eos))
 
     def prefill(self) -> float:
         self.m.reset()

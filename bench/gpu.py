@@ -190,6 +190,7 @@ class Ours:
 
     def decode(self, n: int, tokens: int) -> Callable[[float], float]:
         def run(limit: float) -> float:
+            from workbench.bench import decode_rate
             from workbench.engine.cancel import Cancelled
 
             prompts = self._prompts(n, PROMPT)
@@ -198,11 +199,7 @@ class Ours:
             timer.start()
             try:
                 if n == 1:
-                    events = self._generate(prompts[0], tokens, cancel).iter_events()
-                    next(events)  # the prompt is prefilled and the first token chosen
-                    t = time.perf_counter()
-                    k = sum(1 for ev in events if ev.id is not None)
-                    return k / (time.perf_counter() - t)
+                    return decode_rate(self._generate(prompts[0], tokens, cancel))
                 t = time.perf_counter()
                 outs = self.m.generate_batch(prompts, max_tokens=tokens, temperature=0,
                                              stop_tokens=[], cancel=cancel)
@@ -363,33 +360,19 @@ def ratio(ours: Row, *peers: Row, lower_is_better: bool = False) -> str:
     return f"{ours.value / max(best):.2f}x"
 
 
-def our_rows(ours: Ours, tokens: int, rounds: int, budget: Budget, end: float
-             ) -> dict[str, Row]:
-    """Our rows for one file, each given a share of the time until `end`."""
+def speed_rows(engine: Ours | Torch, tokens: int, rounds: int, budget: Budget, end: float,
+               shares: int) -> dict[str, Row]:
+    """The decode, prefill and TTFT rows of one engine (ours on one file, or PyTorch on
+    one shape), each given a 1/`shares` share of the time left until `end`."""
     def share() -> float:
-        return max(5.0, (end - time.monotonic()) / 8)
+        return max(5.0, (end - time.monotonic()) / shares)
 
-    o = {"decode 1": measure(ours.decode(1, tokens), rounds, budget, share())}
+    rows = {"decode 1": measure(engine.decode(1, tokens), rounds, budget, share())}
     for n in BATCHES:
-        o[f"decode {n}"] = measure(ours.decode(n, tokens // 2), 1, budget, share())
+        rows[f"decode {n}"] = measure(engine.decode(n, tokens // 2), 1, budget, share())
     for n in PREFILLS:
-        o[f"prefill {n}"] = measure(ours.prefill(n), rounds, budget, share())
-    o["ttft ms"] = measure(ours.ttft_ms, rounds, budget, share())
-    return o
-
-
-def eager_rows(peer: Torch, tokens: int, rounds: int, budget: Budget, end: float
-               ) -> dict[str, Row]:
-    """PyTorch's plain `generate` and forward for one shape."""
-    def share() -> float:
-        return max(5.0, (end - time.monotonic()) / 7)
-
-    rows = {"decode 1": measure(peer.decode(1, tokens), rounds, budget, share())}
-    for n in BATCHES:
-        rows[f"decode {n}"] = measure(peer.decode(n, tokens // 2), 1, budget, share())
-    for n in PREFILLS:
-        rows[f"prefill {n}"] = measure(peer.prefill(n), rounds, budget, share())
-    rows["ttft ms"] = measure(peer.ttft_ms, rounds, budget, share())
+        rows[f"prefill {n}"] = measure(engine.prefill(n), rounds, budget, share())
+    rows["ttft ms"] = measure(engine.ttft_ms, rounds, budget, share())
     return rows
 
 
@@ -453,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name}: {'tiny' if args.tiny else shape_name} shape, {qtype}, {size_mb:.0f} MB "
               f"(built in {built:.0f} s, loaded on {device} in {time.perf_counter() - t0:.1f} s)",
               flush=True)
-        o = ours_by_file[name] = our_rows(ours, tokens, args.rounds, budget, end)
+        o = ours_by_file[name] = speed_rows(ours, tokens, args.rounds, budget, end, 8)
         print("  " + "; ".join(f"{k} {v}" for k, v in o.items()), flush=True)
         conc = (ours.concurrent(CONCURRENT, tokens // 2, max(10.0, end - time.monotonic()))
                 if budget.left() > 30 else {"note": "skipped (budget)"})
@@ -476,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     for shape_name, model in models.items():
         end = time.monotonic() + budget.left() / (2 * len(models))
         peer = Torch(model, device)
-        peers[shape_name] = (peer, eager_rows(peer, tokens, args.rounds, budget, end), {})
+        peers[shape_name] = (peer, speed_rows(peer, tokens, args.rounds, budget, end, 7),
+                              {})
     if not args.no_compile and device == "cuda":  # one sequence on every shape, then 8
         for n in (1, 8):
             for peer, _, compiled in peers.values():

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 
 from workbench import LLM
+from workbench.bench import decode_rate
 
 FUNCTION = '''def moving_average(values, window):
     """The mean of each run of `window` consecutive values."""
@@ -42,14 +42,10 @@ TASKS = [
 ]
 
 
-def decode_rate(m: LLM, messages: list[dict], max_tokens: int, **draft) -> tuple[float, object]:
+def chat_rate(m: LLM, messages: list[dict], max_tokens: int, **draft) -> tuple[float, object]:
     """Tokens/s from the first token to the last, and the finished completion."""
     c = m.chat(messages, temperature=0, max_tokens=max_tokens, **draft)
-    events = c.iter_events()
-    next(events)  # the prompt is read and the first token chosen
-    t = time.perf_counter()
-    n = sum(1 for ev in events if ev.id is not None)
-    return n / (time.perf_counter() - t), c
+    return decode_rate(c), c
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,12 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.draft_tokens} proposals per round")
     for task in TASKS:
         messages = [{"role": "user", "content": task}]
-        decode_rate(m, messages, 8)  # warm-up: kernels, caches
+        chat_rate(m, messages, 8)  # warm-up: kernels, caches
         plain, lookup = [], []
         for _ in range(args.rounds):
-            rate, want = decode_rate(m, messages, args.max_tokens)
+            rate, want = chat_rate(m, messages, args.max_tokens)
             plain.append(rate)
-            rate, got = decode_rate(m, messages, args.max_tokens, draft="ngram",
+            rate, got = chat_rate(m, messages, args.max_tokens, draft="ngram",
                                     draft_tokens=args.draft_tokens)
             lookup.append(rate)
             if got.token_ids != want.token_ids:

@@ -110,6 +110,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def decode_rate(completion) -> float:
+    """Tokens/s of a running `Completion` from its first token to its last: the prompt,
+    read before the first token, is left out."""
+    events = completion.iter_events()
+    next(events)  # the prompt is prefilled and the first token chosen
+    t = time.perf_counter()
+    k = sum(1 for ev in events if ev.id is not None)
+    return k / (time.perf_counter() - t)
+
+
 class Bench:
     def __init__(self, path: str, args: argparse.Namespace):
         from workbench import LLM
@@ -139,12 +149,8 @@ class Bench:
         self.ours.reset()
         n = self.args.decode_tokens
         prompt = self.long_ids if after_long else PROMPTS[0]
-        events = self.ours.generate(prompt, max_tokens=n, temperature=0,
-                                    logit_bias=self.no_eos).iter_events()
-        next(events)  # the prompt is prefilled and the first token chosen
-        t = time.perf_counter()
-        k = sum(1 for ev in events if ev.id is not None)
-        return k / (time.perf_counter() - t)
+        return decode_rate(self.ours.generate(prompt, max_tokens=n, temperature=0,
+                                              logit_bias=self.no_eos))
 
     def ours_ttft(self) -> float:
         self.ours.reset()
