@@ -44,6 +44,32 @@ def test_chat_stops_at_end_of_turn(smollm2):
     assert "<|im_end|>" not in c.text and c.text.endswith(".")
 
 
+def test_continue_final_message_carries_on_a_cut_answer(smollm2):
+    """An answer cut at max_tokens, continued with `continue_final_message`, goes on
+    exactly as the uncut greedy answer does (the same tokens, in chat and chat_batch);
+    a conversation that does not end with an assistant's text is refused."""
+    messages = [{"role": "user", "content": "Tell me about Paris in three sentences."}]
+    cut = smollm2.chat(messages, max_tokens=12)
+    assert cut.finish_reason == "length"
+    so_far = [*messages, {"role": "assistant", "content": cut.text}]
+    prompt = smollm2.continued_prompt(so_far)
+    assert prompt.endswith(cut.text) and "<|im_end|>" not in prompt[-len(cut.text) - 1:]
+    more = smollm2.chat(so_far, continue_final_message=True, max_tokens=20)
+    whole = smollm2.chat(messages, max_tokens=32)
+    assert cut.token_ids + more.token_ids == whole.token_ids
+    assert cut.text + more.text == whole.text
+    batch = smollm2.chat_batch([so_far], continue_final_message=True, max_tokens=20)
+    assert batch[0].token_ids == more.token_ids
+    with pytest.raises(ValueError, match="end with an assistant message"):
+        smollm2.chat(messages, continue_final_message=True)
+    with pytest.raises(ValueError, match="text to continue"):
+        smollm2.chat([*messages, {"role": "assistant", "content": " "}],
+                     continue_final_message=True)
+    trimmed = "{% for m in messages %}[{{ m.role }}] {{ m.content | upper }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="does not show the final assistant message"):
+        smollm2.chat(so_far, continue_final_message=True, chat_template=trimmed)
+
+
 def test_include_prompt(smollm2):
     c = smollm2.generate(PROMPT, max_tokens=3, include_prompt=True, **GREEDY)
     assert c.text.startswith(PROMPT + " Paris")

@@ -111,6 +111,23 @@ def test_omitted_fields_take_openai_defaults(client, smollm2):
     assert r.choices[0].message.content == expected.text and expected.finish_reason == "stop"
 
 
+def test_continue_final_message_continues_the_assistant_text(client, smollm2):
+    """vLLM's `continue_final_message`: the answer carries on the final assistant
+    message (here one cut at max_tokens) instead of starting a new turn; a
+    conversation that does not end with one gets a 400."""
+    cut = smollm2.chat(QUESTION, max_tokens=3)
+    so_far = [*QUESTION, {"role": "assistant", "content": cut.text}]
+    r = client.chat.completions.create(model="smollm2-135m", messages=so_far, max_tokens=12,
+                                       temperature=0,
+                                       extra_body={"continue_final_message": True})
+    expected = smollm2.chat(so_far, continue_final_message=True, max_tokens=12)
+    assert r.choices[0].message.content == expected.text
+    assert cut.text + expected.text == smollm2.chat(QUESTION, max_tokens=15).text
+    with pytest.raises(openai.BadRequestError, match="end with an assistant message"):
+        client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=4,
+                                       extra_body={"continue_final_message": True})
+
+
 def test_chat_streaming_equals_llm_chat(client, smollm2):
     chunks = list(client.chat.completions.create(
         model="smollm2-135m", messages=QUESTION, max_tokens=30, seed=11, temperature=0.8,

@@ -113,6 +113,30 @@ def test_chat_stop_mid_stream(smollm2):
     assert "stopped" in cell.stats
 
 
+def test_chat_says_an_answer_was_cut_and_continues_it(smollm2):
+    """An answer cut at max_tokens says so and offers Continue; Continue from the browser
+    carries the same answer on (the cut answer and its continuation are the uncut one)."""
+    cell = ChatCell(smollm2, temperature=0, max_tokens=10)
+    cell.send("Tell me about Paris in three sentences.")
+    assert cell.wait(timeout=60)
+    assert cell.cut and "cut at max_tokens" in cell.stats
+    assert cell.last_usage["finish_reason"] == "length"
+    cell.max_tokens = 14
+    frontend(cell, {"type": "continue"})
+    assert cell.wait(timeout=60)
+    assert cell.error == ""
+    messages = cell.messages
+    assert [m["role"] for m in messages] == ["system", "user", "assistant"]
+    whole = smollm2.chat(messages[:2], temperature=0, top_p=0.95, max_tokens=24)
+    assert messages[2]["content"] == whole.text
+    assert cell.last_usage["completion_tokens"] == 14
+    assert cell.log[-1]["html"] == render_markdown(whole.text)
+    cell.clear()
+    assert not cell.cut
+    with pytest.raises(ValueError, match="nothing to continue"):
+        cell.continue_answer()
+
+
 @pytest.mark.slow
 def test_chat_refuses_send_while_busy_regenerate_and_clear(smollm2):
     cell = ChatCell(smollm2, temperature=0, max_tokens=12)

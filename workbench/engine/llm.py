@@ -304,18 +304,22 @@ class LLM(Prompting, LocalEngine):
 
     @publishes_options
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
-             chat_template: str | None = None, cancel: CancelFlag | None = None,
-             **generate_args: Any) -> Completion:
+             chat_template: str | None = None, continue_final_message: bool = False,
+             cancel: CancelFlag | None = None, **generate_args: Any) -> Completion:
         """Answer a conversation rendered with the model's chat template (or
         `chat_template`, Jinja text, rendered in the same sandbox; check one with
         `validate_chat_template`).
 
-        `messages` are dicts with `role` and `content`. The other arguments are
-        those of `generate` (`options`, `max_tokens`, `temperature`, `stop`,
+        `messages` are dicts with `role` and `content`. With `continue_final_message`
+        the conversation ends with an assistant message and the model continues that
+        text (an answer cut at `max_tokens`, or a start you wrote) instead of starting
+        a new turn; the completion holds the continuation only. The other arguments
+        are those of `generate` (`options`, `max_tokens`, `temperature`, `stop`,
         `logprobs`, `seed`, `grammar`, `draft` ...); `include_prompt` puts the
         rendered prompt (the template's text) in front of the answer.
         """
-        ids = self._chat_ids(messages, tools, chat_template=chat_template)
+        ids = self._chat_ids(messages, tools, chat_template=chat_template,
+                             continue_final_message=continue_final_message)
         return self.generate(ids, cancel=cancel, **generate_args)
 
     @publishes_options
@@ -401,13 +405,15 @@ class LLM(Prompting, LocalEngine):
     @publishes_options
     def chat_batch(self, conversations: Sequence[Sequence[Mapping[str, Any]]], *,
                    tools: list | None = None, chat_template: str | None = None,
-                   cancel: CancelFlag | None = None, **generate_args: Any) -> list[Completion]:
+                   continue_final_message: bool = False, cancel: CancelFlag | None = None,
+                   **generate_args: Any) -> list[Completion]:
         """Answer several conversations at once (see `chat` and `generate_batch`;
         `cancel=` is looked at between conversations too)."""
         prompts = []
         for messages in conversations:
             check_cancel(cancel)
-            prompts.append(self._chat_ids(messages, tools, chat_template=chat_template))
+            prompts.append(self._chat_ids(messages, tools, chat_template=chat_template,
+                                          continue_final_message=continue_final_message))
         return self.generate_batch(prompts, cancel=cancel, **generate_args)
 
     def embed(self, text: str | Sequence[int], *, pool: str = "last", normalize: bool = False,

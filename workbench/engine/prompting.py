@@ -49,6 +49,32 @@ class Prompting:
                 **variables,
             )
 
+    def continued_prompt(self, messages: Sequence[Mapping[str, Any]], *,
+                         chat_template: str | None = None, **variables) -> str:
+        """The prompt that continues the conversation's final message, an assistant's
+        answer cut short (by `max_tokens`, or written by you to steer the answer): the
+        conversation rendered without a generation prompt and cut right after that
+        message's text, before the template closes the turn.
+
+        Raises ValueError when the final message is not the assistant's, or when the
+        template does not show its text as it is (so there is no place to cut)."""
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("continue_final_message needs the conversation to end with an "
+                             "assistant message (the answer to continue)")
+        content = messages[-1].get("content")
+        if not isinstance(content, str) or not content.strip():
+            raise ValueError("continue_final_message needs the final assistant message to "
+                             "have text to continue")
+        rendered = self.apply_chat_template(messages, add_generation_prompt=False,
+                                            chat_template=chat_template, **variables)
+        # templates may trim a message's surrounding whitespace: look for its inner text
+        # (the last occurrence is the final message's)
+        end = rendered.rfind(content.strip())
+        if end < 0:
+            raise ValueError("the chat template does not show the final assistant message's "
+                             "text as it is, so the answer cannot be continued")
+        return rendered[:end + len(content.strip())]
+
     def is_stop_token(self, token: int) -> bool:
         """True for the model's end-of-generation tokens (end of turn, EOS)."""
         return int(token) in self.tokenizer.eot_ids
@@ -77,14 +103,19 @@ class Prompting:
         return ids, text if include_prompt else ""
 
     def _chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: list | None, *,
-                  add_generation_prompt: bool = True, chat_template: str | None = None
-                  ) -> list[int]:
-        """Token ids of a conversation rendered with the chat template (BOS as the model wants)."""
+                  add_generation_prompt: bool = True, chat_template: str | None = None,
+                  continue_final_message: bool = False) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (BOS as the model
+        wants); see `continued_prompt` for `continue_final_message`."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
         variables = {"tools": tools} if tools else {}
-        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template, **variables)
+        if continue_final_message:
+            prompt = self.continued_prompt(messages, chat_template=chat_template, **variables)
+        else:
+            prompt = self.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **variables)
         self._refuse_overlong(prompt, self.kv_cache_size, "conversation")
         ids = self.tokenize(prompt, add_bos=False)
         tok = self.tokenizer

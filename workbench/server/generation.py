@@ -240,6 +240,8 @@ async def answer_chat(state: ServerState, engine: Any, body: ChatCompletionReque
         options["logprobs"] = body.top_logprobs or 0
     elif body.top_logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.continue_final_message:
+        options["continue_final_message"] = True
     fmt = body.response_format
     if fmt is not None and fmt.type != "text":
         if "grammar" in options:

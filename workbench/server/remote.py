@@ -25,7 +25,8 @@ from workbench.engine.results import Alternative, Completion, Segment, TokenEven
 from workbench.signals import BusyCounter, Signal
 
 # our names -> the request fields beyond OpenAI's that llama.cpp's and our server read
-_EXTRA_OPTIONS = {"top_k": "top_k", "min_p": "min_p", "repeat_penalty": "repeat_penalty"}
+_EXTRA_OPTIONS = {"top_k": "top_k", "min_p": "min_p", "repeat_penalty": "repeat_penalty",
+                  "continue_final_message": "continue_final_message"}
 _OPENAI_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty")
 

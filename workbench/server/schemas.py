@@ -161,6 +161,9 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
+    # vLLM's extension: the messages end with an assistant message whose text the model
+    # continues (an answer cut at max_tokens) instead of starting a new turn
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_Sampling):

@@ -13,7 +13,8 @@ disabled, so model output cannot inject markup) and sent to the browser in the
 pushed to the widget at most ~20 times a second. `stop()` takes effect between
 two tokens. Sending while a generation runs is refused: `send()` and
 `regenerate()` raise `RuntimeError`, and a Send from the browser only sets the
-`error` trait.
+`error` trait. An answer cut at `max_tokens` says so on the stats line, and
+Continue (`continue_answer()`) carries on writing it where it stopped.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
     Synced traits: `system`, `temperature`, `top_p`, `max_tokens` (editable in
     the browser), `log` (rendered messages), `generating`, `busy` (the model's
     busy signal), `warming` (the kernels the model is compiling, as text: the badge
-    then reads "compiling 2/4"), `stats`, `error`.
+    then reads "compiling 2/4"), `cut` (the last answer stopped at `max_tokens`, so
+    Continue is offered), `stats`, `error`.
     """
 
     _esm = STATIC / "chat.js"
@@ -74,9 +76,9 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
     generating = traitlets.Bool(False).tag(sync=True)
     busy = traitlets.Bool(False).tag(sync=True)
     warming = traitlets.Unicode("").tag(sync=True)
+    cut = traitlets.Bool(False).tag(sync=True)
     stats = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
-
 
     def __init__(self, model: LLM, system: str = "You are helpful and concise.",
                  temperature: float = CHAT_TEMPERATURE, top_p: float = CHAT_TOP_P,
@@ -140,6 +142,17 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
         self._push_log()
         return self._start()
 
+    def continue_answer(self) -> threading.Thread:
+        """Carry on writing the last answer where `max_tokens` cut it (the model
+        continues the same text, it does not start a new turn); the continuation is
+        added to that answer."""
+        self._require_idle()
+        with self._state_lock:
+            if not self._history or self._history[-1]["role"] != "assistant":
+                raise ValueError("nothing to continue: the conversation does not end with "
+                                 "an answer")
+        return self._start(continuing=True)
+
     def clear(self) -> None:
         """Stop any generation and forget the conversation (the system prompt stays)."""
         self.stop()
@@ -150,6 +163,7 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
         self.last_usage = {}
         self.stats = ""
         self.error = ""
+        self.cut = False
         self._push_log()
 
     @property
@@ -177,21 +191,32 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
         return {**self.options, "temperature": float(self.temperature),
                 "top_p": float(self.top_p), "max_tokens": int(self.max_tokens)}
 
-    def _start(self) -> threading.Thread:
+    def _start(self, continuing: bool = False) -> threading.Thread:
+        """Answer the conversation on a worker thread; `continuing`: carry on the last
+        answer (taken out of the log, to come back with its continuation)."""
         messages = self.messages
         options = self._chat_options()
+        start = ""
+        if continuing:
+            options["continue_final_message"] = True
+            with self._state_lock:
+                start = self._history.pop()["content"]
+                self._rendered.pop()
         self._stop.clear()
         self.error = ""
+        self.cut = False
         self.generating = True
-        thread = threading.Thread(target=self._generate, args=(messages, options),
+        thread = threading.Thread(target=self._generate, args=(messages, options, start),
                                   name="workbench-chat", daemon=True)
         self._thread = thread
         thread.start()
         return thread
 
-    def _generate(self, messages: list[dict[str, str]], options: dict[str, Any]) -> None:
-        """Worker: stream an answer into the log; always leaves `generating` False."""
-        pieces: list[str] = []
+    def _generate(self, messages: list[dict[str, str]], options: dict[str, Any],
+                  start_text: str = "") -> None:
+        """Worker: stream an answer (after `start_text`, the answer it continues) into
+        the log; always leaves `generating` False."""
+        pieces: list[str] = [start_text] if start_text else []
         n_tokens = 0
         n_prompt = 0
         reason = "error"
@@ -241,6 +266,7 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
             self.last_usage = {"prompt_tokens": n_prompt, "completion_tokens": n_tokens,
                                "finish_reason": reason,
                                "seconds": time.perf_counter() - start}
+            self.cut = reason == "length"
             self.stats = self._format_stats(n_prompt, n_tokens, start, first, last, reason)
             self._push_log()
             if self.error == BUSY_NOTICE:  # a send refused while this reply ran: over now
@@ -255,13 +281,15 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
             parts.append(f"{(n_tokens - 1) / (last - first):.1f} tok/s")
         if first is not None:
             parts.append(f"first token {first - start:.2f}s")
-        if reason:
+        if reason == "length":
+            parts.append("cut at max_tokens: Continue carries on")
+        elif reason:
             parts.append(reason)
         return " · ".join(parts)
 
     def _on_frontend_msg(self, widget: Any, content: Any, buffers: Any) -> None:
         """Actions from the browser: {"type": "send", "text": ...}, "stop", "regenerate",
-        "clear"."""
+        "continue", "clear"."""
         if not isinstance(content, dict):
             return
         kind = content.get("type")
@@ -274,6 +302,8 @@ class ChatCell(StoppableWorker, anywidget.AnyWidget):
                 self.stop()
             elif kind == "regenerate":
                 self.regenerate()
+            elif kind == "continue":
+                self.continue_answer()
             elif kind == "clear":
                 self.clear()
         except (RuntimeError, ValueError) as exc:

@@ -74,9 +74,11 @@ function render({ model, el: host }) {
   const send = make("wb-chat-send", "Send");
   const stop = make("wb-chat-stop", "Stop");
   const regenerate = make("wb-chat-regenerate", "Regenerate");
+  const carryOn = make("wb-chat-continue", "Continue");
+  carryOn.title = "the answer was cut at max tokens: carry on writing it";
   const clear = make("wb-chat-clear", "Clear");
   const stats = el("span", "wb-chat-stats");
-  buttons.append(send, stop, regenerate, clear, stats);
+  buttons.append(send, stop, regenerate, carryOn, clear, stats);
 
   root.append(header, system, log, error, input, buttons);
   host.appendChild(root);
@@ -96,6 +98,7 @@ function render({ model, el: host }) {
   });
   stop.addEventListener("click", () => model.send({ type: "stop" }));
   regenerate.addEventListener("click", () => model.send({ type: "regenerate" }));
+  carryOn.addEventListener("click", () => model.send({ type: "continue" }));
   clear.addEventListener("click", () => model.send({ type: "clear" }));
 
   const paintLog = () => {
@@ -132,6 +135,7 @@ function render({ model, el: host }) {
     send.disabled = generating;
     regenerate.disabled = generating;
     stop.disabled = !generating;
+    carryOn.hidden = generating || !model.get("cut");
   };
   const paintStats = () => { stats.textContent = model.get("stats"); };
   const paintError = () => { error.textContent = model.get("error"); };
@@ -145,6 +149,7 @@ function render({ model, el: host }) {
     ["change:generating", paintState],
     ["change:busy", paintState],
     ["change:warming", paintState],
+    ["change:cut", paintState],
     ["change:stats", paintStats],
     ["change:error", paintError],
   ];
