@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from workbench import lab
 from workbench.cli import main
 from workbench.engine import sources
 
@@ -155,3 +163,192 @@ def test_serve_in_the_foreground_until_ctrl_c(smollm2):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "Traceback" not in err, err  # 130: ended by SIGINT
     assert f"serving smollm2-135m, minilm-l6 at http://127.0.0.1:{port}/v1" in err
+
+
+# -- workbench lab -------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux's /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _exists(pid: int) -> bool:
+    """Whether `pid` is still in the process table (a zombie is)."""
+    return Path(f"/proc/{pid}").exists()
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+
+
+def test_lab_command_encrypts_kernels_and_logs_warnings_only(tmp_path):
+    cmd = lab.lab_command(tmp_path, "00_tour.ipynb")
+    assert "--ServerApp.log_level=WARN" in cmd and "--LabApp.log_level=WARN" in cmd
+    # CurveZMQ keys from the kernel manager: ipykernel then has no plain TCP to warn about
+    assert "--MappingKernelManager.transport_encryption=auto" in cmd
+    assert not any("token" in arg.lower() for arg in cmd)  # `ps` would show it
+
+
+def test_lab_environment_turns_the_news_off_by_default(tmp_path, monkeypatch):
+    from jupyterlab_server.settings_utils import _get_overrides
+
+    monkeypatch.setenv("JUPYTER_CONFIG_PATH", "/somewhere/of/the/users")
+    monkeypatch.delenv("JUPYTER_TOKEN", raising=False)
+    env = lab.lab_environment(tmp_path / "config", "abc123")
+    assert env["JUPYTER_TOKEN"] == "abc123"
+    assert env["JUPYTER_CONFIG_PATH"].split(os.pathsep) == [str(tmp_path / "config"),
+                                                             "/somewhere/of/the/users"]
+    # what JupyterLab's settings handler takes as defaults, in that environment
+    monkeypatch.setenv("JUPYTER_CONFIG_PATH", env["JUPYTER_CONFIG_PATH"])
+    overrides, error = _get_overrides(str(tmp_path / "no-app-settings"))
+    assert not error
+    assert overrides[lab.NOTIFICATION_PLUGIN] == {"fetchNews": "false", "checkForUpdates": False}
+
+
+def test_lab_keeps_the_users_own_token(tmp_path):
+    env = lab.lab_environment(tmp_path, "ours", base={"JUPYTER_TOKEN": "theirs"})
+    assert env["JUPYTER_TOKEN"] == "theirs" and env["JUPYTER_CONFIG_PATH"] == str(tmp_path)
+
+
+def test_lab_prints_one_url_with_the_token():
+    info = {"url": "http://localhost:8890/", "token": "abc", "port": 8890}
+    assert lab.server_url(info, "00_tour.ipynb") == \
+        "http://localhost:8890/lab/tree/00_tour.ipynb?token=abc"
+    assert lab.server_url({**info, "token": ""}, "01_chat.ipynb") == \
+        "http://localhost:8890/lab/tree/01_chat.ipynb"
+
+
+@needs_proc
+def test_lab_helper_echoes_its_lines_and_is_reaped():
+    lines = []
+    helper = lab.Helper([sys.executable, "-c", "print('one'); print(); print('two')"],
+                        lines.append, prefix="kernels: ")
+    helper._thread.join(30)
+    assert lines == ["kernels: one", "kernels: two"]
+    assert helper.proc.returncode == 0 and not _exists(helper.proc.pid)  # no zombie left
+    assert helper.stop() == 0
+
+
+@needs_proc
+def test_lab_helper_stops_with_the_processes_it_started():
+    lines = []
+    child = ("import subprocess, sys, time; "
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             "print(p.pid, flush=True); time.sleep(60)")
+    helper = lab.Helper([sys.executable, "-c", child], lines.append)
+    deadline = time.monotonic() + 30
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(lines[0])
+    assert _alive(grandchild)
+    assert helper.stop() == -signal.SIGTERM
+    assert not _exists(helper.proc.pid)
+    deadline = time.monotonic() + 10  # reaped by init once its parent is gone
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def _fake_engine(seconds: list[float]):
+    from workbench.engine.warmup import KernelTask, KernelWarmup
+    from workbench.signals import Signal
+
+    warming = Signal(None)
+    tasks = [KernelTask(f"step {i}", lambda s=s: time.sleep(s)) for i, s in enumerate(seconds)]
+    return SimpleNamespace(warming=warming, warmup=KernelWarmup(tasks, warming).start())
+
+
+def test_lab_kernel_progress_is_a_line_per_step(monkeypatch, capsys):
+    monkeypatch.setattr("workbench.cli.load_engine", lambda alias: _fake_engine([1.4, 1.4]))
+    lab.prepare_kernels("smollm2-135m")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["kernels: compiling 0/2: step 0", "kernels: compiling 1/2: step 1"]
+    assert len(lines) == 3 and re.fullmatch(r"kernels ready in \d+ s", lines[2]), lines
+
+
+def test_lab_kernel_progress_from_a_warm_cache_is_silent(monkeypatch, capsys):
+    monkeypatch.setattr("workbench.cli.load_engine", lambda alias: _fake_engine([0.01] * 6))
+    lab.prepare_kernels("smollm2-135m")
+    assert capsys.readouterr().out == ""
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@needs_proc
+@pytest.mark.slow
+def test_lab_terminal_shows_one_url_and_encrypted_kernels(tmp_path):
+    """`workbench lab` as from a terminal: one URL on stdout; a kernel started and run
+    through it warns of nothing; Ctrl-C ends JupyterLab and the kernels' helper."""
+    import asyncio
+    import urllib.request
+    import uuid
+
+    from tornado.websocket import websocket_connect
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("config", "data", "runtime", "settings", "workspaces"):
+        (tmp_path / name).mkdir()
+    env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_DATA_DIR=str(tmp_path / "data"),
+               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
+    env.pop("JUPYTER_TOKEN", None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    err = tmp_path / "stderr.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workbench.cli", "lab", "--no-browser", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=open(err, "w"), text=True, env=env,
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        line = proc.stdout.readline()
+        match = re.fullmatch(rf"JupyterLab is at (http://\S+:{port})/lab/tree/00_tour\.ipynb"
+                             r"\?token=(\w+)\n", line)
+        assert match, (line, err.read_text())
+        base, token = match.groups()
+        req = urllib.request.Request(f"{base}/api/kernels", data=b'{"name": "python3"}',
+                                     headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            kernel = json.loads(r.read())["id"]
+
+        async def run_code() -> str:
+            ws = await websocket_connect(f"ws{base[4:]}/api/kernels/{kernel}/channels"
+                                         f"?token={token}&session_id={uuid.uuid4().hex}")
+            msg_id = uuid.uuid4().hex
+            ws.write_message(json.dumps({
+                "header": {"msg_id": msg_id, "msg_type": "execute_request", "version": "5.3",
+                           "session": uuid.uuid4().hex, "username": "test"},
+                "parent_header": {}, "metadata": {}, "channel": "shell",
+                "content": {"code": "6 * 7", "silent": False}}))
+            while True:
+                msg = json.loads(await asyncio.wait_for(ws.read_message(), 60))
+                if (msg["parent_header"].get("msg_id") == msg_id
+                        and msg["msg_type"] == "execute_result"):
+                    ws.close()
+                    return msg["content"]["data"]["text/plain"]
+
+        assert asyncio.run(run_code()) == "42"
+        helpers = [pid for pid in _children(proc.pid) if _alive(pid)]
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal
+        assert proc.wait(timeout=60) == 0, err.read_text()
+        assert proc.stdout.read() == ""  # the one URL was all
+        log = err.read_text()
+        assert "without encryption" not in log and "http" not in log, log
+        assert not [pid for pid in helpers if _alive(pid)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -16,6 +14,7 @@ from pathlib import Path
 from workbench import registry
 from workbench.engine import sources
 from workbench.engine.options import DEFAULTS, GenerationOptions
+from workbench.lab import lab_command  # noqa: F401 (part of this module's API)
 from workbench.server import limits
 
 DEFAULT_SYSTEM = "You are helpful and concise."
@@ -603,26 +602,6 @@ def notebooks_dir() -> Path:
     return Path(workbench.__file__).resolve().parents[1] / "notebooks"
 
 
-def lab_command(notebooks: Path, notebook: str, *, port: int | None = None,
-                no_browser: bool = False) -> list[str]:
-    """The JupyterLab command line `workbench lab` runs (offline: no news, no update checks)."""
-    cmd = [sys.executable, "-m", "jupyterlab",
-           f"--ServerApp.root_dir={notebooks}",
-           f"--ServerApp.default_url=/lab/tree/{notebook}",
-           f"--LabApp.default_url=/lab/tree/{notebook}",
-           "--LabApp.news_url=None",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-           "--LabApp.extension_manager=readonly",
-           "--ServerApp.answer_yes=True"]  # one Ctrl-C stops the server, no y/n prompt
-    if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers often run as root
-        cmd.append("--ServerApp.allow_root=True")
-    if port is not None:
-        cmd.append(f"--ServerApp.port={port}")
-    if no_browser:
-        cmd.append("--ServerApp.open_browser=False")
-    return cmd
-
-
 def _lab(args) -> int:
     try:
         import jupyterlab  # noqa: F401
@@ -636,28 +615,9 @@ def _lab(args) -> int:
     if not (notebooks / args.notebook).is_file():
         raise FileNotFoundError(f"no notebook {args.notebook!r} in {notebooks}")
     sources.pull(registry.DEFAULT_MODEL)  # with a progress bar; a no-op once cached
-    # its CPU kernels compile (or load from the cache) in another process while JupyterLab
-    # starts, so that the tour's first cell finds them ready
-    subprocess.Popen([sys.executable, "-m", "workbench.cli", "pull", registry.DEFAULT_MODEL],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True)
-    proc = subprocess.Popen(lab_command(notebooks, args.notebook, port=args.port,
-                                        no_browser=args.no_browser), cwd=notebooks)
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    try:
-        while True:
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:  # JupyterLab gets the Ctrl-C too and shuts itself down
-                continue
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if proc.poll() is None:  # we were terminated: take JupyterLab down with us
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    from workbench import lab
+
+    return lab.run(notebooks, args.notebook, port=args.port, no_browser=args.no_browser)
 
 
 if __name__ == "__main__":
