@@ -145,6 +145,36 @@ def test_chat_json_closed_at_the_budget_warns_and_returns_the_object(smollm2):
     assert [w.category for w in caught] == [ClosedEarlyWarning]
 
 
+# A record of 56 required fields of seven kinds: its shortest completion is hundreds of
+# tokens, nearly all forced (the keys), longer than the greedy probe's reach and far past
+# what a search can reach.
+LONG_RECORD_KINDS = [
+    {"type": "string"}, {"type": "integer"}, {"type": "boolean"}, {"type": "number"},
+    {"type": "string", "enum": ["low", "medium", "high"]},
+    {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+     "required": ["x", "y"]},
+    {"type": "array", "items": {"type": "string"}},
+]
+LONG_RECORD = {"type": "object", "additionalProperties": False,
+               "properties": {f"reading_{i:02d}": LONG_RECORD_KINDS[i % 7] for i in range(56)},
+               "required": [f"reading_{i:02d}" for i in range(56)]}
+
+
+@pytest.mark.slow
+def test_a_long_mostly_forced_schema_finishes_valid_at_max_tokens_1024(smollm2):
+    """Many required properties: the model rambles inside them (extra keys where the
+    inner objects allow them), and the closer still ends the record valid within 1024
+    tokens (it used to run out with no plan: IncompleteOutputError)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ClosedEarlyWarning)
+        value, c = smollm2.chat_json(
+            [{"role": "user", "content": "Fill in a sensor record."}], LONG_RECORD,
+            max_tokens=1024, temperature=0, return_completion=True)
+    jsonschema.validate(value, LONG_RECORD)
+    assert len(value) == 56 and c.usage.completion_tokens <= 1024
+
+
 @pytest.mark.parametrize("closing", [True, False], ids=["closer", "no-closer"])
 def test_an_open_ended_answer_complete_at_the_budget_is_returned(smollm2, closing):
     """`root ::= [0-9]+` is complete after any digit: an answer the budget cut is valid,

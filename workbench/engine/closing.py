@@ -76,8 +76,8 @@ MEMO_GRAMMARS = 64
 BYTE_COST = np.full(256, 8, dtype=np.int64)
 BYTE_COST[0x21:0x7F] = 1
 BYTE_COST[[0x20, 0x09, 0x0A, 0x0D]] = 6
-# Where no search or probe finds a completion at the start, the probe is run again for up
-# to the budget's tokens times the longest token's bytes, at most this many bytes.
+# Where the probe finds no completion in GREEDY_BYTES, it is run again for up to the tokens
+# left times the longest token's bytes, at most this many bytes.
 LONG_PROBE_BYTES = 1 << 16
 
 
@@ -395,14 +395,7 @@ class Closer:
                 raise GrammarBudgetError(
                     f"the shortest output this schema allows takes at least {floor} tokens "
                     f"({size:,} bytes{f', by {why}' if why else ''}), more than {limit}")
-        self._replan(budget)
-        if options.budget and self.plan is None:  # nothing found near: probe further
-            vocab = matcher.vocabulary
-            self.plan = plan_of(matcher.llmatcher, vocab, _probe(
-                matcher.llmatcher.deep_copy(), vocab.byte_tokens,
-                min(LONG_PROBE_BYTES, budget * vocab.longest() + 1)), self._encoded)
-            self._fresh = self.plan is not None
-            self._planned = len(self.plan or ())
+        self._replan(budget)  # (which probes as far as the budget goes where it must)
         if options.budget and self.plan is not None and len(self.plan) > budget:
             raise GrammarBudgetError(
                 f"the shortest output found for this grammar takes {len(self.plan)} tokens "
@@ -506,6 +499,10 @@ class Closer:
         found += [p for p in (plan_of(matcher, vocab, known, encoded) if known else None,
                               greedy_completion(matcher, vocab, encoded)) if p is not None]
         best = min(found, key=len, default=None)
+        if best is None:  # the completion may be longer than the probe went (many
+            # required properties still to write), and than a search reaches: the probe
+            # again, as far as the tokens left go (far cheaper than a search)
+            best = self._long_probe(matcher, remaining)
         if ((best is None or len(best) > remaining) and known is False
                 and self._searches < SEARCHES):
             self._searches += 1
@@ -516,6 +513,14 @@ class Closer:
             if searched is not None and (best is None or len(searched) < len(best)):
                 best = searched
         return best
+
+    def _long_probe(self, matcher: llguidance.LLMatcher, remaining: int) -> Plan | None:
+        """The greedy probe's completion from `matcher`'s state, up to the bytes the
+        `remaining` tokens could write (at most LONG_PROBE_BYTES)."""
+        vocab = self.matcher.vocabulary
+        length = min(LONG_PROBE_BYTES, remaining * vocab.longest() + 1)
+        return plan_of(matcher, vocab, _probe(matcher.deep_copy(), vocab.byte_tokens, length),
+                       self._encoded)
 
     def _replan(self, remaining: int) -> None:
         """Find a plan from the current state."""
