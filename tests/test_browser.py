@@ -267,6 +267,47 @@ def _open_and_run_all(page, lab: Lab, notebook: str, before_run: str | None = No
         pytest.fail(f"{notebook}: a cell raised:\n{errors.first.inner_text()[:3000]}")
 
 
+def _pin_a_token(page, lab: Lab, view, name: str) -> str:
+    """Click a token of the TokenView `view` (a `.wb-tokens-root` locator) and check that its
+    popup sits just below the clicked token, after the redraw the click causes and after
+    another (colour by surprisal); returns the popup's title."""
+    # a token on one line (a wrapped token has two boxes), not the first, and not selected
+    # already (a click on the selected token changes nothing, so nothing is redrawn)
+    index = view.evaluate("""root => {
+        const spans = [...root.querySelectorAll('.wb-token[data-index]')];
+        const ok = spans.find((s, i) => i >= 1 && s.getClientRects().length === 1
+                                         && s.textContent.trim()
+                                         && !s.classList.contains('wb-selected'));
+        return ok ? Number(ok.dataset.index) : -1;
+    }""")
+    assert index >= 0, view.inner_html()[:2000]
+    token = view.locator(f".wb-token[data-index='{index}']")
+    popup = view.locator(".wb-alternatives")
+    token.scroll_into_view_if_needed()
+    token.click()
+    popup.wait_for(state="visible", timeout=10_000)
+    view.locator(f".wb-token.wb-selected[data-index='{index}']").wait_for(timeout=10_000)
+
+    def check(when: str) -> None:
+        page.wait_for_timeout(500)  # the kernel's answer to the click (figures) comes back
+        assert popup.is_visible(), f"{when}: the popup closed"
+        assert popup.get_attribute("data-index") == str(index)
+        t = view.locator(f".wb-token[data-index='{index}']").bounding_box()
+        b = popup.bounding_box()
+        # just below the token: not at the widget's top-left corner, over the text
+        assert abs(b["x"] - t["x"]) <= 3 and 0 <= b["y"] - (t["y"] + t["height"]) <= 30, (
+            f"{when}: popup at ({b['x']:.0f}, {b['y']:.0f}), token {index} at "
+            f"({t['x']:.0f}, {t['y']:.0f}) to y={t['y'] + t['height']:.0f}")
+
+    check("after the click")
+    _shot(page, lab, name, None)
+    view.locator(".wb-color-by select").select_option("surprisal")
+    check("after colouring by surprisal")
+    title = popup.locator(".wb-alternatives-title").inner_text()
+    view.locator(".wb-color-by select").select_option("probability")
+    return title
+
+
 # -- the notebooks in the browser ----------------------------------------------------------
 @pytest.mark.browser
 def test_chat_notebook_in_the_browser(page, lab):
@@ -403,11 +444,13 @@ def test_logits_notebook_in_the_browser(page, lab):
     rows = popup.locator(".wb-alt[data-id]")
     assert rows.count() >= 2, popup.inner_html()
     _shot(page, lab, "02_logits-alternatives", None)
+    pinned = _pin_a_token(page, lab, page.locator(".wb-tokens-root").first,
+                          "02_logits-token-clicked")
     # The figures rendered as images.
     figures = page.locator(".jp-OutputArea-output img")
     assert figures.count() >= 3
     print(f"\n02_logits: run all {run_s:.1f} s, {n} tokens, {rows.count()} alternatives: "
-          f"{rows.first.inner_text()!r}")
+          f"{rows.first.inner_text()!r}; clicked {pinned!r}")
     assert not page.console_errors, page.console_errors
 
 

@@ -75,7 +75,7 @@ function render({ model, el }) {
 
   const showPopup = (index, anchor) => {
     const token = (model.get("tokens") || [])[index];
-    if (!token) { popup.hidden = true; return; }
+    if (!token || !anchor) { popup.hidden = true; return; }
     popup.replaceChildren();
     popup.dataset.index = String(index);
     const title = node("div", "wb-alternatives-title",
@@ -101,10 +101,18 @@ function render({ model, el }) {
       });
       popup.appendChild(row);
     }
-    popup.style.left = `${anchor.offsetLeft}px`;
-    popup.style.top = `${anchor.offsetTop + anchor.offsetHeight + 2}px`;
+    placePopup(anchor);
     popup.hidden = false;
   };
+
+  // Just below the token's first line box (a token can wrap), in the root's coordinates.
+  const placePopup = (anchor) => {
+    const box = anchor.getClientRects()[0] || anchor.getBoundingClientRect();
+    const origin = root.getBoundingClientRect();
+    popup.style.left = `${box.left - origin.left}px`;
+    popup.style.top = `${box.bottom - origin.top + 2}px`;
+  };
+  const spanAt = (index) => text.querySelector(`.wb-token[data-index="${index}"]`);
 
   const paintTokens = () => {
     const tokens = model.get("tokens") || [];
@@ -125,13 +133,18 @@ function render({ model, el }) {
       span.addEventListener("click", (event) => {
         event.stopPropagation();
         pinned = i;
+        // setting `selected` repaints at once, replacing this span: anchor to the new one
         model.set("selected", i);
         model.save_changes();
-        showPopup(i, span);
+        showPopup(i, spanAt(i) || span);
       });
       text.appendChild(span);
     });
+    // Every paint replaces the spans: a pinned popup follows its token's new span (and
+    // shows its new alternatives, as while streaming); so does a hover popup still shown.
     if (pinned >= tokens.length) { pinned = -1; popup.hidden = true; }
+    if (pinned >= 0) showPopup(pinned, spanAt(pinned));
+    else if (!popup.hidden) showPopup(Number(popup.dataset.index), spanAt(popup.dataset.index));
     status.textContent = model.get("running") ? "generating\u2026" : `${tokens.length} tokens`;
   };
 
