@@ -261,6 +261,88 @@ LONG = " ".join(f"Item {i} is on the list." for i in range(70))
 MEDIUM = "A recipe for bread: flour, water, salt and yeast. " * 8
 
 
+def _run(branch: Branch, n: int) -> list:
+    """Produce and commit `n` tokens: what each step produced and the logits it saw."""
+    out = []
+    for _ in range(n):
+        logits = branch.logits.copy()
+        produced = branch.produce()
+        branch.commit(produced.token)
+        out.append((produced, logits))
+    return out
+
+
+def test_a_saved_branch_loads_and_goes_on_as_the_original(smollm2, tmp_path):
+    """A sampled fork saved mid-way and loaded into another store draws the very tokens
+    the original goes on to draw, from bit-identical logits (its positions shared with
+    the parent are in the file too); text, perplexity and settings come back."""
+    store = BranchStore(smollm2, max_active=4)
+    root = Branch.create(smollm2, {"temperature": 0.9, "top_p": 0.95, "seed": 5,
+                                   "logit_bias": {11: -2.5}}, store=store, logprobs=3,
+                         max_tokens=40)
+    root.prefill(smollm2.tokenize("Once upon a time"))
+    _run(root, 4)
+    child = root.fork(seed=9)
+    _run(child, 3)
+    path = child.save(tmp_path / "story.wbbranch")
+    again = Branch.load(path, smollm2)  # a store of its own
+    assert again.store is not store and again.tokens == child.tokens
+    assert again.text == child.text and again.perplexity == child.perplexity
+    assert (again.max_tokens, again.logprobs) == (40, 3)
+    assert again.sampler.params == child.sampler.params
+    ahead, loaded = _run(child, 12), _run(again, 12)
+    assert [p for p, _ in loaded] == [p for p, _ in ahead]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(ahead, loaded))
+    assert again.perplexity == child.perplexity
+
+
+def test_a_saved_grammar_branch_keeps_its_place_in_the_grammar(smollm2, tmp_path):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    branch = Branch.create(smollm2, {"temperature": 0.7, "seed": 2}, schema=schema)
+    branch.prefill(smollm2.tokenize("JSON: "))
+    _run(branch, 3)
+    again = Branch.load(branch.save(tmp_path / "json.wbbranch"), smollm2)
+    rest = "".join(ev.text for ev in branch)
+    assert "".join(ev.text for ev in again) == rest
+    assert json.loads(again.text) == json.loads(branch.text)
+
+
+def test_a_bad_branch_file_is_refused_and_frees_nothing(smollm2, tmp_path):
+    from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError
+
+    store = BranchStore(smollm2, max_active=2)
+    branch = Branch.create(smollm2, {"temperature": 0}, store=store)
+    branch.prefill(smollm2.tokenize(PROMPT))
+    path = branch.save(tmp_path / "b.wbbranch")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte of the keys
+    broken = tmp_path / "broken.wbbranch"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(PrefixCacheError, match="checksum"):
+        Branch.load(broken, smollm2, store=store)
+    prefix = smollm2.prefix(PROMPT).save(tmp_path / "p.wbprefix")
+    with pytest.raises(PrefixCacheError, match="not a saved branch"):
+        Branch.load(prefix, smollm2, store=store)
+    # states that are not what save writes, checksummed as real files: too deep, not flat
+    snap = branch.cache.snapshot(smollm2.file_sha256)
+    snap.state, snap.arrays = {"kind": "branch-1", "generated": [[[1]]]}, {}
+    with pytest.raises(PrefixCacheError, match=r"header is damaged \(nested 5 deep\)"):
+        Branch.load(snap.save(tmp_path / "deep.wbbranch"), smollm2, store=store)
+    snap.state = {"kind": "branch-1", "generated": {"a": 1}}
+    with pytest.raises(PrefixCacheError, match="branch state in its header is damaged"):
+        Branch.load(snap.save(tmp_path / "nested.wbbranch"), smollm2, store=store)
+    saved = PrefixCache.load(path, smollm2)
+    snap.state = {**saved.state, "sampler.temperature": -1}
+    snap.arrays = saved.arrays
+    with pytest.raises(PrefixCacheError, match="state is damaged.*temperature"):
+        Branch.load(snap.save(tmp_path / "bad.wbbranch"), smollm2, store=store)
+    snap.state, snap.arrays = saved.state, {**saved.arrays, "grammar": np.zeros(2**25, "u1")}
+    with pytest.raises(PrefixCacheError, match="arrays claim 33,7"):
+        Branch.load(snap.save(tmp_path / "big.wbbranch"), smollm2, store=store)
+    assert store.available == 1  # the refused loads took no slot
+    assert smollm2.load_prefix(path).tokens == branch.tokens  # a branch file is a prefix too
+
+
 @pytest.mark.slow
 def test_store_prefill_runs_the_branches_together(smollm2):
     prompts = [smollm2.tokenize(t) for t in (LONG, PROMPT, MEDIUM)]

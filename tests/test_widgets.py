@@ -13,6 +13,7 @@ from workbench.widgets import (
     ChatCell,
     DeviceBadge,
     LogitsCell,
+    MemoryBadge,
     TokenView,
     render_markdown,
 )
@@ -65,6 +66,29 @@ def test_device_badge_follows_signal_or_model():
     assert DeviceBadge(FakeModel()).device == "cpu"
     with pytest.raises(TypeError):
         BusyBadge(object())
+
+
+def test_memory_badge_follows_the_models_kv_cache(smollm2):
+    """m.memory() counts the positions the scheduler's slots hold (a finished chat's
+    prompt and answer stay cached for reuse), and the badge reads it when busy changes."""
+    smollm2.reset()
+    before = smollm2.memory()
+    assert before.kv_tokens_used == 0 and before.kv_tokens_free == \
+        before.kv_slots * smollm2.kv_cache_size
+    cfg = smollm2.config
+    assert before.kv_bytes_per_token == 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 4
+    assert 80 * 2**20 < before.weights_bytes < smollm2.path.stat().st_size
+    badge = MemoryBadge(smollm2)
+    assert badge.label.startswith("KV 0 / ") and badge.state == "ok"
+    c = smollm2.chat([{"role": "user", "content": "Name a colour."}], max_tokens=8)
+    n = len(c.prompt_ids) + len(c.token_ids)
+    after = smollm2.memory()
+    assert after.kv_tokens_running == 0 and n - 1 <= after.kv_tokens_cached <= n
+    assert after.kv_bytes == after.kv_tokens_used * after.kv_bytes_per_token
+    assert badge.label.startswith(f"KV {after.kv_tokens_used} / ")  # refreshed on idle
+    assert "cached" in badge.detail and str(after) == badge.detail
+    badge.close()
+    assert MemoryBadge(FakeModel()).label == "KV ?"
 
 
 def test_markdown_rendering_escapes_html():

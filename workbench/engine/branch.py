@@ -10,6 +10,8 @@
     >>> store.commit([(root, a), (child, b)])  # several branches, one forward pass
     >>> store.prefill([(child, ids), (other, ids2)])  # prompts too, one pass per chunk
     >>> for ev in child: ...                 # or let it run: one TokenEvent per token
+    >>> child.save("story.wbbranch")         # later, or in another kernel:
+    >>> again = Branch.load("story.wbbranch", m)  # the same branch, no prefill
 
 Every branch has a slot of its store's KV pool, its own sampler (random state
 included: a fork copies it, or `fork(seed=...)` / `reseed` gives it a fresh one),
@@ -18,13 +20,19 @@ from the parent's slot (the pool's pages for them are never written twice), so a
 of a long prefix costs only the positions it adds. A branch with live children cannot
 be pruned on its own (they read its slot): prune them first, or `prune_subtree()`;
 `store.retain_only(winner)` copies what the winner shares into its own slot and frees
-every other branch.
+every other branch. `save` writes a branch to a file (a prefix cache of its positions
+that also holds its sampler with its random state, grammar position, logits and
+perplexity; checksummed and bound to the model file), and `Branch.load` brings it back
+in another store or session: it goes on exactly as the saved branch would have.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -34,6 +42,7 @@ from workbench.engine.kv_cache import KVCache
 from workbench.engine.llm import LLM, PREFILL_CHUNK
 from workbench.engine.metrics import Perplexity
 from workbench.engine.models.llama import check_ids
+from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError
 from workbench.engine.results import Alternative, TokenEvent
 from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
 from workbench.engine.tokenizers.stream import StreamDecoder
@@ -164,6 +173,7 @@ class Branch:
         self.logits: np.ndarray | None = None  # (n_vocab,) after the last token
         self.perplexity_tracker = Perplexity()
         self.generated: list[int] = []  # tokens accepted since creation (or the fork)
+        self.constrained: list[int] = []  # every token its grammar consumed (forks: theirs)
         self.parent: Branch | None = None
         self.children: list[Branch] = []
         self.alive = True
@@ -195,6 +205,126 @@ class Branch:
         return cls(store, cache, Sampler(params, n_vocab), matcher, max_tokens=max_tokens,
                    logprobs=logprobs, logits_processors=logits_processors)
 
+    # -- snapshots ----------------------------------------------------------------------------
+    SNAPSHOT_KIND = "branch-1"  # the state's layout, in the file's header
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write this branch to `path` (atomically): the keys and values of all its
+        positions (those it shares with ancestors too), its sampler (options and random
+        state), grammar and where it stands in it, logits, perplexity and tokens, as a
+        checksummed prefix-cache file bound to this model file. `Branch.load` brings it
+        back. Logits processors are functions and are not saved: pass them again."""
+        self._check_alive()
+        model = self.model
+        snap = self.cache.snapshot(model.file_sha256)
+        params = dataclasses.asdict(self.sampler.params)
+        bias = params.pop("logit_bias")
+        rng = self.sampler.rng.bit_generator.state
+        if rng.get("bit_generator") != "PCG64":
+            raise ValueError(f"cannot save a sampler drawing from {rng.get('bit_generator')}")
+        grammar = self.matcher.grammar if self.matcher is not None else None
+        state = {
+            "kind": self.SNAPSHOT_KIND,
+            **{f"sampler.{k}": v for k, v in params.items()},
+            # the PCG64 state's 128-bit numbers, as decimal text
+            "rng.state": str(rng["state"]["state"]), "rng.inc": str(rng["state"]["inc"]),
+            "rng.has_uint32": int(rng["has_uint32"]), "rng.uinteger": int(rng["uinteger"]),
+            "grammar.kind": grammar.kind if grammar is not None else None,
+            "perplexity.total": self.perplexity_tracker.total,
+            "perplexity.count": self.perplexity_tracker.count,
+            "max_tokens": self.max_tokens, "logprobs": self.logprobs,
+        }
+        text = grammar.source.encode() if grammar is not None else b""
+        snap.state, snap.arrays = state, {
+            "logits": np.asarray(self.logits, dtype=np.float32),
+            "generated": np.asarray(self.generated, dtype=np.int32),
+            "constrained": np.asarray(self.constrained, dtype=np.int32),
+            "grammar": np.frombuffer(text, dtype=np.uint8),
+            "logit_bias.ids": np.asarray(list(bias), dtype=np.int32),
+            "logit_bias.values": np.asarray(list(bias.values()), dtype=np.float64),
+        }
+        return snap.save(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: LLM, *, store: BranchStore | None = None,
+             logits_processors: Sequence[Any] = ()) -> Branch:
+        """A branch saved with `save`, in `store` (or a store of its own): its positions
+        are copied into a free slot (no forward pass) and its sampler, grammar position,
+        logits and perplexity are as they were, so it goes on as the saved branch would.
+        The file must have been made with this very model file; a damaged, foreign or
+        hostile file raises `PrefixCacheError` and changes nothing."""
+        snap = PrefixCache.load(path, model)
+        state, arrays = snap.state, snap.arrays
+        if state is None or state.get("kind") != cls.SNAPSHOT_KIND:
+            raise PrefixCacheError(f"{path} is a prefix cache, not a saved branch "
+                                   "(load it with LLM.load_prefix)")
+        try:
+            sampler, matcher, perplexity = cls._restore_state(state, arrays, model)
+            generated = [int(t) for t in arrays["generated"]]
+            logits = arrays["logits"]
+            if logits.shape != (model.config.n_vocab,):
+                raise ValueError(f"logits of shape {logits.shape}")
+            max_tokens, logprobs = state["max_tokens"], state["logprobs"]
+            for name, value in (("max_tokens", max_tokens), ("logprobs", logprobs)):
+                if value is not None and not (isinstance(value, int) and value >= 0):
+                    raise ValueError(f"{name} {value!r}")
+        except (KeyError, TypeError, ValueError, GrammarError) as exc:
+            raise PrefixCacheError(f"{path}: the saved branch's state is damaged ({exc})"
+                                   ) from None
+        if not snap.tokens:
+            raise PrefixCacheError(f"{path}: the saved branch has no positions")
+        store = store or BranchStore(model)
+        cache = store.pool.cache(store._lease())
+        try:
+            cache.restore(snap, len(snap.tokens))
+            if cache.offset != len(snap.tokens):
+                raise PrefixCacheError(f"{path}: the saved branch lacks the sliding window "
+                                       "it needs")
+        except BaseException:
+            store._free.append(cache.slot)
+            raise
+        branch = cls(store, cache, sampler, matcher, max_tokens=max_tokens,
+                     logprobs=logprobs, logits_processors=logits_processors)
+        branch.logits = np.asarray(logits, dtype=np.float32)
+        branch.perplexity_tracker = perplexity
+        branch.generated = generated
+        branch.constrained = [int(t) for t in arrays["constrained"]]
+        return branch
+
+    @staticmethod
+    def _restore_state(state: dict, arrays: dict, model: LLM
+                       ) -> tuple[Sampler, Any, Perplexity]:
+        """The sampler, grammar matcher and perplexity of a saved branch's `state` and
+        `arrays` (ValueError, TypeError or KeyError where they are not what `save`
+        writes)."""
+        names = [f.name for f in dataclasses.fields(SamplingParams) if f.name != "logit_bias"]
+        ids, values = arrays["logit_bias.ids"], arrays["logit_bias.values"]
+        if len(ids) != len(values):
+            raise ValueError("logit bias ids and values differ in number")
+        params = SamplingParams(**{n: state[f"sampler.{n}"] for n in names},
+                                logit_bias={int(i): float(v) for i, v in zip(ids, values)})
+        sampler = Sampler(params, model.config.n_vocab)
+        sampler.rng.bit_generator.state = {
+            "bit_generator": "PCG64", "has_uint32": int(state["rng.has_uint32"]),
+            "uinteger": int(state["rng.uinteger"]),
+            "state": {"state": int(state["rng.state"]), "inc": int(state["rng.inc"])}}
+        matcher = None
+        if state["grammar.kind"] is not None:
+            source = arrays["grammar"].tobytes().decode()
+            make = {"gbnf": Grammar.from_gbnf, "json_schema": Grammar.from_json_schema,
+                    "regex": Grammar.from_regex}[state["grammar.kind"]]
+            matcher = make(source).matcher(model.tokenizer, model.config.n_vocab)
+            for token in arrays["constrained"]:
+                if not matcher.allows(int(token)):
+                    raise ValueError("its grammar does not take its tokens")
+                matcher.consume(int(token))
+        perplexity = Perplexity()
+        total, count = state["perplexity.total"], state["perplexity.count"]
+        if not (isinstance(count, int) and count >= 0 and float(total) >= 0):
+            raise ValueError("perplexity")
+        perplexity.total, perplexity.count = float(total), count
+        return sampler, matcher, perplexity
+
     # -- tree ---------------------------------------------------------------------------------
     def fork(self, seed: int | None = None) -> Branch:
         """A child that continues from here: it shares this branch's cached positions
@@ -211,6 +341,7 @@ class Branch:
                        logits_processors=self.logits_processors)
         child.logits = None if self.logits is None else self.logits.copy()
         child.perplexity_tracker = self.perplexity_tracker.clone()
+        child.constrained = list(self.constrained)
         child.parent = self
         self.children.append(child)
         if seed is not None:
@@ -314,6 +445,7 @@ class Branch:
             self.perplexity_tracker.add(float(log_softmax(self.logits)[token]))
         if self.matcher is not None:
             self.matcher.consume(token)
+            self.constrained.append(token)
         self.generated.append(token)
 
     def commit(self, token: int) -> None:

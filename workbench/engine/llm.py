@@ -43,6 +43,7 @@ from workbench.engine.results import (  # noqa: F401  (importable from here, as 
     Completion,
     DraftCounts,
     IncompleteOutputError,
+    MemoryUse,
     TokenEvent,
     TooManyTokensError,
     Usage,
@@ -193,6 +194,20 @@ class LLM(Prompting, LocalEngine):
         if cache is None or cache.offset == 0:
             raise ValueError("no sequence is kept: generate first")
         return cache
+
+    def memory(self) -> MemoryUse:
+        """What the model's memory holds now: KV-cache positions running, cached and free
+        (tokens and bytes) and the weights' bytes (see `MemoryUse`; `print` it for a
+        line). Branches' stores (`BranchStore`) have pools of their own, not counted."""
+        cfg = self.config
+        slots, running, cached = self._scheduler.kv_positions()
+        per_token = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 4  # K and V, float32
+        weights = sum(t.data.nbytes for t in self._gguf.tensors.values()) \
+            if self._gguf is not None else 0
+        return MemoryUse(kv_slots=slots, kv_cache_size=self.kv_cache_size,
+                         kv_tokens_running=running, kv_tokens_cached=cached,
+                         kv_tokens_free=slots * self.kv_cache_size - running - cached,
+                         kv_bytes_per_token=per_token, weights_bytes=weights)
 
     # -- prefix caches -----------------------------------------------------------------------
     @property

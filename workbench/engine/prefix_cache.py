@@ -1,7 +1,9 @@
 """Prefix caches: the keys and values of a prompt's first positions, kept in memory or in
 a file (`PrefixCache.save` / `load`, format below) to skip their prefill later. A damaged,
 foreign or hostile file is refused with `PrefixCacheError` before any of it reaches the
-model. `KVCache.snapshot` and `restore` copy between a sequence and a `PrefixCache`.
+model. `KVCache.snapshot` and `restore` copy between a sequence and a `PrefixCache`; a
+branch's snapshot (`Branch.save`) is a prefix cache that also holds the branch's state
+(flat numbers and names) and arrays (its next-token logits, its tokens, its grammar).
 """
 
 from __future__ import annotations
@@ -44,21 +46,27 @@ class PrefixCache:
         keys, values: (n_layer, n_kv_head, n_tokens, head_dim) float32
 
     `local_from`: the first position held for the sliding-window layers, when the
-    prefix was cut from a rotating cache (0 otherwise).
+    prefix was cut from a rotating cache (0 otherwise). `state` and `arrays` are a
+    branch snapshot's (None for a prompt's prefix): the branch's state as a flat dict of
+    numbers, plain ASCII names and None, and its arrays by name (1-D, of `ARRAY_TYPES`).
 
     The file (format `VERSION`): `MAGIC`, the header's length (uint64 LE), the header
-    (JSON: version, model_sha256, shape, dtype, tokens, local_from), keys and values
-    (float32 LE), then a BLAKE2b-256 digest of everything before it. `load` checks the
-    header against the model before reading the payload, and the digest before using it.
+    (JSON: version, model_sha256, shape, dtype, tokens, local_from; for a branch, state
+    and arrays: name -> [type, length]), keys and values (float32 LE), a branch's arrays
+    in name order (LE), then a BLAKE2b-256 digest of everything before it. `load` checks
+    the header against the model before reading the payload, and the digest before
+    using it.
     """
 
     MAGIC = b"WBPREFIX"
     VERSION = 2
     DIGEST_SIZE = 32
-    MAX_HEADER_DEPTH = 2  # the header is an object holding flat lists
+    MAX_HEADER_DEPTH = 3  # the header is an object holding flat lists and flat objects
+    ARRAY_TYPES = {"f4": "<f4", "f8": "<f8", "i4": "<i4", "u1": "u1"}
 
     def __init__(self, tokens: list[int], keys: np.ndarray, values: np.ndarray,
-                 model_sha256: str, local_from: int = 0):
+                 model_sha256: str, local_from: int = 0, *, state: dict | None = None,
+                 arrays: dict[str, np.ndarray] | None = None):
         if keys.shape != values.shape or keys.ndim != 4 or keys.shape[2] != len(tokens):
             raise ValueError(f"keys {keys.shape} and values {values.shape} do not hold "
                              f"{len(tokens)} positions")
@@ -67,6 +75,8 @@ class PrefixCache:
         self.values = values
         self.model_sha256 = model_sha256
         self.local_from = int(local_from)
+        self.state = state
+        self.arrays = arrays
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -85,16 +95,32 @@ class PrefixCache:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the prefix to `path` atomically (a temporary file renamed into place)."""
         path = Path(path)
-        header = json.dumps({"version": self.VERSION, "model_sha256": self.model_sha256,
-                             "shape": list(self.keys.shape), "dtype": "float32",
-                             "tokens": self.tokens, "local_from": self.local_from}).encode()
+        fields = {"version": self.VERSION, "model_sha256": self.model_sha256,
+                  "shape": list(self.keys.shape), "dtype": "float32", "tokens": self.tokens,
+                  "local_from": self.local_from}
+        arrays = []
+        if self.state is not None:
+            codes = {np.dtype(v): k for k, v in self.ARRAY_TYPES.items()}
+            named = sorted((self.arrays or {}).items())
+            arrays = [np.ascontiguousarray(a).reshape(-1).astype(
+                self.ARRAY_TYPES[codes[np.dtype(a.dtype).newbyteorder("<")]], copy=False)
+                for _, a in named]
+            fields.update(state=self.state, arrays={
+                name: [codes[np.dtype(a.dtype).newbyteorder("<")], int(a.size)]
+                for name, a in named})
+        # ASCII with no escapes: what load's header check accepts
+        header = json.dumps(fields, ensure_ascii=True).encode()
+        if b"\\" in header:
+            raise ValueError("a snapshot's state must hold plain names (no characters that "
+                             "JSON escapes)")
         digest = hashlib.blake2b(digest_size=self.DIGEST_SIZE)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
                 for part in (self.MAGIC + struct.pack("<Q", len(header)) + header,
                              np.ascontiguousarray(self.keys, dtype="<f4").tobytes(),
-                             np.ascontiguousarray(self.values, dtype="<f4").tobytes()):
+                             np.ascontiguousarray(self.values, dtype="<f4").tobytes(),
+                             *(a.tobytes() for a in arrays)):
                     digest.update(part)
                     f.write(part)
                 f.write(digest.digest())
@@ -141,15 +167,18 @@ class PrefixCache:
                                        f"{model.path.name}; make the prefix again with this "
                                        "model")
             shape, tokens, local_from = _check_prefix_header(path, header, model)
+            state, layout = _check_branch_header(path, header, model)
             count = math.prod(shape)
-            expected = lead + n_header + 2 * 4 * count + cls.DIGEST_SIZE
+            extra = sum(np.dtype(t).itemsize * n for _, t, n in layout)
+            expected = lead + n_header + 2 * 4 * count + extra + cls.DIGEST_SIZE
             if size != expected:
                 raise PrefixCacheError(f"{path} is truncated or damaged: {size} bytes where "
                                        f"{expected} were expected")
             digest = hashlib.blake2b(head + raw, digest_size=cls.DIGEST_SIZE)
             keys = np.empty(shape, dtype="<f4")
             values = np.empty(shape, dtype="<f4")
-            for arr in (keys, values):
+            arrays = {name: np.empty(n, dtype=t) for name, t, n in layout}
+            for arr in (keys, values, *arrays.values()):
                 view = memoryview(arr).cast("B")
                 if f.readinto(view) != len(view):
                     raise PrefixCacheError(f"{path} is truncated")
@@ -160,7 +189,10 @@ class PrefixCache:
         if not (np.isfinite(keys).all() and np.isfinite(values).all()):
             raise PrefixCacheError(f"{path} holds NaN or infinite keys or values; make the "
                                    "prefix again")
-        return cls(tokens, keys, values, header["model_sha256"], local_from)
+        if any(a.dtype.kind == "f" and np.isnan(a).any() for a in arrays.values()):
+            raise PrefixCacheError(f"{path} holds NaN numbers; save the branch again")
+        return cls(tokens, keys, values, header["model_sha256"], local_from, state=state,
+                   arrays=arrays if state is not None else None)
 
 
 def _parse_prefix_header(path: Path, raw: bytes, max_depth: int) -> dict:
@@ -216,3 +248,35 @@ def _check_prefix_header(path: Path, header: dict, model: Any
                                f"{len(tokens)} tokens")
     return tuple(shape), tokens, local_from
 
+
+def _check_branch_header(path: Path, header: dict, model: Any
+                         ) -> tuple[dict | None, list[tuple[str, str, int]]]:
+    """(state, [(name, dtype, length)] of the arrays, in file order) of a branch
+    snapshot's header ((None, []) for a prompt's prefix): the state a flat dict of
+    numbers, names and None; at most MAX_ARRAY_BYTES of arrays in all."""
+    state, arrays = header.get("state"), header.get("arrays")
+    if state is None and arrays is None:
+        return None, []
+    if not (isinstance(state, dict) and all(
+            isinstance(v, (int, float, str, type(None))) for v in state.values())
+            and isinstance(arrays, dict)):
+        raise PrefixCacheError(f"{path}: the branch state in its header is damaged (not "
+                               "the flat object save writes)")
+    layout = []
+    for name, spec in sorted(arrays.items()):
+        if not (isinstance(spec, list) and len(spec) == 2
+                and spec[0] in PrefixCache.ARRAY_TYPES and isinstance(spec[1], int)
+                and not isinstance(spec[1], bool) and spec[1] >= 0):
+            raise PrefixCacheError(f"{path}: the branch's array {name!r} is damaged in its "
+                                   "header")
+        layout.append((name, PrefixCache.ARRAY_TYPES[spec[0]], spec[1]))
+    limit = MAX_ARRAY_BYTES + 16 * (model.config.n_vocab + model.kv_cache_size)
+    size = sum(np.dtype(t).itemsize * n for _, t, n in layout)
+    if size > limit:
+        raise PrefixCacheError(f"{path}: the branch's arrays claim {size:,} bytes, more "
+                               f"than a branch of this model holds (at most {limit:,})")
+    return state, layout
+
+
+# A saved branch's arrays beyond its logits and tokens: its grammar's text, a logit bias
+MAX_ARRAY_BYTES = 1 << 24

@@ -52,6 +52,49 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class MemoryUse:
+    """What an `LLM`'s memory holds (`m.memory()`): its KV cache in positions (tokens)
+    and bytes, and its weights.
+
+    The KV pool has `kv_slots` sequences of `kv_cache_size` positions each: the running
+    generations' slots and the spares that keep recent prompts for reuse.
+    `kv_tokens_running` are the positions running generations hold, `kv_tokens_cached`
+    those idle slots keep, `kv_tokens_free` the rest of the pool. The byte counts are
+    those positions' keys and values (`kv_bytes_per_token` each); `weights_bytes` the
+    model's weights as loaded (the file's tensors)."""
+
+    kv_slots: int
+    kv_cache_size: int
+    kv_tokens_running: int
+    kv_tokens_cached: int
+    kv_tokens_free: int
+    kv_bytes_per_token: int
+    weights_bytes: int
+
+    @property
+    def kv_tokens_used(self) -> int:
+        """Positions held: running and cached."""
+        return self.kv_tokens_running + self.kv_tokens_cached
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the positions held."""
+        return self.kv_tokens_used * self.kv_bytes_per_token
+
+    @property
+    def kv_capacity_bytes(self) -> int:
+        """Bytes of the whole pool, were every position written."""
+        return self.kv_slots * self.kv_cache_size * self.kv_bytes_per_token
+
+    def __str__(self) -> str:
+        mib = 2 ** 20
+        return (f"KV {self.kv_tokens_used:,} of {self.kv_slots * self.kv_cache_size:,} "
+                f"tokens ({self.kv_tokens_running:,} running, {self.kv_tokens_cached:,} "
+                f"cached; {self.kv_bytes / mib:.1f} MiB), weights "
+                f"{self.weights_bytes / mib:.0f} MiB")
+
+
+@dataclass(frozen=True)
 class Usage:
     """Token counts of a generation. With a draft model (`generate(..., draft=)`),
     `drafted_tokens` is how many tokens the draft proposed and `accepted_tokens` how many

@@ -202,6 +202,16 @@ class Scheduler:
             if other is not cache and self._reads_from(other, cache.slot) > start:
                 other.materialize()
 
+    def kv_positions(self) -> tuple[int, int, int]:
+        """(slots, positions running requests hold, positions idle slots keep); a pool not
+        made yet has its slots and nothing held."""
+        with self._cond:
+            if self._pool is None:
+                return self.max_batch + SPARE_SLOTS, 0, 0
+            running = sum(c.offset for c, o in zip(self._caches, self._owner) if o is not None)
+            cached = sum(c.offset for c, o in zip(self._caches, self._owner) if o is None)
+            return len(self._caches), running, cached
+
     def forget(self) -> None:
         """Forget what the idle slots cached (call while `paused`)."""
         for cache, owner in zip(self._caches, self._owner):

@@ -1,6 +1,7 @@
 """Jupyter widgets for workbench models (anywidget + ipywidgets, no network needed).
 
-- `BusyBadge`, `DeviceBadge`: badges following a model's `busy` / `device` signals.
+- `BusyBadge`, `DeviceBadge`, `MemoryBadge`: badges following a model's `busy` /
+  `device` signals and its KV-cache memory.
 - `ChatCell`: a chat with a model, streaming on a worker thread.
 - `TokenView`, `LogitsCell`: tokens coloured by probability, alternatives, branching.
 - `JSONCell`: schema- or grammar-constrained generation shown as a JSON tree.
@@ -11,7 +12,7 @@
 
 from __future__ import annotations
 
-from workbench.widgets.badges import BusyBadge, DeviceBadge
+from workbench.widgets.badges import BusyBadge, DeviceBadge, MemoryBadge
 from workbench.widgets.chat import ChatCell, render_markdown
 from workbench.widgets.json_cell import JSONCell
 from workbench.widgets.logits import LogitsCell, TokenView
@@ -19,5 +20,5 @@ from workbench.widgets.microphone import MicrophoneCell
 from workbench.widgets.serve import ServeCell
 from workbench.widgets.similarity import SimilarityCell
 
-__all__ = ["BusyBadge", "ChatCell", "DeviceBadge", "JSONCell", "LogitsCell",
+__all__ = ["BusyBadge", "ChatCell", "DeviceBadge", "JSONCell", "LogitsCell", "MemoryBadge",
            "MicrophoneCell", "ServeCell", "SimilarityCell", "TokenView", "render_markdown"]

@@ -3,9 +3,12 @@
     BusyBadge(m)     # "● busy" / "○ idle", DOM: <span class="wb-badge wb-busy" data-state="busy">
                      # "⚙ compiling 2/4" (data-state="compiling") while m.warming is set
     DeviceBadge(m)   # "cpu", DOM: <span class="wb-badge wb-device" data-state="cpu">
+    MemoryBadge(m)   # "KV 41 / 40,960 tok · 1.8 MiB", DOM: <span class="wb-badge wb-memory"
+                     # data-state="ok"> ("high" past 80% of the pool, "full" when none free)
 
 Each badge binds its synced trait one way (signal -> widget) with
-`workbench.signals.bind`; `close()` removes the link.
+`workbench.signals.bind`; `close()` removes the link. The memory badge reads `m.memory()`
+each time the model's `busy` signal changes (a generation starting or ending).
 """
 
 from __future__ import annotations
@@ -122,3 +125,48 @@ class DeviceBadge(_Badge):
         return self.device or "unknown"
 
     label = state
+
+
+HIGH_SHARE = 0.8  # the memory badge's "high" state: this share of the KV pool held
+
+
+class MemoryBadge(_Badge):
+    """A badge showing how much of a model's KV cache is held: `MemoryBadge(llm)`.
+
+    The synced traits `label` ("KV 41 / 40,960 tok · 1.8 MiB") and `level` ("ok",
+    "high" past HIGH_SHARE of the pool, "full" when no position is free; the DOM root's
+    `data-state`, with the classes `wb-badge wb-memory`) follow `llm.memory()`, read
+    again whenever the model's `busy` signal changes and on `refresh()`. A model
+    without `memory()` (a remote engine) shows "KV ?".
+    """
+
+    label = traitlets.Unicode("").tag(sync=True)
+    level = traitlets.Unicode("ok").tag(sync=True)
+    detail = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, model: Any, **kwargs: Any):
+        super().__init__(kind="memory", **kwargs)
+        self.model = model
+        busy = getattr(model, "busy", None)
+        self._unbind = busy.subscribe(lambda _: self.refresh()) \
+            if isinstance(busy, Signal) else None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the model's memory now."""
+        memory = getattr(self.model, "memory", None)
+        if not callable(memory):
+            self.label, self.level, self.detail = "KV ?", "ok", "not a local model"
+            return
+        use = memory()
+        total = use.kv_slots * use.kv_cache_size
+        self.label = (f"KV {use.kv_tokens_used:,} / {total:,} tok · "
+                      f"{use.kv_bytes / 2**20:.1f} MiB")
+        self.level = ("full" if use.kv_tokens_free <= 0 else
+                      "high" if use.kv_tokens_used >= HIGH_SHARE * total else "ok")
+        self.detail = str(use)
+
+    @property
+    def state(self) -> str:
+        """"ok", "high" or "full": the badge's `data-state`."""
+        return self.level

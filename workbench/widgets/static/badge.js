@@ -1,4 +1,4 @@
-// Badge view: a small pill showing either the model's busy state or its device.
+// Badge view: a small pill showing the model's busy state, its device or its KV memory.
 function stateOf(model) {
   if (model.get("kind") === "busy") {
     const warming = String(model.get("warming") || "");
@@ -8,6 +8,10 @@ function stateOf(model) {
     }
     const busy = Boolean(model.get("busy"));
     return { state: busy ? "busy" : "idle", label: busy ? "\u25cf busy" : "\u25cb idle" };
+  }
+  if (model.get("kind") === "memory") {
+    return { state: String(model.get("level") || "ok"), label: String(model.get("label") || ""),
+             title: String(model.get("detail") || "") };
   }
   const device = String(model.get("device") || "unknown");
   return { state: device, label: device };
@@ -24,14 +28,12 @@ function render({ model, el }) {
     root.title = title || (kind === "busy" ? `model is ${state}` : `device: ${state}`);
   };
   paint();
-  model.on("change:busy", paint);
-  model.on("change:device", paint);
-  model.on("change:warming", paint);
+  const events = ["change:busy", "change:device", "change:warming", "change:label",
+                  "change:level", "change:detail"];
+  for (const event of events) model.on(event, paint);
   el.appendChild(root);
   return () => {
-    model.off("change:busy", paint);
-    model.off("change:device", paint);
-    model.off("change:warming", paint);
+    for (const event of events) model.off(event, paint);
   };
 }
 
