@@ -14,6 +14,12 @@ alternates them round by round and prints the medians and their ratio:
 - aggregate decode tokens/s with N = 1, 4, 8, 16 sequences decoded together
   (`LLM.generate_batch`; llama.cpp's batch API with one sequence id each).
 
+Every figure comes with its limit: the host's read bandwidth, measured first (NumPy
+summing a buffer far larger than the caches, on the benchmark's threads), and for each
+decode row the share of it each engine used: the bytes a token reads (every weight
+but the token embedding's unread rows, and the keys and values of the context: fp32
+ours, fp16 llama.cpp's) times its tokens/s.
+
 llama-cpp-python is not a dependency of workbench; install it with
 
     pip install llama-cpp-python    # builds llama.cpp from source: ~10 minutes on 2 cores
@@ -110,6 +116,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def read_bandwidth(threads: int, size_mb: int = 512, rounds: int = 5) -> float:
+    """The host's memory read bandwidth in GB/s: the best of `rounds` sums of a
+    `size_mb` buffer split over `threads` threads (NumPy releases the GIL while it
+    sums)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    buf = np.ones(size_mb * 2**20 // 8, dtype=np.float64)
+    parts = np.array_split(buf, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(rounds):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t)
+    return buf.nbytes / best / 1e9
+
+
+def bytes_per_token(m, context: int, kv_bytes_per_value: int = 4) -> int:
+    """The bytes one decoded token reads from memory at `context` positions: every weight
+    tensor (of the token embedding one row, unless it is also the output head) and the
+    context's keys and values (`kv_bytes_per_value` each: 4 for our fp32 cache, 2 for
+    llama.cpp's fp16)."""
+    tensors = m._gguf.tensors
+    total = 0
+    for name, t in tensors.items():
+        if name == "token_embd.weight" and "output.weight" in tensors:
+            total += t.data.nbytes // t.shape[0]  # one row looked up
+        else:
+            total += t.data.nbytes
+    cfg = m.config
+    return total + context * 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * kv_bytes_per_value
+
+
 def decode_rate(completion) -> float:
     """Tokens/s of a running `Completion` from its first token to its last: the prompt,
     read before the first token, is left out."""
@@ -181,10 +222,15 @@ class Bench:
         ]
         rows += [(f"{n} sequences: aggregate tok/s", lambda n=n: self.ours_parallel(n),
                   lambda n=n: self.peer.measure("parallel", n), "higher") for n in a.parallel]
+        # the positions a decoded token reads, on average, for the two decode rows
+        contexts = {rows[1][0]: 8 + a.decode_tokens // 2,
+                    rows[2][0]: len(self.long_ids) + a.decode_tokens // 2}
         size_mb = os.path.getsize(self.path) / 1e6
+        bandwidth = read_bandwidth(a.threads)
         print(f"{os.path.basename(self.path)} ({size_mb:.0f} MB), {a.threads} threads, "
               f"workbench on {self.ours.device.peek()}, "
               f"median of {a.rounds} runs after a warm-up")
+        print(f"host read bandwidth {bandwidth:.1f} GB/s (NumPy, {a.threads} threads)")
         print(f"{'':36}{'workbench':>11}{'llama.cpp':>11}{'ratio':>8}")
         for name, ours, peer, better in rows:
             ra, rb = [], []
@@ -195,8 +241,14 @@ class Bench:
                     if i:
                         results.append(value)
             ma, mb = statistics.median(ra), statistics.median(rb)
-            print(f"{name:<36}{ma:11.1f}{mb:11.1f}{ma / mb:8.2f}   ({better} is better)",
-                  flush=True)
+            used = ""
+            if name in contexts and self.ours.device.peek() == "cpu":
+                ours_gb = ma * bytes_per_token(self.ours, contexts[name]) / 1e9
+                peer_gb = mb * bytes_per_token(self.ours, contexts[name], 2) / 1e9
+                used = (f"; bandwidth used {ours_gb / bandwidth:.0%} and "
+                        f"{peer_gb / bandwidth:.0%}")
+            print(f"{name:<36}{ma:11.1f}{mb:11.1f}{ma / mb:8.2f}   ({better} is better"
+                  f"{used})", flush=True)
         if not a.no_rss:
             ours_mb = self._child_rss("workbench")
             peer_mb = self._child_rss("llama.cpp")
