@@ -657,7 +657,8 @@ def test_an_engine_returning_plain_or_async_iterators_of_text_is_served():
 
 
 def test_a_draft_field_is_refused_not_ignored():
-    """Speculative decoding per request is not served: a `draft` field is a 400."""
+    """A request cannot choose a draft model (the server's is started with it): a `draft`
+    field is a 400."""
     import workbench
 
     with workbench.serve({"echo": Echo()}, port=0) as s:
@@ -669,5 +670,37 @@ def test_a_draft_field_is_refused_not_ignored():
                                                                **field})
                 assert r.status_code == 400, r.text
                 error = r.json()["error"]
-                assert error["param"] == next(iter(field)) and "draft model" in error["message"]
+                assert error["param"] == next(iter(field))
+                assert "cannot choose a draft model" in error["message"]
 
+
+
+def test_a_served_model_with_a_draft_answers_as_without(smollm2):
+    """`serve(m, draft="ngram")`, as llama.cpp's server takes a draft: greedy chat and
+    completion answers (n = 2 too) are the ones the model gives alone; a schema-
+    constrained answer runs without the draft; a bad draft is refused at start."""
+    import workbench
+
+    question = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps "
+                 "over the lazy dog, the quick brown fox jumps over the lazy dog."}]
+    with workbench.serve(smollm2, model_id="m", port=0, draft="ngram", draft_tokens=3) as s:
+        assert s.state.drafts == {"m": {"draft": "ngram", "draft_tokens": 3}}
+        client = openai.OpenAI(base_url=s.base_url, api_key="-", max_retries=0)
+        r = client.chat.completions.create(model="m", messages=question, max_tokens=30,
+                                           temperature=0, n=2)
+        alone = smollm2.chat(question, max_tokens=30)
+        assert [c.message.content for c in r.choices] == [alone.text] * 2
+        r = client.completions.create(model="m", prompt="1, 2, 3, 4,", max_tokens=12,
+                                      temperature=0)
+        assert r.choices[0].text == smollm2.generate("1, 2, 3, 4,", max_tokens=12).text
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+                  "required": ["a"]}
+        r = client.chat.completions.create(
+            model="m", messages=question, max_tokens=12, temperature=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "a", "schema": schema}})
+        assert "a" in json.loads(r.choices[0].message.content)
+    with pytest.raises(ValueError, match="draft must be an LLM"):
+        workbench.serve(smollm2, port=0, draft="small")
+    with pytest.raises(ValueError, match="maps model ids"):
+        workbench.serve({"a": smollm2, "b": smollm2}, port=0, draft="ngram")

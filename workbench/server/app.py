@@ -52,8 +52,8 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
                body_timeout: float | None = limits.BODY_TIMEOUT,
                max_audio_seconds: float | None = limits.MAX_AUDIO_SECONDS,
                max_embedding_tokens: int | None = limits.MAX_EMBEDDING_TOKENS,
-               protect_docs: bool | None = None, cors_origins: Sequence[str] = ()
-               ) -> FastAPI:
+               protect_docs: bool | None = None, cors_origins: Sequence[str] = (),
+               drafts: Mapping[str, Mapping[str, Any]] | None = None) -> FastAPI:
     """The FastAPI app serving `engines` ({model id: engine}) with OpenAI's API.
 
     api_key: when set, `/v1/*` routes need `Authorization: Bearer <api_key>`
@@ -80,13 +80,17 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
         user visits cannot drive the models: a browser's request from another origin
         gets 403, a form or an upload as much as JSON. Preflight requests are answered
         before the key is checked (browsers send them without it).
+    drafts: {model id: {"draft": a draft LLM or "ngram", "draft_tokens": k}}: that
+        model's chat and text completions decode speculatively (not those with a
+        `response_format` or `grammar`, which speculation does not support).
     The state (gate, counters) is `app.state.workbench`.
     """
     state = ServerState(engines, api_key=api_key, max_concurrent=max_concurrent,
                         max_queue=max_queue, max_body_bytes=max_body_bytes,
                         max_tokens_limit=max_tokens_limit, request_timeout=request_timeout,
                         body_timeout=body_timeout, max_audio_seconds=max_audio_seconds,
-                        max_embedding_tokens=max_embedding_tokens, protect_docs=protect_docs)
+                        max_embedding_tokens=max_embedding_tokens, protect_docs=protect_docs,
+                        drafts=drafts)
     app = FastAPI(title="workbench", version=__version__,
                   description="An OpenAI-compatible API over local workbench engines.")
     app.state.workbench = state

@@ -61,9 +61,14 @@ class ServerState:
                  body_timeout: float | None = limits.BODY_TIMEOUT,
                  max_audio_seconds: float | None = limits.MAX_AUDIO_SECONDS,
                  max_embedding_tokens: int | None = limits.MAX_EMBEDDING_TOKENS,
-                 protect_docs: bool | None = None):
+                 protect_docs: bool | None = None,
+                 drafts: Mapping[str, Mapping[str, Any]] | None = None):
         if not engines:
             raise ValueError("serve at least one engine")
+        for name in drafts or {}:
+            if name not in engines or not callable(getattr(engines[name], "generate", None)):
+                raise ValueError(f"a draft is given for {name!r}, which is not a served "
+                                 "language model")
         if max_concurrent < 1 or max_queue < 0:
             raise ValueError("max_concurrent must be >= 1 and max_queue >= 0")
         check_api_key(api_key)
@@ -81,6 +86,8 @@ class ServerState:
         if protect_docs and api_key is None:
             raise ValueError("protect_docs puts the docs behind the api_key: set one")
         self.engines = dict(engines)
+        # model id -> the speculative options its generations take (draft, draft_tokens)
+        self.drafts = {name: dict(options) for name, options in (drafts or {}).items()}
         self.api_key = api_key
         self.protect_docs = api_key is not None if protect_docs is None else protect_docs
         self.max_concurrent, self.max_queue = max_concurrent, max_queue

@@ -130,6 +130,7 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
           max_embedding_tokens: int | None = _DEFAULT, protect_docs: bool | None = None,
           cors_origins: Sequence[str] = (),
           max_connections: int | None = None, header_timeout: float | None = _DEFAULT,
+          draft: Any = None, draft_tokens: int | None = None,
           background: bool = True, log_level: str | None = None) -> Server:
     """Serve `engine` with OpenAI's HTTP API (chat, completions, embeddings, transcription).
 
@@ -179,6 +180,12 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     header_timeout: seconds a connection has to send a request's headers (default
         10; slower: 408 and closed), so half-open connections cannot pile up; None:
         no limit.
+    draft: speculative decoding for the served language model, as llama.cpp's server
+        takes a draft model: a smaller `LLM` with its vocabulary, or "ngram" (prompt
+        lookup); for several engines, a mapping {model id: draft}. Its chat and text
+        completions then check `draft_tokens` proposals (default: `generate`'s) per
+        target pass (greedy answers are the same tokens; constrained ones run without
+        it). A request's own `draft` field is refused.
     background: serve on a daemon thread and return the running `Server` (stop it
         with `.stop()` or a `with` block); False serves until Ctrl-C.
     A server this process started on the same host and port is stopped first, so
@@ -204,6 +211,7 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
 
     engines = _engines(engine) if isinstance(engine, Mapping) else {
         model_id or default_model_id(engine): engine}
+    drafts = _drafts(engines, draft, draft_tokens)
     chosen = {name: value for name, value in (
         ("max_tokens_limit", max_tokens_limit), ("request_timeout", request_timeout),
         ("body_timeout", body_timeout), ("max_audio_seconds", max_audio_seconds),
@@ -213,7 +221,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
                      max_concurrent=(limits.MAX_CONCURRENT if max_concurrent is None
                                      else max_concurrent),
                      max_queue=max_queue, max_body_bytes=max_body_bytes or limits.MAX_BODY_BYTES,
-                     protect_docs=protect_docs, cors_origins=cors_origins, **chosen)
+                     protect_docs=protect_docs, cors_origins=cors_origins, drafts=drafts,
+                     **chosen)
     old = _running.get((host, port))
     if old is not None:
         old.stop()
@@ -247,6 +256,32 @@ def _engines(mapping: Mapping[Any, Any]) -> dict[str, Any]:
                 "arguments: serve(engine, model_id=..., host=..., port=..., api_key=..., "
                 "max_concurrent=..., ...)")
     return dict(mapping)
+
+
+def _drafts(engines: Mapping[str, Any], draft: Any, draft_tokens: int | None
+            ) -> dict[str, dict[str, Any]]:
+    """{model id: speculative options} from `serve`'s `draft` (one served engine's draft,
+    or a mapping {model id: draft}), each checked as `generate(..., draft=)` checks it."""
+    from workbench.engine import speculative
+    from workbench.engine.llm import LLM
+
+    if draft is None:
+        return {}
+    if draft_tokens is None:
+        draft_tokens = speculative.DRAFT_TOKENS
+    if not isinstance(draft, Mapping):
+        if len(engines) != 1:
+            raise ValueError("with several engines, draft= maps model ids to drafts: "
+                             "{model id: draft}")
+        draft = {next(iter(engines)): draft}
+    drafts = {}
+    for name, one in draft.items():
+        target = engines.get(name)
+        if not isinstance(target, LLM):
+            raise ValueError(f"draft= names {name!r}, which is not a served local LLM")
+        speculative.check_draft(target, one, draft_tokens, [0])
+        drafts[name] = {"draft": one, "draft_tokens": draft_tokens}
+    return drafts
 
 
 def default_model_id(engine: Any) -> str:

@@ -127,8 +127,8 @@ class _Sampling(_Request):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repeat_penalty: Annotated[float, Field(gt=0.0)] | None = None
     grammar: str | None = None
-    # speculative decoding, which this server does not take per request: refused, so that
-    # a client that asks for it is told rather than silently served without
+    # speculative decoding is the server's choice (`serve(..., draft=)`), not a request's:
+    # refused, so that a client that asks for it is told rather than silently served
     draft: Any = None
     draft_tokens: Any = None
 
@@ -136,9 +136,9 @@ class _Sampling(_Request):
         """Engine options: OpenAI's sampling defaults, then the fields this request set."""
         for name in ("draft", "draft_tokens"):
             if getattr(self, name) is not None:
-                raise APIError(400, f"{name}: this server decodes without a draft model "
-                               "(speculative decoding per request is not supported)",
-                               param=name, code="unsupported_parameter")
+                raise APIError(400, f"{name}: a request cannot choose a draft model (the "
+                               "server's draft model, if it was started with one, serves "
+                               "every request)", param=name, code="unsupported_parameter")
         options = {**OPENAI_SAMPLING,
                    **self.options(*(n for n in _AS_WRITTEN if n in type(self).model_fields))}
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
