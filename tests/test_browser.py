@@ -212,11 +212,30 @@ def _shot(page, lab: Lab, name: str, locator=None) -> Path:
     return path
 
 
+# Records when each code cell's prompt first shows its execution count ("[7]:").
+RECORD_CELL_TIMES = """() => {
+    const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+    const done = window.__wbCellsDone = [[0, performance.now(), '']];
+    const seen = new Set();
+    new MutationObserver(() => {
+        for (const cell of panel.querySelectorAll('.jp-CodeCell')) {
+            const m = /\\[(\\d+)\\]/.exec(cell.querySelector('.jp-InputPrompt').textContent);
+            if (!m || seen.has(m[1])) continue;
+            seen.add(m[1]);
+            const line = cell.querySelector('.cm-line');
+            done.push([Number(m[1]), performance.now(), line ? line.textContent : '']);
+        }
+    }).observe(panel, {subtree: true, childList: true, characterData: true});
+}"""
+
+
 def _open_and_run_all(page, lab: Lab, notebook: str, before_run: str | None = None,
-                      while_running=None) -> None:
+                      while_running=None, run_all_s: float = RUN_ALL_S
+                      ) -> list[tuple[float, str]]:
     """Open `notebook`, wait for its kernel, run all cells, wait until every cell has run.
     `before_run`: JavaScript evaluated before Run All; `while_running(page)` is called once
-    the cells have started."""
+    the cells have started. Returns (seconds, "[count] first line") per code cell, slowest
+    first."""
     # ?reset: a fresh workspace holding this notebook only (not the one open before)
     page.goto(f"{lab.url}/lab/tree/{notebook}?reset&token={lab.token}")
     page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell",
@@ -228,6 +247,7 @@ def _open_and_run_all(page, lab: Lab, notebook: str, before_run: str | None = No
                            timeout=SERVER_START_S * 1000)
     if before_run:
         page.evaluate(before_run)
+    page.evaluate(RECORD_CELL_TIMES)
     started = """() => [...document.querySelectorAll(
         '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')]
         .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))"""
@@ -256,7 +276,7 @@ def _open_and_run_all(page, lab: Lab, notebook: str, before_run: str | None = No
                 const prompts = [...panel.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
                 return prompts.length > 0
                     && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
-            }""", timeout=RUN_ALL_S * 1000, polling=500)
+            }""", timeout=run_all_s * 1000, polling=500)
     except Exception:
         _shot(page, lab, f"{Path(notebook).stem}-run-all-timeout")
         raise
@@ -265,6 +285,38 @@ def _open_and_run_all(page, lab: Lab, notebook: str, before_run: str | None = No
     if errors.count():
         _shot(page, lab, f"{Path(notebook).stem}-error", errors.first)
         pytest.fail(f"{notebook}: a cell raised:\n{errors.first.inner_text()[:3000]}")
+    done = sorted(page.evaluate("() => window.__wbCellsDone"))
+    return sorted(((round((t - t_before) / 1000, 1), f"[{n}] {line[:40]}")
+                   for (_, t_before, _), (n, t, line) in zip(done, done[1:])), reverse=True)
+
+
+def _walk_to(page, lab: Lab, locator, what: str) -> None:
+    """Bring `locator` into the DOM: JupyterLab renders the cells near the view only, so
+    walk down from the first cell (command mode's "j" moves to the next cell and scrolls it
+    into view) until it is there."""
+    page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").first.click()
+    page.keyboard.press("Escape")
+    for _ in range(60):
+        if locator.count():
+            locator.first.scroll_into_view_if_needed()
+            return
+        page.keyboard.press("j")
+        page.wait_for_timeout(300)
+    _shot(page, lab, "no-" + what.replace(" ", "-"))
+    pytest.fail(f"no {what} in the notebook")
+
+
+def _send_chat(page, chat, text: str) -> str:
+    """Send `text` from the chat cell `chat` (a `.wb-chat` locator); wait for the answer."""
+    assistant = chat.locator(".wb-msg.wb-msg-assistant")
+    before = assistant.count()
+    chat.locator(".wb-chat-input").fill(text)
+    chat.locator(".wb-chat-send").click()
+    chat.locator(".wb-msg-assistant[data-streaming='false']").nth(before).wait_for(
+        timeout=120_000)
+    page.wait_for_function("root => root.dataset.generating === 'false'",
+                           arg=chat.element_handle(), timeout=120_000)
+    return assistant.nth(before).inner_text().strip()
 
 
 def _pin_a_token(page, lab: Lab, view, name: str) -> str:
@@ -399,19 +451,7 @@ def test_json_notebook_shows_an_answer_closed_at_the_budget(page, lab):
     run_s = time.monotonic() - t0
     cells = page.locator(".wb-json")
     closed = cells.filter(has=page.locator(".wb-chat-stats", has_text="closed at the budget"))
-    # JupyterLab renders the cells near the view only: walk down, cell by cell (command
-    # mode's "j" moves to the next cell and scrolls it into view), until the cell is there
-    page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").first.click()
-    page.keyboard.press("Escape")
-    for _ in range(40):
-        if closed.count():
-            break
-        page.keyboard.press("j")
-        page.wait_for_timeout(300)
-    if not closed.count():
-        _shot(page, lab, "03_json-no-closed-cell")
-        stats = page.locator(".wb-json .wb-chat-stats").all_inner_texts()
-        pytest.fail(f"no JSON cell says 'closed at the budget'; stats lines: {stats}")
+    _walk_to(page, lab, closed, "JSON cell closed at the budget")
     assert closed.count() == 1
     badge = closed.first.locator(".wb-json-badge")
     assert badge.get_attribute("data-state") == "valid", badge.get_attribute("title")
@@ -419,7 +459,27 @@ def test_json_notebook_shows_an_answer_closed_at_the_budget(page, lab):
     assert "poem" in tree.inner_text() and "lines" in tree.inner_text()
     _shot(page, lab, "03_json-closed-at-the-budget", closed.first)
     stats = closed.first.locator(".wb-chat-stats").inner_text()
-    print(f"\n03_json: run all {run_s:.1f} s; {stats}")
+
+    # Generate once more from the browser: the cell generates, then shows a valid answer.
+    cell = closed.first.element_handle()  # its stats line changes while it generates
+    cell.evaluate("""root => {
+        window.__wb = {generating: []};
+        new MutationObserver(() => window.__wb.generating.push(root.dataset.generating))
+            .observe(root, {attributes: true, attributeFilter: ['data-generating']});
+    }""")
+    t1 = time.monotonic()
+    cell.query_selector(".wb-json-run").click()
+    page.wait_for_function("() => window.__wb.generating.includes('true')", timeout=30_000)
+    page.wait_for_function("root => root.dataset.generating === 'false'", arg=cell,
+                           timeout=120_000)
+    generate_s = time.monotonic() - t1
+    badge = cell.query_selector(".wb-json-badge")
+    assert badge.get_attribute("data-state") == "valid", badge.get_attribute("title")
+    assert cell.query_selector(".wb-json-output .wb-json-node"), cell.inner_html()[-2000:]
+    assert cell.query_selector(".wb-error").inner_text() == ""
+    _shot(page, lab, "03_json-generated-in-the-browser", closed.first)
+    print(f"\n03_json: run all {run_s:.1f} s; {stats}; Generate clicked: valid in "
+          f"{generate_s:.1f} s, {cell.query_selector('.wb-chat-stats').inner_text()}")
     assert not page.console_errors, page.console_errors
 
 
@@ -451,6 +511,85 @@ def test_logits_notebook_in_the_browser(page, lab):
     assert figures.count() >= 3
     print(f"\n02_logits: run all {run_s:.1f} s, {n} tokens, {rows.count()} alternatives: "
           f"{rows.first.inner_text()!r}; clicked {pinned!r}")
+    assert not page.console_errors, page.console_errors
+
+
+@pytest.mark.browser
+def test_branching_notebook_pins_a_token(page, lab):
+    """07_branching in the browser: a click on a token of its logits cell shows the
+    alternatives just below that token."""
+    t0 = time.monotonic()
+    cells = _open_and_run_all(page, lab, "07_branching.ipynb", run_all_s=2 * RUN_ALL_S)
+    run_s = time.monotonic() - t0
+    views = page.locator(".wb-tokens-root")
+    _walk_to(page, lab, views, "logits cell")
+    pinned = _pin_a_token(page, lab, views.first, "07_branching-token-clicked")
+    assert page.locator(".wb-branches").count() >= 1  # compare(0, k=4) listed branches
+    print(f"\n07_branching: run all {run_s:.1f} s (slowest cells: {cells[:3]}); "
+          f"clicked {pinned!r}")
+    assert not page.console_errors, page.console_errors
+
+
+@pytest.mark.browser
+def test_embeddings_notebook_searches_in_the_browser(page, lab):
+    """04_embeddings in the browser: a query typed into the similarity cell's search box
+    lists the sentences closest in meaning."""
+    t0 = time.monotonic()
+    _open_and_run_all(page, lab, "04_embeddings.ipynb")
+    run_s = time.monotonic() - t0
+    cells = page.locator(".wb-similarity")
+    _walk_to(page, lab, cells, "similarity cell")
+    cell = cells.first
+    cell.locator(".widget-text input").fill("someone is having a meal")
+    t1 = time.monotonic()
+    cell.locator("button", has_text="Search").click()
+    results = cell.locator(".wb-neighbours", has=page.locator(
+        "caption", has_text="someone is having a meal"))
+    results.wait_for(timeout=60_000)
+    search_s = time.monotonic() - t1
+    best = results.locator("tr").nth(1).inner_text()  # row 0 holds the headings
+    _shot(page, lab, "04_embeddings-searched", results)
+    assert "A man is eating" in best, results.inner_text()
+    print(f"\n04_embeddings: run all {run_s:.1f} s, search {search_s:.1f} s: {best!r}")
+    assert not page.console_errors, page.console_errors
+
+
+@pytest.mark.browser
+def test_serve_notebook_keeps_serving_after_run_all(page, lab):
+    """06_serve in the browser: after Run All the serve cell still serves, its remote chat
+    cell answers from the browser, and Stop then Start serve again on the same URL."""
+    t0 = time.monotonic()
+    _open_and_run_all(page, lab, "06_serve.ipynb")
+    run_s = time.monotonic() - t0
+    serve = page.locator(".wb-serve")
+    _walk_to(page, lab, serve, "serve cell")
+    serve = serve.first
+    url = serve.locator(".wb-serve-url")
+    assert "serving at http://127.0.0.1:" in url.inner_text(), url.inner_text()
+    assert "running" in serve.locator(".wb-serve-counters").inner_text()
+    base_url = url.locator("a").inner_text().strip()
+    _shot(page, lab, "06_serve-serving", serve)
+
+    chats = page.locator(".wb-chat")
+    _walk_to(page, lab, chats, "chat cell")
+    t1 = time.monotonic()
+    answer = _send_chat(page, chats.first, QUESTION)
+    answer_s = time.monotonic() - t1
+    _shot(page, lab, "06_serve-remote-chat-answered", chats.first)
+    assert "Paris" in answer, answer
+
+    _walk_to(page, lab, page.locator(".wb-serve"), "serve cell")
+    serve.locator("button", has_text="Stop").click()
+    url.filter(has_text="stopped").wait_for(timeout=30_000)
+    serve.locator("button", has_text="Start").click()
+    url.filter(has_text="serving at").wait_for(timeout=30_000)
+    assert url.locator("a").inner_text().strip() == base_url  # the same port again
+    with urllib.request.urlopen(f"{base_url}/models", timeout=30) as r:
+        models = [m["id"] for m in json.loads(r.read())["data"]]
+    assert "smollm2-135m" in models, models
+    _shot(page, lab, "06_serve-restarted", serve)
+    print(f"\n06_serve: run all {run_s:.1f} s, remote chat answer {answer_s:.1f} s: "
+          f"{answer!r}; restarted at {base_url}")
     assert not page.console_errors, page.console_errors
 
 
