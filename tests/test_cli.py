@@ -125,8 +125,9 @@ def test_peak_memory_while_generating(alias):
 
 @pytest.mark.slow
 def test_serve_in_the_foreground_until_ctrl_c(smollm2):
-    """`workbench serve` serves a chat model and an encoder under their aliases, answers the
-    openai client like the engine, and stops cleanly on SIGINT."""
+    """`workbench serve` serves a chat model (here with `--draft ngram`: speculative, the
+    same greedy answer) and an encoder under their aliases, answers the openai client like
+    the engine, and stops cleanly on SIGINT."""
     import signal
     import socket
     import time
@@ -138,7 +139,8 @@ def test_serve_in_the_foreground_until_ctrl_c(smollm2):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "smollm2-135m",
-                             "minilm-l6", "--port", str(port), "--api-key", "k"],
+                             "minilm-l6", "--port", str(port), "--api-key", "k",
+                             "--draft", "ngram", "--draft-tokens", "3"],
                             stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -163,6 +165,7 @@ def test_serve_in_the_foreground_until_ctrl_c(smollm2):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "Traceback" not in err, err  # 130: ended by SIGINT
     assert f"serving smollm2-135m, minilm-l6 at http://127.0.0.1:{port}/v1" in err
+    assert "smollm2-135m decodes with the draft ngram" in err
 
 
 # -- workbench lab -------------------------------------------------------------------------

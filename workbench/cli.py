@@ -200,6 +200,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="requests waiting for a slot before 429 (default: 64)")
     srv.add_argument("--ctx", type=int, default=4096,
                      help="context length of chat models in tokens (default 4096)")
+    srv.add_argument("--draft", default=None, metavar="MODEL",
+                     help="speculative decoding for the first chat model: a smaller model "
+                          "with its vocabulary (alias or .gguf path), or 'ngram' (prompt "
+                          "lookup, no second model)")
+    srv.add_argument("--draft-tokens", type=int, default=None, metavar="N",
+                     help="proposals the target checks per pass (default: 4)")
     srv.add_argument("--max-tokens-limit", type=int, default=limits.MAX_TOKENS_LIMIT,
                      metavar="N", help="the most tokens one request may generate per choice "
                      "(default %(default)s; 0: no limit)")
@@ -532,6 +538,16 @@ def _serve(args) -> int:
                 name = Path(spec).stem
         engines[name] = _prepared(load_engine(source, ctx=args.ctx,
                                               max_batch=args.max_concurrent))
+    draft = None
+    if args.draft is not None:
+        target = next((n for n, e in engines.items() if callable(getattr(e, "chat", None))),
+                      None)
+        if target is None:
+            raise ValueError("--draft needs a chat model among the models served")
+        small = args.draft if args.draft == "ngram" else _prepared(
+            load_engine(args.draft, ctx=args.ctx, max_batch=args.max_concurrent))
+        draft = {target: small}
+        print(f"workbench: {target} decodes with the draft {args.draft}", file=sys.stderr)
     print(f"workbench: serving {', '.join(engines)} at http://{args.host}:{args.port}/v1 "
           "(Ctrl-C stops)", file=sys.stderr)
     serve(engines, host=args.host, port=args.port, api_key=args.api_key,
@@ -541,7 +557,8 @@ def _serve(args) -> int:
           request_timeout=args.request_timeout or None, body_timeout=args.body_timeout or None,
           max_audio_seconds=args.max_audio_seconds or None,
           max_embedding_tokens=args.max_embedding_tokens or None, cors_origins=args.cors_origin,
-          protect_docs=False if args.open_docs else None, background=False)
+          protect_docs=False if args.open_docs else None, draft=draft,
+          draft_tokens=args.draft_tokens, background=False)
     return 0
 
 
