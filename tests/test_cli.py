@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from workbench import lab
+from workbench import lab, registry
 from workbench.cli import main
 from workbench.engine import sources
 
@@ -121,6 +121,17 @@ def test_peak_memory_while_generating(alias):
     peak_mb = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
     budget_mb = 1.5 * path.stat().st_size / 1e6 + 300
     assert 0 < peak_mb <= budget_mb, f"peak RSS {peak_mb:.0f} MB, budget {budget_mb:.0f} MB"
+
+
+def test_pull_all_pulls_every_registered_model(monkeypatch, capsys):
+    pulled = []
+    monkeypatch.setattr(sources, "pull", lambda alias, force=False: pulled.append(alias)
+                        or Path(f"/models/{alias}"))
+    assert main(["pull", "--all", "--no-kernels"]) == 0
+    assert pulled == list(registry.MODELS)
+    assert f"whisper-base: {Path('/models/whisper-base')}" in capsys.readouterr().out
+    assert main(["pull", "gemma3-270m", "--all"]) == 1
+    assert "either aliases or --all" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                           "the CPU kernels they run (kept in the kernel cache).")
     pull.add_argument("aliases", nargs="*", default=[registry.DEFAULT_MODEL], metavar="ALIAS",
                       help=f"model aliases (default: {registry.DEFAULT_MODEL})")
+    pull.add_argument("--all", action="store_true",
+                      help="every registered model (what the notebooks use: about 1.1 GB)")
     pull.add_argument("--force", action="store_true", help="download again even if cached")
     pull.add_argument("--no-kernels", action="store_true",
                       help="do not prepare the models' CPU kernels (compiled on first use)")
@@ -398,7 +400,9 @@ def _stream(completion) -> None:
 
 
 def _pull(args) -> int:
-    for alias in args.aliases:
+    if args.all and args.aliases != [registry.DEFAULT_MODEL]:
+        raise ValueError("pass either aliases or --all, not both")
+    for alias in list(registry.MODELS) if args.all else args.aliases:
         path = sources.pull(alias, force=args.force)
         print(f"{alias}: {path}")
         if not args.no_kernels:  # compile them now, not in the user's first call
