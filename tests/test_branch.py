@@ -312,6 +312,8 @@ def test_a_bad_branch_file_is_refused_and_frees_nothing(smollm2, tmp_path):
 
     store = BranchStore(smollm2, max_active=2)
     branch = Branch.create(smollm2, {"temperature": 0}, store=store)
+    with pytest.raises(RuntimeError, match="prefill the branch before saving"):
+        branch.save(tmp_path / "empty.wbbranch")
     branch.prefill(smollm2.tokenize(PROMPT))
     path = branch.save(tmp_path / "b.wbbranch")
     data = bytearray(path.read_bytes())

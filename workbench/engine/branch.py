@@ -215,6 +215,8 @@ class Branch:
         checksummed prefix-cache file bound to this model file. `Branch.load` brings it
         back. Logits processors are functions and are not saved: pass them again."""
         self._check_alive()
+        if self.logits is None:
+            raise RuntimeError("prefill the branch before saving it (it has no positions)")
         model = self.model
         snap = self.cache.snapshot(model.file_sha256)
         params = dataclasses.asdict(self.sampler.params)
