@@ -1,5 +1,6 @@
-"""The rooms of `workbench/` import only the rooms below them (docs/architecture.md), and
-the HTTP client reaches only the engine's light modules."""
+"""The rooms of `workbench/` import only the rooms below them (docs/architecture.md), no
+module imports itself through others, and the HTTP client reaches only the engine's light
+modules."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "workbench"
 BASE = {"signals", "registry", "version"}
-# room -> the rooms it may import ("top" is workbench/__init__.py, cli.py, batch.py, bench.py)
+# room -> the rooms it may import ("top": workbench/__init__.py, cli.py, lab.py, batch.py, bench.py)
 ALLOWED = {
     "base": set(),
     "kernels": set(),
@@ -26,7 +27,7 @@ REMOTE_REACHES = {"workbench.engine.results", "workbench.engine.options",
 def room(module: str) -> str:
     """The room of a dotted module name under workbench."""
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("__init__", "cli", "batch", "bench"):
+    if len(parts) == 1 or parts[1] in ("__init__", "cli", "lab", "batch", "bench"):
         return "top"
     return "base" if parts[1] in BASE else parts[1]
 
@@ -34,6 +35,25 @@ def room(module: str) -> str:
 def module_name(path: Path) -> str:
     rel = path.relative_to(PACKAGE.parent).with_suffix("")
     return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+        or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _run_time_nodes(node: ast.AST):
+    """The nodes under `node` that run: all but the body of `if TYPE_CHECKING:` blocks."""
+    for child in ast.iter_child_nodes(node):
+        if _is_type_checking(child):
+            for other in child.orelse:
+                yield other
+                yield from _run_time_nodes(other)
+            continue
+        yield child
+        yield from _run_time_nodes(child)
 
 
 def imported(path: Path) -> set[str]:
@@ -50,6 +70,82 @@ def imported(path: Path) -> set[str]:
             else:
                 names.add(node.module)
     return names
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the workbench modules it imports when it runs: at the top or inside a
+    function, not under `if TYPE_CHECKING:`. `from package import name` points at the
+    submodule `package.name` where there is one, else at the package."""
+    graph = {}
+    for name, path in MODULES.items():
+        edges = set()
+        for node in _run_time_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                edges |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES
+                          else node.module for a in node.names}
+        graph[name] = edges & MODULES.keys()
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of `graph` that hold a cycle (Tarjan's
+    algorithm, iterative): each is a set of modules that import each other in a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1 or node in graph[node]:
+                        cycles.append(sorted(component))
+    return cycles
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}, "f": {"d"}}
+    assert sorted(import_cycles(graph)) == [["a", "b", "c"], ["e"]]
+
+
+def test_no_module_imports_itself_through_others():
+    cycles = import_cycles(import_graph())
+    graph = import_graph()
+    shown = [" <-> ".join(c) + "\n    " + "; ".join(
+        f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for m in c) for c in cycles]
+    assert not cycles, f"{len(cycles)} import cycles:\n" + "\n".join(shown)
 
 
 def test_rooms_import_only_the_rooms_below_them():

@@ -275,7 +275,7 @@ def _fake_engine(seconds: list[float]):
 
 
 def test_lab_kernel_progress_is_a_line_per_step(monkeypatch, capsys):
-    monkeypatch.setattr("workbench.cli.load_engine", lambda alias: _fake_engine([1.4, 1.4]))
+    monkeypatch.setattr("workbench.engine.load_engine", lambda alias: _fake_engine([1.4, 1.4]))
     lab.prepare_kernels("smollm2-135m")
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["kernels: compiling 0/2: step 0", "kernels: compiling 1/2: step 1"]
@@ -283,7 +283,7 @@ def test_lab_kernel_progress_is_a_line_per_step(monkeypatch, capsys):
 
 
 def test_lab_kernel_progress_from_a_warm_cache_is_silent(monkeypatch, capsys):
-    monkeypatch.setattr("workbench.cli.load_engine", lambda alias: _fake_engine([0.01] * 6))
+    monkeypatch.setattr("workbench.engine.load_engine", lambda alias: _fake_engine([0.01] * 6))
     lab.prepare_kernels("smollm2-135m")
     assert capsys.readouterr().out == ""
 

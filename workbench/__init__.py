@@ -68,7 +68,7 @@ _LAZY = {
     "compile_schema": "engine.grammar", "UnsupportedSchemaError": "engine.grammar",
     "GGUFError": "engine.gguf", "AudioError": "engine.audio", "Cancelled": "engine.cancel",
     "RemoteEngine": "server.remote",
-    "pull": "engine.sources", "architectures": "engine.sources",
+    "pull": "engine.sources", "architectures": "engine.models.families",
 }
 
 # the server's packages (FastAPI, uvicorn) load when `serve` is called, not here
@@ -89,10 +89,11 @@ if TYPE_CHECKING:
     from workbench.engine.gguf import GGUFError
     from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
     from workbench.engine.llm import LLM
+    from workbench.engine.models.families import architectures
     from workbench.engine.options import GenerationOptions
     from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError
     from workbench.engine.results import Completion, TokenEvent, Transcript
-    from workbench.engine.sources import architectures, pull
+    from workbench.engine.sources import pull
     from workbench.engine.whisper import WhisperModel
     from workbench.server.remote import RemoteEngine
 

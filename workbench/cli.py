@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from workbench import registry
-from workbench.engine import sources
+from workbench.engine import load_engine, sources
 from workbench.engine.options import DEFAULTS, GenerationOptions
 from workbench.lab import lab_command  # noqa: F401 (part of this module's API)
 from workbench.server import limits
@@ -505,27 +505,6 @@ def _convert(args) -> int:
         path = hf_bert_to_gguf(source, args.output, dtype=dtype)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {dtype})")
     return 0
-
-
-def load_engine(source: str, *, ctx: int = 4096, max_batch: int | None = None):
-    """The engine a model file calls for: `WhisperModel` for a whisper.cpp .bin, `Encoder`
-    for a BERT GGUF, `LLM` for a decoder GGUF (decoding `max_batch` generations together;
-    default: the LLM's)."""
-    path = sources.resolve(source)
-    if path.suffix == ".bin":
-        from workbench.engine.whisper import WhisperModel
-
-        return WhisperModel.load(path)
-    from workbench.engine.gguf import open_gguf
-
-    g = open_gguf(path)
-    if g.architecture == "bert":
-        from workbench.engine.encoder import Encoder
-
-        return Encoder(g)
-    from workbench.engine.llm import LLM
-
-    return LLM(g, kv_cache_size=ctx, **({} if max_batch is None else {"max_batch": max_batch}))
 
 
 def _serve(args) -> int:

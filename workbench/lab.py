@@ -115,7 +115,7 @@ def prepare_kernels(alias: str, file=None) -> None:
     """Compile (or load from the cache) the CPU kernels of the model `alias`, writing a line
     for each step that takes over a second ("kernels: compiling 3/6: prefill") and
     "kernels ready in N s" at the end, or nothing at all when the cache had them."""
-    from workbench.cli import load_engine
+    from workbench.engine import load_engine
     from workbench.engine.warmup import QUIET_SECONDS
 
     file = file or sys.stdout

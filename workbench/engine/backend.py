@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from workbench.engine.formulas import glu_activation, rms_norm, rotate
 from workbench.kernels import quants
 from workbench.kernels.cuda import GEMV_MAX_T
 from workbench.kernels.linear import QuantizedWeight
@@ -199,8 +200,6 @@ class Backend:
     def rms_norm(self, x: Any, weight: Any, eps: float, add: Any = None) -> Any:
         """RMSNorm over the last axis of x (..., n), times weight (n,). With `add` (x's
         shape): the residual sum x + add and its norm, as a pair."""
-        from workbench.engine.models.llama import rms_norm
-
         if add is None:
             return rms_norm(x, weight, eps, self.xp)
         summed = x + add
@@ -210,14 +209,10 @@ class Backend:
         """x (T, heads, hd), token t rotated by the angles of position pos[t] (pos: (T,)
         int32 on the device; cos, sin: the (max_len, dim / 2) tables): the leading `dim`
         entries of each head, in NEOX halves or interleaved pairs."""
-        from workbench.engine.models.rope import rotate
-
         return rotate(self.xp, x, cos[pos][:, None, :], sin[pos][:, None, :], dim, neox)
 
     def glu(self, gu: Any, gelu: bool) -> Any:
         """gu (T, 2 n_ff), gate then up -> act(gate) * up (T, n_ff): SiLU, or tanh GELU."""
-        from workbench.engine.models.feed_forward import glu_activation
-
         return glu_activation(self.xp, gu, gelu)
 
     # how many sequences one recorded decode step takes (`attend_step` and the products)

@@ -17,7 +17,7 @@ from workbench.engine.options import GenerationOptions
 from workbench.engine.profiling import span
 from workbench.engine.results import Alternative, TokenEvent
 from workbench.engine.sampling import DeviceSampler, Sampler, entropy, log_softmax
-from workbench.engine.tokenizers import Tokenizer
+from workbench.engine.tokenizers.base import Tokenizer
 from workbench.engine.tokenizers.stream import StreamDecoder
 
 LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]  # fn(ids, logits) -> logits

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from workbench.engine.tokenizers import token_texts
+from workbench.engine.tokenizers.base import token_texts
 
 GGUF_MAGIC = b"GGUF"
 MAX_INT = 2**31 - 1

@@ -32,7 +32,7 @@ import numpy as np
 from llguidance import gbnf_to_lark
 
 from workbench.engine.profiling import span
-from workbench.engine.tokenizers import Tokenizer
+from workbench.engine.tokenizers.base import Tokenizer
 
 # Whitespace a JSON grammar allows between tokens: one space, or one or two line breaks
 # and an indent of up to 20, as llama.cpp's JSON-Schema grammars allow. Unbounded

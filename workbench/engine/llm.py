@@ -31,9 +31,10 @@ from workbench.engine.closing import Closing
 from workbench.engine.decoding import Decoding, LogitsProcessor, replay
 from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.grammar import Grammar, resolve_grammar
-from workbench.engine.kv_cache import KVCache
+from workbench.engine.kv_cache import KVCache, KVPool
 from workbench.engine.local_engine import LocalEngine
-from workbench.engine.models import gemma3, llama, llama_device
+from workbench.engine.models import llama, llama_device
+from workbench.engine.models.families import DECODERS
 from workbench.engine.options import GenerationOptions, publishes_options
 from workbench.engine.prefix_cache import PrefixCache
 from workbench.engine.profiling import span
@@ -58,9 +59,8 @@ from workbench.engine.structured import answer_json, with_schema_instruction  # 
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
 from workbench.engine.warmup import KernelWarmup, helper_command
 
-_MODEL_CLASSES = {**dict.fromkeys(llama.ARCHITECTURES, llama.LlamaModel),
-                  **dict.fromkeys(gemma3.ARCHITECTURES, gemma3.Gemma3Model)}
-SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
+_MODEL_CLASSES = DECODERS  # (the name the docs and older code use)
+SUPPORTED_ARCHITECTURES = tuple(DECODERS)
 
 
 class LLM(Prompting, LocalEngine):
@@ -91,7 +91,7 @@ class LLM(Prompting, LocalEngine):
         self.path: Path = gguf.path
         self.metadata = gguf.metadata
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
-        self.model = _MODEL_CLASSES[arch](gguf, kv_cache_size)
+        self.model = DECODERS[arch](gguf, kv_cache_size)
         if self.backend is not None:  # weights uploaded once, the host copies dropped
             self.model = llama_device.DeviceLlamaModel(self.model, self.backend)
         self.config = self.model.config
@@ -503,6 +503,44 @@ class LLM(Prompting, LocalEngine):
         if len(ids) > self.kv_cache_size:
             raise ValueError(f"{len(ids)} tokens exceed the context of {self.kv_cache_size}")
         return ids
+
+    # -- the scheduler's and speculative decoding's interface (`GenerationModel`) -------------
+    @property
+    def forward_lock(self) -> threading.Lock:
+        """Held around every forward pass (one at a time per model)."""
+        return self._forward_lock
+
+    def new_pool(self, n_slots: int) -> KVPool:
+        """KV room for `n_slots` sequences of `kv_cache_size` positions."""
+        return self._require_model().new_pool(n_slots, self.kv_cache_size)
+
+    def hidden(self, ids: np.ndarray, cache: KVCache) -> Any:
+        """Hidden states (T, D) of a chunk `ids` of one prompt, appended to `cache` (the
+        caller holds `forward_lock`)."""
+        return self._require_model().hidden(ids, cache)
+
+    def hidden_batch(self, chunks: Sequence[tuple[np.ndarray, KVCache]]) -> list[Any]:
+        """Several prompts' chunks in one pass (the caller holds `forward_lock`)."""
+        return self._require_model().hidden_batch(chunks)
+
+    def decode_step(self, tokens: np.ndarray, caches: Sequence[KVCache],
+                    device_tokens: Sequence[Any]) -> Any:
+        """Logits rows (N, n_vocab) after one token of each of N sequences: NumPy on the
+        CPU, on the device on a GPU, one recorded launch per `Backend.step_rows`
+        sequences where it records (the caller holds `forward_lock`)."""
+        model = self._require_model()
+        if self.backend is None:
+            return model.logits(model.decode(tokens, caches))
+        return model.step_logits(tokens, caches, device_tokens)
+
+    def logits_out(self, hidden: Any, on_device: bool) -> Any:
+        """`_logits`: logits of hidden states (the caller holds `forward_lock`)."""
+        return self._logits(hidden, on_device)
+
+    def prefill(self, ids: Sequence[int], cache: KVCache, on_device: bool = False,
+                cancel: CancelFlag | None = None) -> Any:
+        """`_prefill`: `ids` through the model in chunks; the logits after the last."""
+        return self._prefill(list(ids), cache, on_device, cancel)
 
     # -- internals ---------------------------------------------------------------------------
     def _require_model(self) -> llama.LlamaModel:

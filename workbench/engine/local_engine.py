@@ -23,3 +23,8 @@ class LocalEngine(Closeable):
         self.busy: Signal[bool] = Signal(False, name="busy")
         self._busy = BusyCounter(self.busy)
         self.warming: Signal[Warming | None] = Signal(None, name="warming")
+
+    def marked_busy(self) -> BusyCounter:
+        """`with engine.marked_busy():` the `busy` signal is True inside (refcounted: calls
+        that nest or overlap keep it True until the last one ends)."""
+        return self._busy

@@ -11,7 +11,7 @@ from typing import Any
 from workbench.engine.chat_template import render as render_chat
 from workbench.engine.kv_cache import ContextFullError
 from workbench.engine.profiling import span
-from workbench.engine.tokenizers import Tokenizer
+from workbench.engine.tokenizers.base import Tokenizer
 
 
 class Prompting:

@@ -36,11 +36,3 @@ def pull(alias: str, *, force: bool = False, progress: bool = True) -> Path:
     """`registry.pull`, converting checkpoints: download (and make) `alias`'s file."""
     return registry.pull(alias, force=force, progress=progress, convert=convert_checkpoint)
 
-
-def architectures() -> list[str]:
-    """The `general.architecture` values of the GGUF files this engine runs, sorted: the
-    decoder families `LLM` loads and the encoders `Encoder` loads (Whisper's ggml files
-    carry no architecture name; `WhisperModel` loads them)."""
-    from workbench.engine.models import bert, gemma3, llama_config
-
-    return sorted({*llama_config.ARCHITECTURES, *gemma3.ARCHITECTURES, *bert.ARCHITECTURES})

@@ -39,36 +39,33 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.decoding import Decoding
+from workbench.engine.generation_model import GenerationModel
 from workbench.engine.kv_cache import ContextFullError
 from workbench.engine.prefix_cache import PrefixCache
 from workbench.engine.results import DraftCounts, TokenEvent
 from workbench.engine.sampling import Sampler
-
-if TYPE_CHECKING:
-    from workbench.engine.llm import LLM
 
 DRAFT_TOKENS = 4  # proposals per round: the default of `generate(..., draft_tokens=)`
 LOOKUP = "ngram"  # `draft=` for prompt-lookup drafting (no draft model)
 LOOKUP_NGRAM = 3  # the longest n-gram prompt lookup matches (then shorter ones)
 
 
-def check_draft(target: LLM, draft: Any, draft_tokens: Any, prompt_ids: list[int], *,
+def check_draft(target: GenerationModel, draft: Any, draft_tokens: Any,
+                prompt_ids: list[int], *,
                 grammar: Any = None, logits_processors: Sequence[Any] = ()) -> None:
     """Refuse, with a `ValueError` naming the fix, what speculative decoding with `draft`
     cannot do: another kind of draft, another vocabulary, `draft_tokens` < 1, a grammar
     or schema, logits processors; a prompt longer than either context is a
     `ContextFullError`."""
-    from workbench.engine.llm import LLM
-
     if isinstance(draft, str) and draft != LOOKUP:
         raise ValueError(f"draft must be an LLM or {LOOKUP!r} (prompt lookup), got {draft!r}")
-    if not isinstance(draft, (LLM, str)):
+    if not isinstance(draft, (GenerationModel, str)):
         raise TypeError(f"draft must be an LLM (a smaller model with the same vocabulary) or "
                         f"{LOOKUP!r} (prompt lookup), not {type(draft).__name__}")
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
@@ -92,7 +89,8 @@ def check_draft(target: LLM, draft: Any, draft_tokens: Any, prompt_ids: list[int
             f"and the draft holds {room}; load both with a larger kv_cache_size")
 
 
-def speculative_events(target: LLM, draft: LLM | str, prompt_ids: list[int], seq: Decoding,
+def speculative_events(target: GenerationModel, draft: GenerationModel | str,
+                       prompt_ids: list[int], seq: Decoding,
                        draft_tokens: int, counts: DraftCounts, *,
                        prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
                        ) -> Generator[TokenEvent, None, str]:
@@ -105,25 +103,24 @@ def speculative_events(target: LLM, draft: LLM | str, prompt_ids: list[int], seq
     tokens it holds. `cancel` is looked at between prefill chunks and rounds."""
     if seq.max_tokens == 0:
         return "length"
-    t_model = target._require_model()
     lookup = draft == LOOKUP
     limit = target.kv_cache_size if lookup else min(target.kv_cache_size,
                                                     draft.kv_cache_size)
     size = min(limit, len(prompt_ids) + seq.max_tokens)  # the most positions ever fed
-    t_cache = t_model.new_cache(size)
+    t_cache = target.new_cache(size)
     sampler = seq.sampler  # the target's: its transforms and its random generator
     drafter = (_Lookup(target.config.n_vocab) if lookup
                else _DraftModel(draft, size, Sampler(sampler.params, draft.config.n_vocab)))
     with contextlib.ExitStack() as held:
-        held.enter_context(target._busy)
+        held.enter_context(target.marked_busy())
         if not lookup:
-            held.enter_context(draft._busy)
+            held.enter_context(draft.marked_busy())
         if prefix is not None:
             t_cache.restore(prefix, min(prefix.common_prefix(prompt_ids),
                                         len(prompt_ids) - 1))
         rest = prompt_ids[t_cache.offset : -1]  # the last one is fed with the proposals
         if rest:
-            target._prefill(rest, t_cache, cancel=cancel)
+            target.prefill(rest, t_cache, cancel=cancel)
         target.prefilled_tokens += len(rest) + 1
         drafter.prefill(prompt_ids, cancel)
         while True:
@@ -134,8 +131,9 @@ def speculative_events(target: LLM, draft: LLM | str, prompt_ids: list[int], seq
             proposal, q = drafter.propose(history, k, sampler.rng)
             k = len(proposal)  # prompt lookup may find fewer (or none)
             feed = history[t_cache.offset :] + proposal
-            with target._forward_lock:  # (k + 1, n_vocab): after `last`, each proposal
-                logits = t_model.forward(np.asarray(feed), t_cache)[-(k + 1) :]
+            with target.forward_lock:  # (k + 1, n_vocab): after `last`, each proposal
+                hidden = target.hidden(np.asarray(feed), t_cache)
+                logits = target.logits_out(hidden, on_device=False)[-(k + 1) :]
             chosen = _verify(sampler, logits, history, proposal, q, sampler.rng)
             counts.target_passes += 1
             counts.drafted += k
@@ -154,15 +152,14 @@ def speculative_events(target: LLM, draft: LLM | str, prompt_ids: list[int], seq
 class _DraftModel:
     """Proposals sampled from a draft model, on a KV cache of its own."""
 
-    def __init__(self, draft: LLM, size: int, sampler: Sampler):
+    def __init__(self, draft: GenerationModel, size: int, sampler: Sampler):
         self.draft, self.sampler = draft, sampler
-        self.model = draft._require_model()
-        self.cache = self.model.new_cache(size)
+        self.cache = draft.new_cache(size)
 
     def prefill(self, prompt_ids: list[int], cancel: CancelFlag | None) -> None:
         rest = prompt_ids[:-1]  # the last one is fed with the first proposal
         if rest:
-            self.draft._prefill(rest, self.cache, cancel=cancel)
+            self.draft.prefill(rest, self.cache, cancel=cancel)
         self.draft.prefilled_tokens += len(rest) + 1
 
     def propose(self, history: list[int], k: int, rng: np.random.Generator
@@ -170,13 +167,14 @@ class _DraftModel:
         """`k` tokens the draft samples after `history` (whose first `cache.offset` tokens
         its cache holds) and the distributions q (n_vocab,) they were drawn from. The
         cache then holds everything but the last proposal."""
-        draft, model, cache = self.draft, self.model, self.cache
+        draft, cache = self.draft, self.cache
         proposal: list[int] = []
         dists: list[np.ndarray] = []
         feed = history[cache.offset :]
         for _ in range(k):
-            with draft._forward_lock:
-                logits = model.logits(model.hidden(np.asarray(feed), cache)[-1:])[0]
+            with draft.forward_lock:
+                logits = draft.logits_out(draft.hidden(np.asarray(feed), cache)[-1:],
+                                          on_device=False)[0]
             q = self.sampler.probabilities(logits, history + proposal)
             token = _draw(q, rng)
             proposal.append(token)
@@ -256,7 +254,7 @@ def _draw(weights: np.ndarray, rng: np.random.Generator) -> int:
     return int(ids[min(i, len(ids) - 1)])
 
 
-def _check_vocabulary(target: LLM, draft: LLM) -> None:
+def _check_vocabulary(target: GenerationModel, draft: GenerationModel) -> None:
     if draft in _SAME_VOCABULARY.get(target, ()):
         return
     t, d = target.tokenizer, draft.tokenizer

@@ -95,7 +95,7 @@ class KernelWarmup:
     docstring), each task holding `lock` (the model's forward-pass lock: Numba's parallel
     kernels must not run from two threads at once). `helper`: the command line of a
     process that runs the tasks whose indices it is given (`python -m
-    workbench.engine.warmup ...`), for the tasks marked `helper`; None runs all here.
+    workbench.engine.models.kernel_helper ...`), for the tasks marked `helper`; None runs all here.
     `wait()` blocks until every task is done."""
 
     def __init__(self, tasks: Sequence[KernelTask], signal: Signal[Warming | None],
@@ -241,39 +241,10 @@ def _stop_running() -> None:
 
 def helper_command(kind: str, path: str, max_len: int) -> list[str]:
     """The command line of a helper process preparing kernels of the CPU model `kind`
-    ("llm") read from `path` (the task indices follow as the last argument)."""
-    return [sys.executable, "-m", "workbench.engine.warmup", kind, path, str(max_len)]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The helper process: `python -m workbench.engine.warmup llm PATH MAX_LEN 3,4,5` runs
-    tasks 3, 4 and 5 of the model's `kernel_tasks()`, printing "done I" after each."""
-    kind, path, max_len, indices = argv if argv is not None else sys.argv[1:]
-    if kind != "llm":
-        raise SystemExit(f"no helper tasks for {kind!r} models")
-    from workbench.engine.gguf import open_gguf
-    from workbench.engine.llm import LLM
-    from workbench.kernels.cache import KernelCacheWarning
-
-    def report(caught: list[warnings.WarningMessage]) -> None:
-        """The cache's warnings, for the parent to show (this process's stderr is not)."""
-        for w in caught:
-            if isinstance(w.message, KernelCacheWarning):
-                text = " ".join(str(w.message).split())
-                print(f"warning {w.message.kind} {text}", flush=True)
-        caught.clear()
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", KernelCacheWarning)
-        model = LLM(open_gguf(path), device="cpu", kv_cache_size=int(max_len),
-                    prepare_kernels=False).model
-        tasks = model.kernel_tasks()
-        report(caught)
-        for i in map(int, indices.split(",")):
-            tasks[i].run()
-            report(caught)
-            print(f"done {i}", flush=True)
-    return 0
+    ("llm") read from `path` (the task indices follow as the last argument; the process
+    is `workbench.engine.models.kernel_helper`)."""
+    return [sys.executable, "-m", "workbench.engine.models.kernel_helper", kind, path,
+            str(max_len)]
 
 
 def show_progress(signal: Signal[Warming | None], *, file=None) -> None:
@@ -311,6 +282,3 @@ def show_progress(signal: Signal[Warming | None], *, file=None) -> None:
     finally:
         unsubscribe()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from workbench.engine.formulas import glu_activation  # noqa: F401  (importable from here)
 from workbench.engine.gguf import GGUFFile
 from workbench.engine.models.weights import fused, linear
 from workbench.kernels import layers
@@ -26,19 +27,6 @@ def glu(gate_up, down, x: np.ndarray, act=layers.silu_mul, counts=None) -> np.nd
     h = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
     act(gu, h)
     return down.matmul(h, counts)
-
-
-def glu_activation(xp, gu, gelu: bool = False):
-    """gu (T, 2 F), gate then up -> act(gate) * up (T, F) on an array module `xp`: the
-    formulas the host kernels compute (SiLU, or tanh GELU with `gelu`)."""
-    n_ff = gu.shape[1] // 2
-    gate, up = gu[:, :n_ff], gu[:, n_ff:]
-    if gelu:  # tanh GELU
-        act = 0.5 * gate * (1.0 + xp.tanh(0.7978845608028654 * (
-            gate + 0.044715 * gate * gate * gate)))
-    else:
-        act = gate / (1.0 + xp.exp(-gate))
-    return act * up
 
 
 def device_glu(backend, gate_up, down, x, gelu: bool = False):

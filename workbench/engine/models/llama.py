@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from workbench.engine.formulas import rms_norm
 from workbench.engine.gguf import GGUFFile
 from workbench.engine.kv_cache import KVCache, KVPool, LayerKVCache
 from workbench.engine.models.feed_forward import FeedForward
@@ -61,12 +62,6 @@ from workbench.engine.warmup import KernelTask
 from workbench.kernels import cpu, layers
 from workbench.kernels.decode import StackWeights, decode_stack, decode_stack_cached
 from workbench.kernels.linear import QuantizedWeight
-
-
-def rms_norm(x, weight, eps: float, xp=np):
-    """RMSNorm over the last axis, on NumPy arrays or, with `xp`, a device backend's
-    (`workbench.engine.models.llama_device`): one formula for both."""
-    return x * (1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)) * weight
 
 
 def split_heads(qkv, cfg: LlamaConfig, q_norm, k_norm, xp=np):

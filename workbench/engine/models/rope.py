@@ -15,24 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from workbench.engine.formulas import rotate
 from workbench.engine.gguf import GGUFError, GGUFFile
 from workbench.engine.models.llama_config import LlamaConfig
 from workbench.engine.models.weights import vector
-
-
-def rotate(xp, x, cos, sin, dim: int, neox: bool):
-    """x (..., head_dim) rotated by angles whose cos and sin broadcast against
-    (..., dim / 2); only the leading `dim` entries of each head turn, the rest are kept."""
-    if neox:
-        a, b = x[..., : dim // 2], x[..., dim // 2 : dim]
-        parts = [a * cos - b * sin, a * sin + b * cos]
-    else:  # interleaved pairs (x[2i], x[2i+1]): rotate, then interleave back
-        a, b = x[..., 0:dim:2], x[..., 1:dim:2]
-        pairs = xp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)  # (..., dim/2, 2)
-        parts = [pairs.reshape(*x.shape[:-1], dim)]
-    if dim < x.shape[-1]:
-        parts.append(x[..., dim:])
-    return xp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
 def rope_factors(g: GGUFFile, cfg: LlamaConfig, max_len: int) -> np.ndarray | None:

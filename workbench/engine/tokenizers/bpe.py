@@ -33,7 +33,7 @@ from typing import Any
 
 import regex
 
-from workbench.engine.tokenizers import Tokenizer, UnsupportedTokenizerError
+from workbench.engine.tokenizers.base import Tokenizer, UnsupportedTokenizerError
 
 # -- pre-tokenizer regexes (llama.cpp's, by pre-tokenizer type) ------------------------------
 

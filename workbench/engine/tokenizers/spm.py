@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench.engine.tokenizers import Tokenizer
+from workbench.engine.tokenizers.base import Tokenizer
 
 SPACE_MARK = "\u2581"  # "▁", SentencePiece's visible space
 

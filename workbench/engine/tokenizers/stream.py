@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import codecs
 
-from workbench.engine.tokenizers import Tokenizer, clean_up_tokenization_spaces
+from workbench.engine.tokenizers.base import Tokenizer, clean_up_tokenization_spaces
 
 # clean_up_tokenization_spaces decides about a space from at most this many bytes after it
 _CLEANUP_LOOKAHEAD = 3

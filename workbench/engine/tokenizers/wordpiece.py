@@ -33,7 +33,7 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
-from workbench.engine.tokenizers import Tokenizer
+from workbench.engine.tokenizers.base import Tokenizer
 
 SPACE_MARK = "\u2581"  # "▁": marks a word-initial piece in the GGUF vocabulary
 MAX_WORD_CHARS = 100  # longer words become [UNK], as in BERT's WordPiece
