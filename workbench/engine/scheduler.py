@@ -1,4 +1,4 @@
-"""`Scheduler`: continuous batching of every generation of one `LLM`.
+"""`Scheduler`: continuous batching of every generation of one model (an `LLM`).
 
 One thread owns the model's KV pool and advances every running sequence together:
 
@@ -33,21 +33,19 @@ from collections import deque
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from workbench.engine.cancel import CancelFlag, Cancelled
 from workbench.engine.cores import CoreShare
 from workbench.engine.decoding import Decoding
+from workbench.engine.generation_model import GenerationModel
 from workbench.engine.kv_cache import ContextFullError, KVCache
 from workbench.engine.prefix_cache import PrefixCache, common_prefix
 from workbench.engine.profiling import span
 from workbench.engine.results import TokenEvent
 from workbench.engine.sampling import DeviceSampler
-
-if TYPE_CHECKING:
-    from workbench.engine.llm import LLM
 
 DEFAULT_MAX_BATCH = 8  # sequences decoded together
 SPARE_SLOTS = 2  # pool slots beyond max_batch: cached prompts that running sequences read
@@ -88,13 +86,15 @@ class Request:
 
 
 class Scheduler:
-    """Runs every generation of `llm` through one KV pool of `max_batch` running sequences
-    (plus `SPARE_SLOTS` that keep cached prompts), one forward pass per step."""
+    """Runs every generation of `model` through one KV pool of `max_batch` running
+    sequences (plus `SPARE_SLOTS` that keep cached prompts), one forward pass per step.
+    `model` is used only through the `GenerationModel` protocol (an `LLM`, or a fake in
+    the tests)."""
 
-    def __init__(self, llm: LLM, max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(self, model: GenerationModel, max_batch: int = DEFAULT_MAX_BATCH):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
-        self.llm = llm
+        self.model = model
         self.max_batch = max_batch
         self._pool = None  # made on first use: n_slots caches of kv_cache_size positions
         self._caches: list[KVCache] = []
@@ -130,9 +130,9 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         """Queue `request`; it is admitted at the next step boundary with a free slot."""
-        if len(request.ids) > self.llm.kv_cache_size:
+        if len(request.ids) > self.model.kv_cache_size:
             raise ContextFullError(
-                f"the KV cache holds {self.llm.kv_cache_size} positions and "
+                f"the KV cache holds {self.model.kv_cache_size} positions and "
                 f"{len(request.ids)} were requested; load the model with a larger "
                 "kv_cache_size")
         with self._cond:
@@ -249,7 +249,7 @@ class Scheduler:
     def _use_cores(self) -> None:
         """On the CPU, the compute threads of the next step: those the cores other work
         leaves free (`workbench.engine.cores`), set for this thread's parallel regions."""
-        if self.llm.backend is not None:
+        if self.model.backend is not None:
             return
         import numba
 
@@ -278,7 +278,7 @@ class Scheduler:
                             token, evs = r.seq.take(*picked[r], room=room)
                         else:
                             token, evs = r.seq.step(r.row, room=room,
-                                                    on_device=self.llm.backend is not None)
+                                                    on_device=self.model.backend is not None)
                         args["id"] = next((e.id for e in evs if e.id is not None), None)
                 except Exception as exc:  # noqa: BLE001 - the caller's to see
                     self._end(r, exc)
@@ -302,7 +302,7 @@ class Scheduler:
         (`Decoding.argmax_only`), taken in one argmax with one copy to the host: each
         sequence's own pick would wait for the device once per sequence. {request:
         (token id, the id on the device)}."""
-        if self.llm.backend is None:
+        if self.model.backend is None:
             return {}
         ready = [r for r in self._running if r.row is not None
                  and not (r.stepwise and r.pending) and r.seq.argmax_only]
@@ -328,16 +328,11 @@ class Scheduler:
     def _decode(self, feed: list[tuple[Request, int]]) -> None:
         """One token of each sequence in `feed` through the model, in one pass; the ones
         whose prompt is read get their next logits."""
-        llm = self.llm
-        model = llm._require_model()
+        model = self.model
         tokens = np.asarray([t for _, t in feed])
         caches = [r.cache for r, _ in feed]
-        with llm._forward_lock, span("decode", tokens=len(feed)):
-            if llm.backend is None:
-                rows = model.logits(model.decode(tokens, caches))
-            else:
-                # one recorded launch per `Backend.step_rows` sequences where it records
-                rows = model.step_logits(tokens, caches, [r.seq.device_token for r, _ in feed])
+        with model.forward_lock, span("decode", tokens=len(feed)):
+            rows = model.decode_step(tokens, caches, [r.seq.device_token for r, _ in feed])
         for (r, _), row in zip(feed, rows):
             if not r.pending:
                 r.row = row
@@ -348,8 +343,7 @@ class Scheduler:
         admitted first; the first always reads). A chunk is read whole or at a later
         step, never split to fill the budget: a prompt is cut into the same chunks
         whatever else runs, and so read to the same bits (batch invariance)."""
-        llm = self.llm
-        model = llm._require_model()
+        model = self.model
         budget = PREFILL_BUDGET if decoding else PREFILL_CHUNK * len(reading)
         chunks = []
         for r in reading:
@@ -359,19 +353,19 @@ class Scheduler:
             chunks.append((r, r.pending[:n]))
             del r.pending[:n]
             budget -= n
-        with llm._forward_lock, span("prefill", tokens=sum(len(ids) for _, ids in chunks),
+        with model.forward_lock, span("prefill", tokens=sum(len(ids) for _, ids in chunks),
                                      sequences=len(chunks)):
             hidden = model.hidden_batch([(np.asarray(ids), r.cache) for r, ids in chunks])
             for (r, _), h in zip(chunks, hidden):
                 if not r.pending:
-                    r.row = llm._logits(h[-1:], on_device=True)[0]
+                    r.row = model.logits_out(h[-1:], on_device=True)[0]
 
     # -- slots -------------------------------------------------------------------------------
     def _ensure_pool(self) -> None:
         if self._pool is not None:
             return
         n = self.max_batch + SPARE_SLOTS
-        self._pool = self.llm._require_model().new_pool(n, self.llm.kv_cache_size)
+        self._pool = self.model.new_pool(n)
         self._caches = self._pool.caches()
         self._owner = [None] * n
         self._last_used = [0] * n
@@ -467,7 +461,7 @@ class Scheduler:
         self._owner[slot] = r
         r.cache = cache
         r.pending = ids[cache.offset :]  # (a rotating cache may have started over)
-        self.llm.prefilled_tokens += len(r.pending)
+        self.model.prefilled_tokens += len(r.pending)
         return True
 
     def _end(self, r: Request, error: BaseException | None = None) -> None:
