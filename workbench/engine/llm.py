@@ -504,6 +504,23 @@ class LLM(Prompting, LocalEngine):
             raise ValueError(f"{len(ids)} tokens exceed the context of {self.kv_cache_size}")
         return ids
 
+    def trace(self, prompt: str | Sequence[int] | Sequence[Mapping[str, Any]], *,
+              layers: Sequence[int] | None = None, attention: bool | Sequence[int] = False,
+              heads: Sequence[int] | None = None, top_k: int = 10,
+              add_bos: bool | None = None, max_bytes: int | None = None) -> Any:
+        """Look inside the model on `prompt` (text, token ids, or chat messages): a
+        `workbench.engine.trace.Trace` with the residual stream after each of `layers`
+        (default all), the logit lens at every position (`top_k` ids, probabilities,
+        entropy) and, with `attention` (True, or a list of layers), the attention weights
+        of `heads` (default all). Runs the host forward pass on any device; a request
+        over `max_bytes` (default 512 MiB) raises `TraceTooLargeError` with the size it
+        would need, before anything runs."""
+        from workbench.engine import trace as tracing
+
+        limit = tracing.DEFAULT_MAX_BYTES if max_bytes is None else int(max_bytes)
+        return tracing.trace(self, prompt, layers=layers, attention=attention, heads=heads,
+                             top_k=top_k, add_bos=add_bos, max_bytes=limit)
+
     # -- the scheduler's and speculative decoding's interface (`GenerationModel`) -------------
     @property
     def forward_lock(self) -> threading.Lock:

@@ -1,0 +1,241 @@
+"""`LLM.trace`: the residual stream, the logit lens and the attention weights.
+
+- test_trace_equals_transformers: on the tiny random-weight models of every family the
+  tiny-model tests cover (tests/test_tiny_models.py, tests/test_tiny_families.py), fp32,
+  against transformers' `output_hidden_states` / `output_attentions` and its final norm
+  and head applied to each layer's output (the goldens `trace-*`, tests/goldens/make_trace.py):
+  residuals and lens logits to 1e-4 of their largest magnitude (the tiny-model metric),
+  attention weights to 1e-5 absolute with exact zeros where the model does not look
+  (causal, sliding windows), the lens's top ids, probabilities and entropy from its logits.
+- test_trace_on_every_device: the host path runs whatever the `LLM`'s device (MLX, the
+  CuPy backend's code on NumPy): the same trace as on the CPU.
+- test_smollm2_final_lens_is_its_logits: SmolLM2 (Q4_1): the last layer's lens equals
+  `LLM.forward`'s logits bit for bit, and the fp32 transformers arbiter
+  (`fp32-arbiter-smollm2`) to 1e-4 of its scale.
+- test_refused_for_size / test_512_tokens_with_attention_for_2_layers: the bound.
+- test_trace_speed: prints a 64-token trace (all layers, attention) against a plain
+  64-token prefill; no timed assertion.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from tests.goldens import load
+from tests.goldens.make_trace import model_goldens, prompt_of, trace_name
+from tests.support.devices import DEVICES, open_llm
+
+
+def _close(ours: np.ndarray, ref: np.ndarray, what: str, rtol: float = 1e-4) -> None:
+    assert ours.shape == ref.shape, f"{what}: shape {ours.shape}, expected {ref.shape}"
+    err = float(np.max(np.abs(ours.astype(np.float64) - ref)))
+    scale = float(np.max(np.abs(ref)))
+    assert err <= rtol * scale, f"{what}: max |ours - ref| = {err:.3e} > {rtol} * {scale:.3f}"
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _entropy(p: np.ndarray) -> np.ndarray:
+    return -(p * np.log(np.maximum(p, 1e-300))).sum(axis=-1)
+
+
+def _hidden_keys(T: int, window: int) -> np.ndarray:
+    """(T, T) True where query t may not see key s."""
+    s, t = np.arange(T)[None, :], np.arange(T)[:, None]
+    hidden = s > t
+    return hidden | (s <= t - window) if window else hidden
+
+
+def _open(name: str, device: str = "cpu"):
+    # LongRoPE: a context no longer than the original one picks the short factors, as a
+    # fresh transformers model does on a short prompt
+    size = 64 if name.endswith("longrope") else 128
+    return open_llm(load(name).file("model.gguf"), device, kv_cache_size=size,
+                    prepare_kernels=False)
+
+
+def _check_against(trace, golden, name: str) -> None:
+    a = golden.arrays
+    n_layer = a["attentions"].shape[0]
+    assert trace.layers == tuple(range(n_layer))
+    for i in range(n_layer):
+        ref = a["last_residual"] if i == n_layer - 1 else a["hidden_states"][i + 1]
+        _close(trace.residual[i], ref, f"{name}: residual after layer {i}")
+        _close(trace.lens_logits(i), a["lens_logits"][i], f"{name}: lens logits at layer {i}")
+        # the lens's top ids, probabilities and entropy are those of its own logits ...
+        mine = _softmax(trace.lens_logits(i))
+        k = trace.top_ids.shape[2]
+        top = np.take_along_axis(mine, trace.top_ids[i].astype(np.int64), axis=1)
+        order = np.argsort(-mine, axis=1, kind="stable")[:, :k]
+        assert np.allclose(top, np.take_along_axis(mine, order, axis=1), atol=1e-7), \
+            f"{name}: lens top ids at layer {i}"
+        np.testing.assert_allclose(trace.top_probs[i], top, atol=2e-6,
+                                   err_msg=f"{name}: lens probabilities at layer {i}")
+        np.testing.assert_allclose(trace.entropy[i], _entropy(mine), atol=2e-5,
+                                   err_msg=f"{name}: lens entropy at layer {i}")
+        # ... and near transformers' (its logits within 1e-4 of their scale, above)
+        probs = _softmax(a["lens_logits"][i])
+        np.testing.assert_allclose(trace.top_probs[i], np.take_along_axis(
+            probs, trace.top_ids[i].astype(np.int64), axis=1), atol=2e-5)
+        np.testing.assert_allclose(trace.entropy[i], _entropy(probs), atol=1e-4)
+        w, ref_w = trace.attention[i], a["attentions"][i]
+        assert w.shape == ref_w.shape
+        np.testing.assert_allclose(w, ref_w, atol=1e-5,
+                                   err_msg=f"{name}: attention weights of layer {i}")
+        hidden = _hidden_keys(w.shape[1], trace.windows[i])
+        assert not w[:, hidden].any(), f"{name}: layer {i} attends where the model does not"
+        assert np.allclose(w.sum(axis=2), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", model_goldens())
+def test_trace_equals_transformers(model):
+    golden = load(trace_name(model))
+    assert golden.inputs["prompt"] == prompt_of(model)
+    with _open(model) as m:
+        trace = m.trace(golden.inputs["prompt"], attention=True)
+        _check_against(trace, golden, model)
+        if m.config.sliding_window:  # the windows are the model's, on its local layers only
+            assert trace.windows == {i: m.model.blocks[i].attn.window
+                                     for i in range(m.config.n_layer)}
+            assert any(trace.windows.values())
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+@pytest.mark.parametrize("model", ["tiny-llama-qwen3", "tiny-family-gemma3"])
+def test_trace_on_every_device(model, device):
+    golden = load(trace_name(model))
+    with _open(model, device) as m:
+        assert m.backend is not None
+        trace = m.trace(golden.inputs["prompt"], attention=True)
+        _check_against(trace, golden, f"{model} on {device}")
+
+
+def test_choosing_layers_heads_and_messages():
+    model = "tiny-family-gemma3"
+    golden = load(trace_name(model))
+    prompt = golden.inputs["prompt"]
+    with _open(model) as m:
+        t = m.trace(prompt, layers=[-1, 1], attention=[2], heads=[3, 1], top_k=3)
+        assert t.layers == (1, 2, 5) and sorted(t.attention) == [2] and t.heads == (1, 3)
+        assert t.residual.shape == (3, len(prompt), 64) and t.top_ids.shape == (3, len(prompt), 3)
+        np.testing.assert_allclose(t.attention[2], golden.arrays["attentions"][2][[1, 3]],
+                                   atol=1e-5)
+        _close(t.residual[t.index(-1)], golden.arrays["last_residual"], "last residual")
+        assert t.kv_head(3) == 1 and t.kv_head(1) == 0  # 4 query heads over 2 KV heads
+        with pytest.raises(IndexError, match="not traced"):
+            t.index(0)
+        dist = t.distribution(5, 7)
+        assert dist.shape == (m.config.n_vocab,) and abs(dist.sum() - 1) < 1e-9
+        assert int(np.argmax(dist)) == int(t.top_ids[2, 7, 0])
+        with pytest.raises(ValueError, match="layer 6"):
+            m.trace(prompt, layers=[6])
+        with pytest.raises(ValueError, match="heads"):
+            m.trace(prompt, heads=[4])
+        chat = m.trace([{"role": "user", "content": "hi"}], layers=[0])
+        assert chat.ids == m._chat_ids([{"role": "user", "content": "hi"}], None)
+        assert "".join(chat.tokens) == m.detokenize(chat.ids)
+
+
+def test_lens_kernel_equals_float64_numpy():
+    from workbench.kernels.lens import lens_rows
+
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((7, 3001)) * rng.uniform(0.5, 12, (7, 1))).astype(np.float32)
+    logits[3, 100:110] = logits[3].max() + 1.0  # ties: the lower id first
+    k = 6
+    ids, probs = np.empty((7, k), np.int32), np.empty((7, k), np.float32)
+    entropy = np.empty(7, np.float32)
+    lens_rows(logits, ids, probs, entropy)
+    p = _softmax(logits)
+    assert (ids == np.argsort(-logits, axis=1, kind="stable")[:, :k]).all()
+    np.testing.assert_allclose(probs, np.take_along_axis(p, ids.astype(np.int64), 1), rtol=2e-6)
+    np.testing.assert_allclose(entropy, -(p * np.log(p)).sum(axis=1), rtol=2e-6, atol=1e-6)
+
+
+# -- SmolLM2 ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from workbench import LLM
+
+    arbiter = load("fp32-arbiter-smollm2")
+    with LLM.load(arbiter.inputs["model"], kv_cache_size=1024) as m:
+        assert m.file_sha256 == arbiter.inputs["model_sha256"]
+        m.warmup.wait()
+        yield m, arbiter
+
+
+def test_smollm2_final_lens_is_its_logits(smollm2):
+    m, arbiter = smollm2
+    ids = arbiter.inputs["paths"][0]
+    t = m.trace(ids, attention=True)
+    final = t.lens_logits(-1)
+    logits = m.forward(ids, m.new_cache())
+    assert np.array_equal(final, logits)  # bit for bit
+    assert (t.top_ids[-1][:, 0] == logits.argmax(axis=1)).all()
+    np.testing.assert_allclose(t.top_probs[-1][:, 0], _softmax(logits).max(axis=1), rtol=1e-5)
+    a, T = arbiter.arrays, len(ids)
+    ref_ids = np.concatenate([a["top_ids"][:T], a["bottom_ids"][:T],
+                              np.broadcast_to(a["sample_ids"], (T, a["sample_ids"].size))], 1)
+    ref = np.concatenate([a["top_logits"][:T], a["bottom_logits"][:T], a["sample_logits"][:T]], 1)
+    err = np.abs(np.take_along_axis(final, ref_ids, axis=1) - ref).max()
+    assert err <= 1e-4 * float(a["scale"][0]), f"final lens vs the fp32 arbiter: {err:.3e}"
+
+
+def test_refused_for_size(smollm2):
+    from workbench.engine.trace import TraceTooLargeError
+
+    m, _ = smollm2
+    ids = list(range(1000, 1900))
+    with pytest.raises(TraceTooLargeError, match=r"would need \d+\.\d MB") as info:
+        m.trace(ids, attention=True)
+    err = info.value
+    # 30 layers x 9 heads x 900^2 floats of attention alone
+    assert err.needed > 30 * 9 * 900**2 * 4 and err.limit == 512 * 2**20
+    print(f"\nrefused: {err}")
+    with pytest.raises(TraceTooLargeError):
+        m.trace(ids[:64], layers=[0], max_bytes=2**20)
+
+
+def test_512_tokens_with_attention_for_2_layers(smollm2):
+    m, _ = smollm2
+    ids = [int(i) for i in np.random.default_rng(0).integers(100, 40000, 512)]
+    tracemalloc.start()
+    try:
+        t = m.trace(ids, layers=[0, 29], attention=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    print(f"\n512 tokens, layers 0 and 29 with attention: holds {t.nbytes / 2**20:.1f} MB, "
+          f"peak {peak / 2**20:.1f} MB")
+    assert t.attention[0].shape == (9, 512, 512)
+    assert peak < 200 * 2**20
+
+
+def test_trace_speed(smollm2):
+    """64 tokens, all 30 layers with attention, against `LLM.forward`'s prefill of the same
+    64 tokens (the hidden states, and the logits of the last position, as a prompt is
+    read); the best of 3 each, interleaved. Prints both; asserts nothing about time."""
+    m, _ = smollm2
+    ids = [int(i) for i in np.random.default_rng(1).integers(100, 40000, 64)]
+    m.trace(ids[:8], attention=True)  # compiled kernels loaded
+    prefill, traced = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with m._forward_lock:
+            h = m.model.hidden(np.asarray(ids), m.new_cache(64))
+            m.model.logits(h[-1:])
+        prefill.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        m.trace(ids, attention=True)
+        traced.append(time.perf_counter() - t0)
+    print(f"\n64-token prefill {min(prefill):.3f} s, 64-token trace (30 layers, attention) "
+          f"{min(traced):.3f} s: {min(traced) / min(prefill):.2f}x")
