@@ -593,6 +593,80 @@ def test_serve_notebook_keeps_serving_after_run_all(page, lab):
     assert not page.console_errors, page.console_errors
 
 
+def _top(locator) -> None:
+    """Scroll the notebook so that `locator` starts at the top of the view."""
+    locator.evaluate("el => el.scrollIntoView({block: 'start'})")
+    locator.page.wait_for_timeout(300)
+
+
+@pytest.mark.browser
+def test_inside_the_model_notebook_in_the_browser(page, lab):
+    """08: hover a cell of the lens grid (its top 5), click it (that layer's distribution
+    beside the final layer's), switch to the Attention tab (heatmap, head selector, lines
+    from the chosen token); screenshots of the grid and of the attention view."""
+    t0 = time.monotonic()
+    _open_and_run_all(page, lab, "08_inside_the_model.ipynb")
+    run_s = time.monotonic() - t0
+    lens = page.locator(".wb-lens").first
+    lens.wait_for(state="visible")
+    cells = lens.locator(".wb-lens-cell[data-layer]")
+    n = cells.count()
+    assert n == 30 * 10, n  # 30 layers x the 10 tokens of the prompt
+    cell = lens.locator(".wb-lens-cell[data-layer='28'][data-pos='9']")
+    cell.scroll_into_view_if_needed()
+    assert "Paris" in cell.text_content()
+    cell.hover()
+    popup = lens.locator(".wb-lens-popup")
+    popup.wait_for(state="visible", timeout=10_000)
+    rows = popup.locator(".wb-lens-popup-row")
+    assert rows.count() == 5 and "Paris" in rows.first.inner_text(), popup.inner_html()
+    _shot(page, lab, "08_lens-grid-hover", None)
+    cell.click()
+    detail = lens.locator(".wb-lens-detail")
+    detail.wait_for(state="visible", timeout=10_000)
+    columns = detail.locator(".wb-lens-dist")
+    assert columns.count() == 2
+    assert "layer 28" in columns.nth(0).inner_text()
+    assert "final layer 29" in columns.nth(1).inner_text()
+    assert "Paris" in columns.nth(1).locator(".wb-lens-dist-row").first.inner_text()
+    assert "wb-selected" in (cell.get_attribute("class") or "")
+    page.mouse.move(0, 0)
+    _top(lens)
+    _shot(page, lab, "08_lens-grid-detail", None)
+
+    lens.locator(".wb-lens-tab[data-tab='attention']").click()
+    panel = lens.locator(".wb-attn-panel")
+    panel.wait_for(state="visible", timeout=10_000)
+    assert lens.locator(".wb-lens-panel").is_hidden()
+    heatmap = panel.locator("canvas.wb-attn-heatmap")
+    assert heatmap.evaluate("c => c.width") > 0
+    heads = panel.locator("select.wb-attn-head option")
+    assert heads.count() == 9
+    panel.locator("select.wb-attn-head").select_option("4")
+    page.wait_for_function(
+        "el => el.querySelector('select.wb-attn-head').value === '4'",
+        arg=panel.element_handle(), timeout=10_000)
+    lines = panel.locator("line.wb-attn-line")
+    assert lines.count() >= 1
+    weights = [float(lines.nth(i).get_attribute("data-weight")) for i in range(lines.count())]
+    assert 0.9 <= sum(weights) <= 1.1 + 0.004 * len(weights), weights
+    _top(lens)
+    _shot(page, lab, "08_attention-tab", None)
+    # the second cell opens on the attention tab: ' it' looking at ' cat'
+    second = page.locator(".wb-lens").nth(1)
+    _top(second)
+    title = second.locator(".wb-attn-lines-title")
+    title.wait_for(state="visible", timeout=10_000)
+    assert "it" in title.text_content(), title.text_content()
+    strongest = max(second.locator("line.wb-attn-line").all(),
+                    key=lambda el: float(el.get_attribute("data-weight")))
+    assert strongest.get_attribute("data-key") == "1"  # ' cat'
+    _shot(page, lab, "08_attention-it-cat", None)
+    print(f"\n08_inside_the_model: run all {run_s:.1f} s, {n} grid cells, "
+          f"{lines.count()} attention lines")
+    assert not page.console_errors, page.console_errors
+
+
 @pytest.fixture(scope="module")
 def mic_context(playwright, tmp_path_factory):
     """Chromium whose microphone plays jfk.wav (its fake capture device), permission granted."""
