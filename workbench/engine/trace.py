@@ -14,7 +14,8 @@ What is recorded, for each requested layer L (0 .. n_layer - 1, counted from the
   position (`top_ids`, `top_probs`) and the entropy of the whole distribution
   (`entropy`, nats). `Trace.lens_logits` recomputes a layer's full logits from the
   residual when one needs them (the last layer's equal the model's own logits, bit for
-  bit: the same kernels on the same rows);
+  bit: the same kernels on the same rows; the other layers' products may run through
+  another fp32 kernel, the faster one for their row counts);
 - with `attention`, `attention[L]` (heads, T, T): the attention weights after softmax,
   row = query position, column = key position, zero where the model does not look
   (later positions; in a sliding-window layer, positions `window` or more back). Head h
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from workbench.engine.models.llama import masked_keys, rms_norm, split_heads
+from workbench.kernels import cpu
 from workbench.kernels import layers as layer_kernels
 from workbench.kernels.lens import lens_rows
 
@@ -134,7 +136,9 @@ class Trace:
 
     def lens_logits(self, layer: int = -1, positions: Sequence[int] | None = None) -> np.ndarray:
         """The lens's full logits (len(positions), n_vocab) at `layer`, recomputed from the
-        residual (all positions by default: for the last layer, the model's own logits)."""
+        residual (all positions by default: for the last layer, the model's own logits).
+        Outside the trace's memory bound: positions x n_vocab floats, so pass `positions`
+        for a long prompt."""
         if self._lens is None:
             raise RuntimeError("this trace no longer has its model (it was closed)")
         x = self.residual[self.index(layer)]
@@ -210,7 +214,7 @@ def trace(llm: LLM, prompt: str | Sequence[int] | Sequence[Mapping[str, Any]], *
             if i in traced:
                 j = traced.index(i)
                 residual[j] = x
-                for rows in _row_chunks(T):
+                for rows in _row_chunks(T, exact=i == cfg.n_layer - 1):
                     lens_rows(lens(x[rows]), top_ids[j, rows], top_probs[j, rows],
                               entropy[j, rows])
     tokenizer = llm.tokenizer
@@ -293,12 +297,18 @@ def _head_numbers(heads: Iterable[int], n_head: int) -> tuple[int, ...]:
     return out
 
 
-def _row_chunks(T: int) -> list[slice]:
-    """Row slices of at most LENS_ROWS, of equal size give or take one: a chunk then
-    picks the matrix kernel all T rows would (`workbench.kernels.cpu.kernel_for` goes by
-    the row count: one chunk when T <= LENS_ROWS, else chunks of over LENS_ROWS / 2
-    rows, all past the small-T kernels), so the lens has the bits of a forward pass."""
-    n = max(1, math.ceil(T / LENS_ROWS))
+def _row_chunks(T: int, exact: bool) -> list[slice]:
+    """Row slices for the lens's matrix products, of equal size give or take one.
+
+    `exact` (the last layer): chunks of at most LENS_ROWS that pick the kernel all T rows
+    would (`workbench.kernels.cpu.kernel_for` goes by the row count: one chunk when
+    T <= LENS_ROWS, else chunks of over LENS_ROWS / 2 rows, all past the small-T kernels),
+    so that the last layer's lens has the bits of the model's own logits. Otherwise chunks
+    of at most `cpu.GEMV_MAX_T` rows: on quantized matrices the kernel for those counts
+    (dequantize a row, multiply it with every x row) costs about half what the tiled
+    BLAS path for longer inputs does per row (SmolLM2's head, 2 cores)."""
+    size = LENS_ROWS if exact else cpu.GEMV_MAX_T
+    n = max(1, math.ceil(T / size))
     bounds = np.linspace(0, T, n + 1).round().astype(int)
     return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
