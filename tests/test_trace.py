@@ -188,6 +188,11 @@ def test_smollm2_final_lens_is_its_logits(smollm2):
     ref = np.concatenate([a["top_logits"][:T], a["bottom_logits"][:T], a["sample_logits"][:T]], 1)
     err = np.abs(np.take_along_axis(final, ref_ids, axis=1) - ref).max()
     assert err <= 1e-4 * float(a["scale"][0]), f"final lens vs the fp32 arbiter: {err:.3e}"
+    # past 128 tokens the lens runs in chunks, each through the kernel all rows would take
+    long_ids = [t for path in arbiter.inputs["paths"] for t in path][:200]
+    last = m.trace(long_ids, layers=[-1])
+    assert np.array_equal(last.lens_logits(-1), m.forward(long_ids, m.new_cache()))
+    assert (last.top_ids[0][:, 0] == m.forward(long_ids, m.new_cache()).argmax(axis=1)).all()
 
 
 def test_refused_for_size(smollm2):

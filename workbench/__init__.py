@@ -48,6 +48,7 @@ __all__ = ["LLM", "Completion", "TokenEvent", "GenerationOptions", "Encoder", "W
            "Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "Closing",
            "ClosedEarlyWarning", "GrammarBudgetError", "validate_chat_template",
            "ChatTemplateError", "PrefixCacheError", "GGUFError", "AudioError", "Cancelled",
+           "Trace", "TraceTooLargeError",
            "pull", "register_alias", "unregister_alias", "resolve_alias", "architectures",
            "__version__"]
 # name: the module that defines it, imported on first use: the engine imports NumPy and
@@ -67,6 +68,7 @@ _LAZY = {
     "Grammar": "engine.grammar", "parse_gbnf": "engine.grammar",
     "compile_schema": "engine.grammar", "UnsupportedSchemaError": "engine.grammar",
     "GGUFError": "engine.gguf", "AudioError": "engine.audio", "Cancelled": "engine.cancel",
+    "Trace": "engine.trace", "TraceTooLargeError": "engine.trace",
     "RemoteEngine": "server.remote",
     "pull": "engine.sources", "architectures": "engine.models.families",
 }
@@ -94,6 +96,7 @@ if TYPE_CHECKING:
     from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError
     from workbench.engine.results import Completion, TokenEvent, Transcript
     from workbench.engine.sources import pull
+    from workbench.engine.trace import Trace, TraceTooLargeError
     from workbench.engine.whisper import WhisperModel
     from workbench.server.remote import RemoteEngine
 
