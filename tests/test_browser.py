@@ -633,6 +633,11 @@ def test_inside_the_model_notebook_in_the_browser(page, lab):
     page.mouse.move(0, 0)
     _top(lens)
     _shot(page, lab, "08_lens-grid-detail", None)
+    by_probability = cell.evaluate("el => el.style.background")
+    lens.locator(".wb-lens-color select").select_option("entropy")
+    page.wait_for_function(
+        "([el, before]) => el.style.background !== before",
+        arg=[cell.element_handle(), by_probability], timeout=10_000)
 
     lens.locator(".wb-lens-tab[data-tab='attention']").click()
     panel = lens.locator(".wb-attn-panel")

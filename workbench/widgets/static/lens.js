@@ -11,8 +11,15 @@ function node(tag, className, text) {
   return n;
 }
 
+let svgNamespace = null; // read from the parser, so that no URL is written here
+
 function svg(tag, attrs) {
-  const n = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  if (svgNamespace === null) {
+    const holder = document.createElement("div");
+    holder.innerHTML = "<svg></svg>";
+    svgNamespace = holder.firstChild.namespaceURI;
+  }
+  const n = document.createElementNS(svgNamespace, tag);
   for (const [k, v] of Object.entries(attrs || {})) n.setAttribute(k, String(v));
   return n;
 }
@@ -230,39 +237,60 @@ function render({ model, el }) {
     const tokens = model.get("tokens") || [];
     const T = m.T;
     const px = Math.max(4, Math.min(18, Math.floor(420 / T)));
-    canvas.width = T * px;
-    canvas.height = T * px;
-    canvas.style.width = `${T * px}px`;
-    canvas.style.height = `${T * px}px`;
+    const labels = px >= 9; // token names beside the rows and above the columns
+    const left = labels ? 84 : 0;
+    const top = labels ? 64 : 0;
+    canvas.width = left + T * px;
+    canvas.height = top + T * px;
+    canvas.style.width = `${canvas.width}px`;
+    canvas.style.height = `${canvas.height}px`;
     const ctx = canvas.getContext("2d");
     ctx.fillStyle = "#fff";
     ctx.fillRect(0, 0, canvas.width, canvas.height);
+    if (labels) {
+      ctx.fillStyle = "#333";
+      ctx.font = "11px monospace";
+      ctx.textBaseline = "middle";
+      ctx.textAlign = "right";
+      for (let i = 0; i < T; i++) ctx.fillText(short(tokens[i], 10), left - 4, top + i * px + px / 2);
+      ctx.textAlign = "left";
+      for (let j = 0; j < T; j++) {
+        ctx.save();
+        ctx.translate(left + j * px + px / 2, top - 4);
+        ctx.rotate(-Math.PI / 3);
+        ctx.fillText(short(tokens[j], 8), 0, 0);
+        ctx.restore();
+      }
+    }
+    ctx.strokeStyle = "#ccc";
+    ctx.strokeRect(left + 0.5, top + 0.5, T * px - 1, T * px - 1);
     const q = model.get("attn_token");
     for (let i = 0; i < T; i++) {
       for (let j = 0; j <= i; j++) {
         const v = m.values[i * T + j] / 255;
         ctx.fillStyle = `rgba(37, 99, 235, ${v.toFixed(3)})`;
-        ctx.fillRect(j * px, i * px, px, px);
+        ctx.fillRect(left + j * px, top + i * px, px, px);
       }
     }
     if (q >= 0 && q < T) {
       ctx.strokeStyle = "#e67700";
       ctx.lineWidth = 2;
-      ctx.strokeRect(1, q * px + 1, T * px - 2, px - 2);
+      ctx.strokeRect(left + 1, top + q * px + 1, T * px - 2, px - 2);
     }
-    canvas.onmousemove = (event) => {
+    const at = (event) => {
       const r = canvas.getBoundingClientRect();
-      const j = Math.floor((event.clientX - r.left) / px);
-      const i = Math.floor((event.clientY - r.top) / px);
-      if (i < 0 || j < 0 || i >= T || j >= T) { heatTip.hidden = true; return; }
+      return [Math.floor((event.clientY - r.top - top) / px),
+        Math.floor((event.clientX - r.left - left) / px)];
+    };
+    canvas.onmousemove = (event) => {
+      const [i, j] = at(event);
+      if (i < 0 || j < 0 || i >= T || j >= T) { heatTip.textContent = ""; return; }
       heatTip.textContent = `${JSON.stringify(visible(tokens[i]))} \u2192 ` +
         `${JSON.stringify(visible(tokens[j]))}: ${(m.values[i * T + j] / 255).toFixed(3)}`;
-      heatTip.hidden = false;
     };
-    canvas.onmouseleave = () => { heatTip.hidden = true; };
+    canvas.onmouseleave = () => { heatTip.textContent = ""; };
     canvas.onclick = (event) => {
-      const r = canvas.getBoundingClientRect();
-      const i = Math.floor((event.clientY - r.top) / px);
+      const [i] = at(event);
       if (i >= 0 && i < T) { model.set("attn_token", i); model.save_changes(); }
     };
   };
