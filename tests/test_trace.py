@@ -116,6 +116,9 @@ def test_trace_on_every_device(model, device):
         assert m.backend is not None
         trace = m.trace(golden.inputs["prompt"], attention=True)
         _check_against(trace, golden, f"{model} on {device}")
+        from workbench.engine.trace import host_model
+
+        assert host_model(m) is host_model(m)  # the host copy is built once
 
 
 def test_choosing_layers_heads_and_messages():

@@ -38,6 +38,7 @@ a request over `max_bytes` raises `TraceTooLargeError` with the size it would ne
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -251,18 +252,23 @@ def estimate_bytes(cfg, T: int, n_traced: int, n_attention: int, n_heads: int,
     return needed, detail
 
 
+_HOST_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # device model -> host
+
+
 def host_model(llm: LLM) -> LlamaModel:
     """The NumPy model of `llm`: its own on the CPU; on a GPU backend a host copy over the
-    same memory-mapped file, built once (the weights stay in the file's format)."""
+    same memory-mapped file, built on first use and dropped with the device model (its
+    matrices stay in the file's format and mostly in the file's memory; the Q/K/V
+    matrices that share a format are joined into one, a copy)."""
     model = llm._require_model()
     if llm.backend is None:
         return model
-    host = getattr(llm, "_trace_host_model", None)
+    host = _HOST_MODELS.get(model)
     if host is None:
         from workbench.engine.llm import _MODEL_CLASSES
 
         host = _MODEL_CLASSES[llm.config.arch](llm._gguf, llm.kv_cache_size)
-        llm._trace_host_model = host
+        _HOST_MODELS[model] = host
     return host
 
 
