@@ -11,6 +11,7 @@ import traitlets
 
 from tests.goldens import load
 from tests.goldens.make_trace import trace_name
+from tests.support.devices import DEVICES, open_llm
 from workbench.widgets import LensCell
 from workbench.widgets.lens import STATIC
 
@@ -57,6 +58,7 @@ def test_the_cell_shows_the_trace(tiny, prompt):
     assert np.abs(data / 255.0 - np.stack([trace.attention[i] for i in range(6)])).max() \
         <= 0.5 / 255 + 1e-6
     assert cell.attn_layer == 5 and cell.attn_head == 0 and cell.attn_token == T - 1
+    assert cell.kv_group == 2 and cell.windows == [8, 8, 8, 8, 8, 0]  # 5 local layers, 1 global
     assert "24 tokens, 6 layers, 6 with attention" in cell.status
     assert not cell.running
 
@@ -118,3 +120,21 @@ def test_a_remote_model_gets_told_it_needs_a_local_one():
     assert cell.run() is None and cell.trace is None
     with pytest.raises(ValueError):
         LensCell(remote, color_by="rainbow")
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+def test_the_cell_on_another_backend(device, prompt):
+    """The cell traces the host path whatever the model's device: the same grid."""
+    from workbench import LLM
+
+    path = load(MODEL).file("model.gguf")
+    with LLM.load(path, kv_cache_size=64, prepare_kernels=False) as cpu_model:
+        ref = LensCell(cpu_model, prompt, layers=[2], attention=[2])
+        ref.wait(timeout=60)
+    with open_llm(path, device, kv_cache_size=64) as m:
+        cell = LensCell(m, prompt, layers=[2], attention=[2])
+        assert cell.wait(timeout=60) and cell.error == "", cell.error
+        assert [[c["t"] for c in row] for row in cell.grid] == \
+            [[c["t"] for c in row] for row in ref.grid]
+        a = np.frombuffer(cell.attention_data, np.uint8).astype(int)
+        assert np.abs(a - np.frombuffer(ref.attention_data, np.uint8)).max() <= 1

@@ -55,7 +55,8 @@ class LensCell(Worker, anywidget.AnyWidget):
     the `top` list of [text, probability]), `color_by`, `tab`, `selected` ([layer, position]
     or []), `attention_layers`, `heads`, `attention_data` (bytes: uint8 weights x 255,
     (layers, heads, T, T) in that order), `attn_layer`, `attn_head`, `attn_token`,
-    `running`, `error`, `status`.
+    `kv_group` (query heads per KV head), `windows` (each attention layer's sliding
+    window, 0 for none), `running`, `error`, `status`.
     """
 
     _esm = STATIC / "lens.js"
@@ -73,6 +74,8 @@ class LensCell(Worker, anywidget.AnyWidget):
     attn_layer = traitlets.Int(-1).tag(sync=True)
     attn_head = traitlets.Int(0).tag(sync=True)
     attn_token = traitlets.Int(-1).tag(sync=True)
+    kv_group = traitlets.Int(1).tag(sync=True)  # query heads per KV head (grouped-query)
+    windows = traitlets.List(traitlets.Int()).tag(sync=True)  # per attention layer, 0: none
     running = traitlets.Bool(False).tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
     status = traitlets.Unicode("").tag(sync=True)
@@ -232,6 +235,8 @@ class LensCell(Worker, anywidget.AnyWidget):
             self.attn_layer = attn_layers[-1] if attn_layers else -1
             self.attn_head = trace.heads[0] if trace.heads else 0
             self.attn_token = trace.n_tokens - 1
+            self.kv_group = trace.n_head // trace.n_head_kv
+            self.windows = [int(trace.windows.get(n, 0)) for n in attn_layers]
             self.selected = []
             self.status = (f"{trace.n_tokens} tokens, {len(trace.layers)} layers, "
                            f"{len(attn_layers)} with attention ({trace.nbytes / 2**20:.1f} MB)")

@@ -352,7 +352,13 @@ function render({ model, el }) {
       linesBox.replaceChildren();
       return;
     }
-    attnInfo.textContent = "rows: tokens (queries), columns: the tokens they attend to";
+    const group = model.get("kv_group") || 1;
+    const win = (model.get("windows") || [])[aLayers.indexOf(model.get("attn_layer"))] || 0;
+    attnInfo.textContent = `head ${model.get("attn_head")} reads KV head ` +
+      `${Math.floor(model.get("attn_head") / group)}` +
+      (group > 1 ? ` (shared by ${group} query heads)` : "") +
+      (win ? `; this layer sees the last ${win} positions` : "") +
+      "; rows: tokens, columns: the tokens they attend to";
     paintHeatmap(m);
     paintLines(m);
   };
