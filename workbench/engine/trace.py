@@ -291,6 +291,8 @@ def _layer_numbers(layers: Iterable[int] | None, n_layer: int) -> tuple[int, ...
         if not 0 <= n < n_layer:
             raise ValueError(f"layer {layer} outside the model's {n_layer} layers")
         out.add(n)
+    if not out:
+        raise ValueError("layers must name at least one layer")
     return tuple(sorted(out))
 
 
