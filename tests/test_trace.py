@@ -144,6 +144,7 @@ def test_choosing_layers_heads_and_messages():
             m.trace(prompt, heads=[4])
         with pytest.raises(ValueError, match="at least one layer"):
             m.trace(prompt, layers=[])
+        assert m.trace(prompt, layers=[0], attention=[]).attention == {}
         chat = m.trace([{"role": "user", "content": "hi"}], layers=[0])
         assert chat.ids == m._chat_ids([{"role": "user", "content": "hi"}], None)
         assert "".join(chat.tokens) == m.detokenize(chat.ids)

@@ -184,7 +184,8 @@ def trace(llm: LLM, prompt: str | Sequence[int] | Sequence[Mapping[str, Any]], *
     elif attention is False or attention is None:
         attn_layers = set()
     else:
-        attn_layers = set(_layer_numbers(attention, cfg.n_layer))
+        asked = [attention] if isinstance(attention, (int, np.integer)) else list(attention)
+        attn_layers = set(_layer_numbers(asked, cfg.n_layer)) if asked else set()
         traced = tuple(sorted(set(traced) | attn_layers))
     kept_heads = tuple(range(cfg.n_head)) if heads is None else _head_numbers(heads, cfg.n_head)
     top_k = int(top_k)
