@@ -266,9 +266,9 @@ def host_model(llm: LLM) -> LlamaModel:
         return model
     host = _HOST_MODELS.get(model)
     if host is None:
-        from workbench.engine.llm import _MODEL_CLASSES
+        from workbench.engine.models.families import DECODERS
 
-        host = _MODEL_CLASSES[llm.config.arch](llm._gguf, llm.kv_cache_size)
+        host = DECODERS[llm.config.arch](llm._gguf, llm.kv_cache_size)
         _HOST_MODELS[model] = host
     return host
 
