@@ -20,10 +20,8 @@ widgets take either (anything with `.embed`, see `Embedder`).
 from __future__ import annotations
 
 import os
-import threading
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -37,7 +35,6 @@ from workbench.engine.local_engine import LocalEngine
 from workbench.engine.models import bert, gemma3, llama
 from workbench.engine.results import TooManyTokensError
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
-from workbench.engine.warmup import KernelWarmup
 from workbench.signals import Signal
 
 DEFAULT_ENCODER = "minilm-l6"
@@ -107,15 +104,10 @@ class Encoder(LocalEngine):
             raise UnsupportedArchitectureError(
                 f"{gguf.path.name}: architecture {arch!r} is not an encoder this engine runs; "
                 f"supported: {', '.join(bert.ARCHITECTURES)}{hint}")
-        self._start_signals(device, backend)
-        self.path: Path = gguf.path
+        self._start_engine(gguf.path, device, backend)
         self.metadata = gguf.metadata
-        model = bert.BertModel(gguf)
-        tasks = model.kernel_tasks() if prepare_kernels and self.backend is None else []
-        self.config = model.config
-        if self.backend is not None:  # weights uploaded once, the host copies dropped
-            model = bert.DeviceBertModel(model, self.backend)
-        self.model: bert.BertModel | bert.DeviceBertModel | None = model
+        self.model: bert.BertModel | bert.DeviceBertModel | None = self._place_model(
+            bert.BertModel(gguf), bert.DeviceBertModel, prepare_kernels=prepare_kernels)
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
         if self.config.pooling == "none":  # the file does not say: sentence-transformers' default
             self.pooling = "mean"
@@ -128,8 +120,7 @@ class Encoder(LocalEngine):
         # where inputs are cut: sentence-transformers' limit unless the caller sets one
         self.max_length: int = max_length or self.config.max_seq_length
         self._gguf = gguf
-        self._lock = threading.Lock()
-        self.warmup = KernelWarmup(tasks, self.warming, self._lock).start()
+        self._start_warmup()
 
     @classmethod
     def load(cls, source: str | os.PathLike = DEFAULT_ENCODER, *, device: str = "auto",
@@ -294,7 +285,7 @@ class Encoder(LocalEngine):
         ids = np.zeros((len(batch), int(lengths.max())), dtype=np.int64)  # padding: never attended
         for row, b in zip(ids, batch):
             row[: len(b)] = b
-        with self._busy, self._lock:
+        with self._busy, self._forward_lock:
             hidden = model.hidden(ids, lengths)
             if self.backend is None:
                 return hidden if pool is None else _pool(np, hidden, lengths, pool)

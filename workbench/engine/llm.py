@@ -18,7 +18,6 @@ import os
 import threading
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,7 +56,7 @@ from workbench.engine.scheduler import (  # noqa: F401  (PREFILL_CHUNK: importab
 )
 from workbench.engine.structured import answer_json, with_schema_instruction  # noqa: F401
 from workbench.engine.tokenizers import Tokenizer, load_tokenizer
-from workbench.engine.warmup import KernelWarmup, helper_command
+from workbench.engine.warmup import helper_command
 
 _MODEL_CLASSES = DECODERS  # (the name the docs and older code use)
 SUPPORTED_ARCHITECTURES = tuple(DECODERS)
@@ -87,27 +86,22 @@ class LLM(Prompting, LocalEngine):
             )
         if kv_cache_size < 1:
             raise ValueError("kv_cache_size must be >= 1")
-        self._start_signals(device, backend)
-        self.path: Path = gguf.path
+        self._start_engine(gguf.path, device, backend)
         self.metadata = gguf.metadata
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
-        self.model = DECODERS[arch](gguf, kv_cache_size)
-        if self.backend is not None:  # weights uploaded once, the host copies dropped
-            self.model = llama_device.DeviceLlamaModel(self.model, self.backend)
-        self.config = self.model.config
+        self.model = self._place_model(DECODERS[arch](gguf, kv_cache_size),
+                                       llama_device.DeviceLlamaModel,
+                                       prepare_kernels=prepare_kernels)
         self.chat_template: str = (gguf.get("tokenizer.chat_template")
                                    or chat_template.fallback_template(self.tokenizer.tokens))
         chat_template.check_template_limits(self.chat_template)  # a hostile one fails here
         self.kv_cache_size = kv_cache_size
         self._gguf = gguf
-        self._forward_lock = threading.Lock()  # one forward pass at a time per model
         # every generation runs through it; its slots keep prompts for prefix reuse
         self._scheduler = Scheduler(self, max_batch)
         self._file_sha256: str | None = None
         self.prefilled_tokens = 0  # prompt tokens run through the model so far (all calls)
-        tasks = self.model.kernel_tasks() if prepare_kernels and self.backend is None else []
-        helper = helper_command("llm", str(self.path), kv_cache_size)
-        self.warmup = KernelWarmup(tasks, self.warming, self._forward_lock, helper).start()
+        self._start_warmup(helper_command("llm", str(self.path), kv_cache_size))
 
     @classmethod
     def load(cls, source: str | os.PathLike = registry.DEFAULT_MODEL, *, device: str = "auto",

@@ -1,12 +1,20 @@
 """`LocalEngine`: what the engines that run here (`LLM`, `Encoder`, `WhisperModel`) share:
-the backend they run on and the signals a notebook cell watches."""
+the backend they run on, the signals a notebook cell watches, and the steps their
+constructors take (`_start_engine`, `_place_model`, `_start_warmup`)."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
 from workbench.engine.backend import Backend, select_backend
 from workbench.engine.lifecycle import Closeable
-from workbench.engine.warmup import Warming
+from workbench.engine.warmup import KernelTask, KernelWarmup, Warming
 from workbench.signals import BusyCounter, Signal
+
+M = TypeVar("M")
 
 
 class LocalEngine(Closeable):
@@ -15,6 +23,37 @@ class LocalEngine(Closeable):
     `workbench.engine.warmup`) are signals; `backend` is None on the CPU."""
 
     backend: Backend | None
+    path: Path
+    config: Any
+    warmup: KernelWarmup
+
+    def _start_engine(self, path: Path, device: str, backend: Backend | None) -> None:
+        """A constructor's first steps: the backend `device` names (refused here, before
+        any weights load, when there is none) and the signals, the file's path, and the
+        lock held around every forward pass (one at a time per model; the kernel warm-up
+        holds it too)."""
+        self._start_signals(device, backend)
+        self.path = path
+        self._forward_lock = threading.Lock()
+
+    def _place_model(self, host: M, device_twin: Callable[[M, Backend], Any], *,
+                     prepare_kernels: bool) -> M | Any:
+        """The model to run: `host` (built on the CPU) as it is, or on a GPU backend its
+        `device_twin(host, backend)` (weights uploaded once, the host copies dropped).
+        Sets `config` from `host` and notes its kernel tasks for `_start_warmup` (on the
+        CPU, with `prepare_kernels`)."""
+        self.config = host.config
+        self._kernel_tasks: list[KernelTask] = (
+            host.kernel_tasks() if prepare_kernels and self.backend is None else [])
+        return host if self.backend is None else device_twin(host, self.backend)
+
+    def _start_warmup(self, helper: list[str] | None = None) -> None:
+        """A constructor's last step: the kernel tasks noted by `_place_model` start in a
+        background thread (`warmup`, progress in `warming`); `helper`: see
+        `KernelWarmup`."""
+        self.warmup = KernelWarmup(self._kernel_tasks, self.warming, self._forward_lock,
+                                   helper).start()
+        self._kernel_tasks = []
 
     def _start_signals(self, device: str, backend: Backend | None) -> None:
         """Pick the backend `device` names (or `backend` itself) and set up the signals."""

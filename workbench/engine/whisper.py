@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +61,6 @@ from workbench.engine.profiling import span
 from workbench.engine.results import Segment, Transcript
 from workbench.engine.sampling import log_softmax
 from workbench.engine.tokenizers.whisper import WhisperTokenizer
-from workbench.engine.warmup import KernelWarmup
 from workbench.engine.whisper_file import WhisperFile
 
 DEFAULT_WHISPER = "whisper-tiny.en"
@@ -93,17 +91,11 @@ class WhisperModel(LocalEngine):
         (MLX on any platform). `backend`: a `workbench.engine.backend.Backend` to run on
         instead of the one `device` names (the tests run the CuPy backend's code with
         NumPy standing in for CuPy). `prepare_kernels`: see `load`."""
-        self._start_signals(device, backend)
-        self.path: Path = f.path
-        net = arch.Whisper(f)
-        tasks = net.kernel_tasks() if prepare_kernels and self.backend is None else []
-        self.config = net.config
-        if self.backend is not None:  # weights uploaded once, the host copies dropped
-            net = arch.DeviceWhisper(net, self.backend)
-        self.net: arch.Whisper | arch.DeviceWhisper | None = net
+        self._start_engine(f.path, device, backend)
+        self.net: arch.Whisper | arch.DeviceWhisper | None = self._place_model(
+            arch.Whisper(f), arch.DeviceWhisper, prepare_kernels=prepare_kernels)
         self.tokenizer = WhisperTokenizer(f.tokens, f.hparams.n_vocab)
-        self._lock = threading.Lock()
-        self.warmup = KernelWarmup(tasks, self.warming, self._lock).start()
+        self._start_warmup()
 
     @classmethod
     def load(cls, source: str | os.PathLike = DEFAULT_WHISPER, *, device: str = "auto",
@@ -221,7 +213,7 @@ class WhisperModel(LocalEngine):
                 WINDOW_BEFORE + N_SAMPLES + WINDOW_AFTER, np.float32)
             log10 = window_log10_mel(x, filters)
             mel = scale_log_mel(log10[:, : N_FRAMES], max(LOG_MEL_FLOOR, float(log10.max())))
-        with self._busy, self._lock:
+        with self._busy, self._forward_lock:
             return self._net().encode(mel)
 
     def detect_language_from_encoder(self, features: Any) -> tuple[str, float]:
@@ -234,7 +226,7 @@ class WhisperModel(LocalEngine):
         want = (self.config.n_audio_ctx, self.config.n_audio_state)
         if shape != want:
             raise ValueError(f"the encoder's output has shape {want}, got {shape}")
-        with self._busy, self._lock:
+        with self._busy, self._forward_lock:
             probs = self._language_probs(features)
         best = int(np.argmax(probs))
         return self.tokenizer.languages[best], float(probs[best])
@@ -282,7 +274,7 @@ class WhisperModel(LocalEngine):
         all_tokens: list[int] = []
         language_probability = 1.0
         frames_per_second = SAMPLE_RATE / HOP_LENGTH
-        with self._lock:
+        with self._forward_lock:
             net = self._net()
             for seek, mel in chunks:
                 check_cancel(cancel)
