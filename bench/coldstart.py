@@ -84,7 +84,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child)))
         return
-    from workbench.engine import sources
+    from workbench.engine.formats import sources
 
     if not JFK.is_file():
         raise SystemExit(f"missing {JFK}: the benchmark expects ../shared beside the repository")

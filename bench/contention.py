@@ -13,7 +13,7 @@ by round and alternating the engines:
 - `chat_json` seconds: a short object under a JSON Schema (ours only: llama.cpp has no
   such call);
 
-for our engine with core sharing (`workbench.engine.cores`, the default) and without
+for our engine with core sharing (`workbench.engine.runtime.cores`, the default) and without
 it (every thread, every step), and llama.cpp (llama-cpp-python, in a child process with
 the same threads). Printed: each row's median and its fraction of the same engine's
 quiet speed. Run it on an otherwise quiet machine: the busy processes are the load.
@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             print("llama.cpp's rows skipped: pip install llama-cpp-python", file=sys.stderr)
         else:
-            from workbench.engine import sources
+            from workbench.engine.formats import sources
 
             peer = PeerProcess(str(sources.resolve(args.model)),
                                args.prompt_tokens + args.decode_tokens + 64, args,

@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     from sentence_transformers import SentenceTransformer
 
     from workbench import Encoder, registry
-    from workbench.engine import sources
-    from workbench.engine.convert import hf_bert_to_gguf
+    from workbench.engine.formats import sources
+    from workbench.engine.formats.convert import hf_bert_to_gguf
 
     torch.set_num_threads(args.threads)
     folder = registry.source_folder(args.model)

@@ -38,8 +38,8 @@ import numba
 import numpy as np
 
 from workbench import LLM, Grammar
-from workbench.engine import sources
-from workbench.engine.grammar import SchemaError
+from workbench.engine.decoding.grammar import SchemaError
+from workbench.engine.formats import sources
 
 GRAMMARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "grammar"
 SCHEMAS = GRAMMARS / "schemas"

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from workbench import registry
-from workbench.engine import sources
+from workbench.engine.formats import sources
 
 TYPES = ("Q8_0", "Q4_0")
 

@@ -35,7 +35,7 @@ targets, PASS or FAIL: ours@8 / ours@1 tok/s >= 2.0, ours@8 / llama.cpp@8 tok/s 
 ours p95 TTFT@8 / p50 TTFT@1 <= 3 (and, for reference, p95@8 / p95@1 and p95@1 / p50@1:
 the spread of one client's TTFTs over the mix of prompt lengths).
 
-Ceiling: our levels run under `workbench.engine.profiling`, which times each prefill
+Ceiling: our levels run under `workbench.engine.runtime.profiling`, which times each prefill
 and decode pass of the engine. From level 1 and level 8 it takes the prompt tokens
 read and tokens generated per request, prefill ms per token, and the median decode
 pass with 1 row and with 8 rows, and prints the 8 / 1 ratio a scheduler would reach
@@ -153,7 +153,7 @@ def _client(base_url: str):
 
 @dataclass
 class EngineTimes:
-    """What our engine's passes took during one level (`workbench.engine.profiling`)."""
+    """What our engine's passes took during one level (`workbench.engine.runtime.profiling`)."""
 
     prompt_tokens: int  # read by prefill passes (prompt beginnings reused are not read)
     generated: int  # tokens sampled
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import workbench
     from workbench import LLM
-    from workbench.engine import profiling
+    from workbench.engine.runtime import profiling
 
     levels = [] if args.shared_prefix == "only" else \
         list(dict.fromkeys(int(c) for c in args.concurrency.split(",")))

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from pywhispercpp.model import Model as WhisperCpp
 
     from workbench import WhisperModel, registry
-    from workbench.engine import sources
-    from workbench.engine.audio import load_audio
+    from workbench.engine.audio.pcm import load_audio
+    from workbench.engine.formats import sources
 
     bin_path = sources.pull(args.model)
     folder = registry.source_folder(args.model)
@@ -112,7 +112,7 @@ def _sixty_seconds(jfk):
     """60 s: JFK, espeak-ng sentences and pauses (JFK alone when espeak-ng is missing)."""
     import numpy as np
 
-    from workbench.engine.audio import load_audio
+    from workbench.engine.audio.pcm import load_audio
 
     parts = [jfk, np.zeros(8000, np.float32)]
     if shutil.which("espeak-ng"):

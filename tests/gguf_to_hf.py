@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from gguf import quants
 
-from workbench.engine.gguf import GGUFFile
+from workbench.engine.formats.gguf import GGUFFile
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

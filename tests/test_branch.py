@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.support.devices import DEVICES
-from workbench.engine.branch import Branch, BranchStore
+from workbench.engine.explore.branch import Branch, BranchStore
 from workbench.engine.llm import PREFILL_CHUNK
 
 PROMPT = "The capital of France is"
@@ -308,7 +308,7 @@ def test_a_saved_grammar_branch_keeps_its_place_in_the_grammar(smollm2, tmp_path
 
 
 def test_a_bad_branch_file_is_refused_and_frees_nothing(smollm2, tmp_path):
-    from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError
+    from workbench.engine.runtime.prefix_cache import PrefixCache, PrefixCacheError
 
     store = BranchStore(smollm2, max_active=2)
     branch = Branch.create(smollm2, {"temperature": 0}, store=store)
@@ -392,7 +392,7 @@ def test_store_commit_checks_before_any_branch_changes(smollm2):
     """A token out of the vocabulary or refused by a branch's grammar raises and leaves
     every branch as it was (history, perplexity, grammar state): the branches go on to
     produce what they would have without the bad call."""
-    from workbench.engine.grammar import GrammarError
+    from workbench.engine.decoding.grammar import GrammarError
 
     store = BranchStore(smollm2, max_active=2, max_len=64)
     free = Branch.create(smollm2, {"temperature": 0}, store=store)

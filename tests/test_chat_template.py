@@ -12,8 +12,8 @@ import pytest
 
 from tests.support.chat_templates import GEMMA_STYLE, LLAMA3_STYLE, MISTRAL_STYLE
 from tests.support.shared import reference
-from workbench.engine import chat_template
-from workbench.engine.chat_template import CHATML, ChatTemplate, ChatTemplateError, render
+from workbench.engine.text import chat_template
+from workbench.engine.text.chat_template import CHATML, ChatTemplate, ChatTemplateError, render
 
 # alias -> the llama.cpp reference made on that alias's GGUF
 REFERENCES = {
@@ -31,7 +31,7 @@ def _gguf_template(alias: str) -> str:
     if alias not in _TEMPLATES:
         import gguf
 
-        from workbench.engine.sources import pull
+        from workbench.engine.formats.sources import pull
 
         field = gguf.GGUFReader(pull(alias)).fields["tokenizer.chat_template"]
         _TEMPLATES[alias] = field.contents()

@@ -17,7 +17,7 @@ import pytest
 
 from workbench import lab, registry
 from workbench.cli import main
-from workbench.engine import sources
+from workbench.engine.formats import sources
 
 
 @pytest.mark.parametrize("command", [[], ["pull"], ["list"], ["chat"], ["generate"], ["serve"]])
@@ -266,7 +266,7 @@ def test_lab_helper_stops_with_the_processes_it_started():
 
 
 def _fake_engine(seconds: list[float]):
-    from workbench.engine.warmup import KernelTask, KernelWarmup
+    from workbench.engine.runtime.warmup import KernelTask, KernelWarmup
     from workbench.signals import Signal
 
     warming = Signal(None)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from workbench import ClosedEarlyWarning, Closing, Grammar, GrammarBudgetError
-from workbench.engine.closing import min_json_bytes, shortest_completion
+from workbench.engine.decoding.closing import min_json_bytes, shortest_completion
 
 RECORD = {"type": "object",
           "properties": {"note": {"type": "string"},
@@ -236,7 +236,7 @@ def test_x_max_tokens_gives_one_string_its_own_budget(smollm2):
 
 @pytest.mark.parametrize("budget", [0, -3, 2.5, "10", True])
 def test_x_max_tokens_must_be_a_positive_integer(budget):
-    from workbench.engine.grammar import SchemaError
+    from workbench.engine.decoding.grammar import SchemaError
 
     with pytest.raises(SchemaError, match="x-max-tokens"):
         Grammar.from_json_schema({"type": "string", "x-max-tokens": budget})

@@ -29,7 +29,7 @@ PROMPT = [266, 55, 3, 201, 87, 260, 12, 140, 99, 7, 265, 33]
 # -- the probe --------------------------------------------------------------------------------
 
 def test_auto_takes_the_first_device_present(monkeypatch):
-    from workbench.engine import backend
+    from workbench.engine.runtime import backend
 
     present = backend.available_devices()
     assert backend.resolve_device("auto") == next(d for d in backend.PROBE_ORDER
@@ -46,7 +46,7 @@ def test_auto_takes_the_first_device_present(monkeypatch):
 
 
 def test_an_absent_device_is_a_clear_error(monkeypatch):
-    from workbench.engine import backend
+    from workbench.engine.runtime import backend
 
     monkeypatch.setattr(backend, "_has_cuda", lambda: False)
     monkeypatch.setattr(backend, "_has_metal", lambda: False)
@@ -154,8 +154,8 @@ def test_decode_copies_one_token_id_per_step(tiny_path, sampling, graphs):
     """Both decode paths: the one CUDA graphs record (token and position in device
     buffers) and the one run op by op."""
     from workbench import LLM
-    from workbench.engine.backend import CupyBackend
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats.gguf import open_gguf
+    from workbench.engine.runtime.backend import CupyBackend
     from workbench.kernels.cuda import ReferenceKernels
 
     xp = CountingNumPy()
@@ -193,7 +193,7 @@ def test_a_failed_recording_falls_back_to_the_unrecorded_step(tiny_path, capture
     whose recording replays to other logits than the step run directly, warns once and
     decodes the same tokens without recordings."""
     from workbench import LLM
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats.gguf import open_gguf
 
     opts = dict(max_tokens=6, temperature=0, logit_bias={VOCAB.eos_id: -100.0})
     want = open_llm(tiny_path, "cpu").generate(PROMPT, **opts).token_ids
@@ -217,8 +217,8 @@ def test_batched_decode_copies_the_token_ids_once_per_step(tiny_path):
     argmax and a wait for the device each); what goes up does not grow with the number of
     steps; each sequence gets the tokens it gets alone."""
     from workbench import LLM
-    from workbench.engine.backend import CupyBackend
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats.gguf import open_gguf
+    from workbench.engine.runtime.backend import CupyBackend
     from workbench.kernels.cuda import ReferenceKernels
 
     xp = CountingNumPy()
@@ -246,7 +246,7 @@ def test_batched_decode_copies_the_token_ids_once_per_step(tiny_path):
 # -- sampling on the device ---------------------------------------------------------------------
 
 def _backend(device: str):
-    from workbench.engine.backend import get_backend
+    from workbench.engine.runtime.backend import get_backend
 
     require_device(device)
     return cuda_on_numpy() if device == "cuda-on-numpy" else get_backend(device)
@@ -258,7 +258,7 @@ HISTORY = [3, 3, 7, 11, 3, 20]
 
 @pytest.mark.parametrize("device", GPU_DEVICES)
 def test_device_greedy_equals_the_host_sampler(device):
-    from workbench.engine.sampling import DeviceSampler, Sampler, SamplingParams
+    from workbench.engine.decoding.sampling import DeviceSampler, Sampler, SamplingParams
 
     be = _backend(device)
     rng = np.random.default_rng(0)
@@ -283,7 +283,7 @@ def test_device_greedy_equals_the_host_sampler(device):
 def test_device_sampling_draws_from_the_host_distribution(device, params):
     """Many draws on the device and on the host: the same tokens, with frequencies within
     a total variation distance of 0.05 (2000 draws each; the seeds are fixed)."""
-    from workbench.engine.sampling import DeviceSampler, Sampler, SamplingParams
+    from workbench.engine.decoding.sampling import DeviceSampler, Sampler, SamplingParams
 
     be = _backend(device)
     logits = (np.random.default_rng(1).standard_normal(64) * 2).astype(np.float32)
@@ -304,7 +304,7 @@ def test_device_sampling_draws_from_the_host_distribution(device, params):
 def test_branches_and_prefixes_on_a_device(tiny_path, device):
     """A fork of a device cache (copied on the device) continues like a fresh run; a
     prefix cache saved from it (via the host) restores into another."""
-    from workbench.engine.branch import Branch, BranchStore
+    from workbench.engine.explore.branch import Branch, BranchStore
 
     with open_llm(tiny_path, device) as m, open_llm(tiny_path, "cpu") as ref:
         store = BranchStore(m, max_active=3)
@@ -380,7 +380,7 @@ class _FakeCudaModule:
 
 
 def test_cuda_graph_captures_on_its_own_stream_and_pool():
-    from workbench.engine.backend import CudaGraph
+    from workbench.engine.runtime.backend import CudaGraph
 
     cp = types.SimpleNamespace(cuda=_FakeCudaModule())
     seen = []
@@ -398,7 +398,7 @@ def test_cuda_graph_captures_on_its_own_stream_and_pool():
 
 
 def test_cuda_graph_ends_a_broken_capture_and_reports_its_error():
-    from workbench.engine.backend import CudaGraph
+    from workbench.engine.runtime.backend import CudaGraph
 
     cp = types.SimpleNamespace(cuda=_FakeCudaModule())
 

@@ -88,7 +88,7 @@ def minilm_on(request, minilm):
 
 @pytest.fixture(scope="session")
 def minilm_q8_path(minilm_folder, tmp_path_factory):
-    from workbench.engine.convert import hf_bert_to_gguf
+    from workbench.engine.formats.convert import hf_bert_to_gguf
 
     return hf_bert_to_gguf(minilm_folder, tmp_path_factory.mktemp("q8") / "minilm.q8_0.gguf",
                            dtype="q8_0")
@@ -137,7 +137,7 @@ def test_f32_embeddings_match_sentence_transformers(minilm_on):
 def test_q8_0_embeddings_match_sentence_transformers(minilm_q8_path, device):
     from gguf import GGMLQuantizationType
 
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats.gguf import open_gguf
 
     ref, vectors = _minilm_reference()
     assert open_gguf(minilm_q8_path).tensor("blk.0.ffn_up.weight").qtype == \
@@ -181,7 +181,7 @@ def test_overlong_text_is_truncated_with_a_warning(minilm, hf_minilm):
 @pytest.mark.slow
 def test_converted_file_follows_llama_cpp_conventions(minilm):
     """The keys and shapes llama.cpp checks when it loads a bert GGUF."""
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats.gguf import open_gguf
 
     g = open_gguf(minilm.path)
     md = g.metadata
@@ -243,8 +243,8 @@ def test_similarity_ranks_paraphrases_first(minilm):
 @pytest.mark.slow
 def test_decoder_gguf_is_refused_by_name():
     from workbench import Encoder
-    from workbench.engine import sources
-    from workbench.engine.gguf import UnsupportedArchitectureError
+    from workbench.engine.formats import sources
+    from workbench.engine.formats.gguf import UnsupportedArchitectureError
 
     with pytest.raises(UnsupportedArchitectureError, match="'llama'.*load it with workbench.LLM"):
         Encoder.load(sources.resolve("smollm2-135m"))
@@ -291,7 +291,7 @@ def tiny_golden() -> Golden:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("safetensors", [True, False], ids=["safetensors", "pytorch_bin"])
 def test_tiny_bert_matches_transformers(tmp_path, safetensors, device, tiny_golden):
-    from workbench.engine.convert import hf_bert_to_gguf
+    from workbench.engine.formats.convert import hf_bert_to_gguf
 
     folder = tiny_bert(tmp_path / "tiny", safetensors=safetensors)
     assert (folder / ("model.safetensors" if safetensors else "pytorch_model.bin")).is_file()
@@ -315,8 +315,8 @@ def test_tiny_bert_matches_transformers(tmp_path, safetensors, device, tiny_gold
 def test_tiny_bert_reduced_precision(tmp_path, dtype, min_cos, device, tiny_golden):
     from gguf import GGMLQuantizationType
 
-    from workbench.engine.convert import hf_bert_to_gguf
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats.convert import hf_bert_to_gguf
+    from workbench.engine.formats.gguf import open_gguf
 
     folder = tiny_bert(tmp_path / "tiny")
     path = hf_bert_to_gguf(folder, tmp_path / f"tiny.{dtype}.gguf", dtype=dtype)
@@ -337,8 +337,8 @@ def test_long_texts_are_cut_exactly_and_fast(tmp_path):
     characters, words over 100 characters). 10 MB with no whitespace (ASCII, CJK,
     punctuation) or only whitespace costs one bounded head (< 1 s), not the whole."""
 
-    from workbench.engine.convert import hf_bert_to_gguf
     from workbench.engine.encoder import HEAD_CHARS_LIMIT, HEAD_MARGIN, _word_end
+    from workbench.engine.formats.convert import hf_bert_to_gguf
 
     assert _word_end("abc def", 100) == 7
     assert _word_end("aaaa bbbb cccc", 8) == 4  # the last whitespace in the head's second half
@@ -367,7 +367,7 @@ def test_long_texts_are_cut_exactly_and_fast(tmp_path):
 
 
 def test_converter_refuses_what_it_cannot_convert(tmp_path):
-    from workbench.engine.convert import ConversionError, hf_bert_to_gguf
+    from workbench.engine.formats.convert import ConversionError, hf_bert_to_gguf
 
     with pytest.raises(ConversionError, match="is not a folder"):
         hf_bert_to_gguf(tmp_path / "missing", tmp_path / "out.gguf")
@@ -396,7 +396,7 @@ class _Exploit:
 
 
 def test_malicious_pytorch_bin_runs_no_code(tmp_path, monkeypatch):
-    from workbench.engine.convert import ConversionError, hf_bert_to_gguf
+    from workbench.engine.formats.convert import ConversionError, hf_bert_to_gguf
 
     folder = tmp_path / "evil"
     tiny_bert(folder)
@@ -413,7 +413,7 @@ def test_decoder_style_gguf_without_bert_tensors_is_an_error(tmp_path):
     from gguf import GGUFWriter
 
     from workbench import Encoder
-    from workbench.engine.gguf import GGUFError
+    from workbench.engine.formats.gguf import GGUFError
 
     path = tmp_path / "half.gguf"
     w = GGUFWriter(str(path), "bert")

@@ -20,7 +20,7 @@ import pytest
 
 from tests.support.memory import resident_bytes
 from tests.support.shared import reference
-from workbench.engine.kv_cache import RING_SLACK
+from workbench.engine.runtime.kv_cache import RING_SLACK
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from workbench import LLM
-from workbench.engine.gguf import GGUFError, UnsupportedArchitectureError, open_gguf
-from workbench.engine.sources import pull
+from workbench.engine.formats.gguf import GGUFError, UnsupportedArchitectureError, open_gguf
+from workbench.engine.formats.sources import pull
 from workbench.registry import ModelNotFoundError
 
 
@@ -102,7 +102,7 @@ def test_small_file_metadata(tmp_path):
 
 
 def test_unsupported_tensor_type_names_the_tensor(tmp_path):
-    from workbench.engine.gguf import UnsupportedTensorTypeError
+    from workbench.engine.formats.gguf import UnsupportedTensorTypeError
     from workbench.engine.models.weights import linear
 
     path = tmp_path / "iq4.gguf"

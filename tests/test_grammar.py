@@ -16,7 +16,7 @@ from tests.goldens import load as load_golden
 from tests.goldens.make_schema_sample import host_cpu
 from tests.support.schema_order import in_schema_order
 from tests.support.shared import SHARED, shared_file
-from workbench.engine.grammar import (
+from workbench.engine.decoding.grammar import (
     Grammar,
     GrammarError,
     SchemaError,
@@ -183,7 +183,7 @@ def test_schema_rewrites_keep_the_meaning(smollm2, schema, instances):
 def test_unbounded_integers_stay_within_what_json_readers_keep_exactly(smollm2):
     """Integers with no bound are kept within ±(2^53 - 1); a schema's own bounds and enums
     are left alone."""
-    from workbench.engine.grammar import SAFE_INTEGER
+    from workbench.engine.decoding.grammar import SAFE_INTEGER
 
     tok = smollm2.tokenizer
     plain = compile_schema({"type": "object", "properties": {"n": {"type": ["integer", "null"]}},

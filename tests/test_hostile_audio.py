@@ -36,7 +36,7 @@ TEN_HOURS = 10 * 3600
 def windowed_mel(pcm: np.ndarray, filters: np.ndarray, block: int) -> np.ndarray:
     """The spectrogram as `transcribe` computes it: blocks -> 30 s windows, a first pass
     for the maximum, then each window's 3000 frames."""
-    from workbench.engine import mel
+    from workbench.engine.audio import mel
 
     blocks = [pcm[i : i + block] for i in range(0, len(pcm), block)]
     log_max = mel.LOG_MEL_FLOOR
@@ -62,9 +62,9 @@ def synthetic_95s() -> np.ndarray:
 @pytest.mark.parametrize("name", ["jfk", "synthetic-95s", "short", "one-window-and-a-bit",
                                   "empty"])
 def test_windowed_log_mel_is_the_whole_log_mel(name):
-    from workbench.engine.audio import load_audio
-    from workbench.engine.convert import mel_filters
-    from workbench.engine.mel import N_SAMPLES, log_mel_spectrogram
+    from workbench.engine.audio.mel import N_SAMPLES, log_mel_spectrogram
+    from workbench.engine.audio.pcm import load_audio
+    from workbench.engine.formats.convert import mel_filters
 
     pcm = {"jfk": lambda: load_audio(shared_file("data", "whisper", "jfk.wav")),
            "synthetic-95s": synthetic_95s, "short": lambda: synthetic_95s()[:150],
@@ -79,8 +79,8 @@ def test_windowed_log_mel_is_the_whole_log_mel(name):
 
 
 def test_quiet_window_max_needs_no_transform(monkeypatch):
-    from workbench.engine import mel
-    from workbench.engine.convert import mel_filters
+    from workbench.engine.audio import mel
+    from workbench.engine.formats.convert import mel_filters
 
     filters = mel_filters(80)
     rng = np.random.default_rng(1)
@@ -118,7 +118,7 @@ def ten_hours_flac(tmp_path_factory):
 ISOLATED = """
 import json, resource, sys, threading, time
 from workbench import WhisperModel
-from workbench.engine.audio import AudioError, load_audio
+from workbench.engine.audio.pcm import AudioError, load_audio
 from workbench.engine.cancel import Cancelled
 
 path = sys.argv[1]
@@ -205,7 +205,7 @@ def wav_bytes(samples: np.ndarray, rate: int, channels: int = 1) -> bytes:
 
 BAD_HEADERS = """
 import json, sys, time
-from workbench.engine.audio import AudioError, load_audio
+from workbench.engine.audio.pcm import AudioError, load_audio
 out = {}
 for path in sys.argv[1:]:
     start = time.perf_counter()
@@ -262,7 +262,7 @@ def test_implausible_headers_and_broken_files(tmp_path):
 def test_a_header_claiming_thousands_of_channels_says_how_many(tmp_path, channels, container):
     """libsndfile refuses more than 256 channels and FFmpeg reads a count past its own
     limit as 0: the error names the count the header claims, not "0 channels"."""
-    from workbench.engine.audio import AudioError, load_audio
+    from workbench.engine.audio.pcm import AudioError, load_audio
 
     if container == "wav":
         data = bytearray(wav_bytes(np.zeros(400, np.int16), 16000))
@@ -317,7 +317,7 @@ def test_streamed_wav_decodes_whole(size, tmp_path):
     it); max_seconds still holds."""
     import av  # noqa: F401  (a dev dependency: its absence is a failure, not a skip)
 
-    from workbench.engine.audio import AudioError, load_audio
+    from workbench.engine.audio.pcm import AudioError, load_audio
 
     pcm, rate = jfk_int16()
     whole = load_audio(wav_bytes(pcm, rate))
@@ -339,7 +339,7 @@ def test_flac_without_length_decodes_whole(tmp_path):
     import av  # noqa: F401  (a dev dependency: its absence is a failure, not a skip)
     import soundfile
 
-    from workbench.engine.audio import AudioError, load_audio, open_audio
+    from workbench.engine.audio.pcm import AudioError, load_audio, open_audio
 
     pcm, rate = jfk_int16()
     buf = io.BytesIO()
@@ -361,7 +361,7 @@ def test_first_read_failure_tries_pyav():
     tried, and finding no audio either, it is libsndfile's error, not 0 samples."""
     import soundfile
 
-    from workbench.engine.audio import AudioError, load_audio
+    from workbench.engine.audio.pcm import AudioError, load_audio
 
     pcm, rate = jfk_int16()
     buf = io.BytesIO()
@@ -374,7 +374,7 @@ def test_first_read_failure_tries_pyav():
 
 
 def test_max_seconds_on_arrays_and_bytes():
-    from workbench.engine.audio import AudioError, decode_audio, load_audio, open_audio
+    from workbench.engine.audio.pcm import AudioError, decode_audio, load_audio, open_audio
 
     with pytest.raises(AudioError, match=r"is 0:02:00 long; this call allows at most 0:01:30"):
         load_audio(np.zeros(120 * 16000, np.float32), max_seconds=90)
@@ -397,7 +397,7 @@ def test_blocks_are_bounded_and_checked():
     import soundfile
     import soxr
 
-    from workbench.engine.audio import BLOCK_SAMPLES, AudioError, load_audio, open_audio
+    from workbench.engine.audio.pcm import BLOCK_SAMPLES, AudioError, load_audio, open_audio
 
     rng = np.random.default_rng(3)
     stereo = (0.1 * rng.standard_normal((44100 * 20, 2))).astype(np.float32)
@@ -432,7 +432,7 @@ def test_cancel_stops_a_transcription_soon(tiny_en, monkeypatch):
     """The flag, set once the first of four 30 s chunks is encoded, stops the call within
     that chunk's decoding (no second chunk is encoded); a flag set from the start stops
     it before any encoding; a flag never set changes nothing."""
-    from workbench.engine.audio import load_audio
+    from workbench.engine.audio.pcm import load_audio
     from workbench.engine.cancel import Cancelled
 
     jfk = load_audio(shared_file("data", "whisper", "jfk.wav"))
@@ -477,7 +477,7 @@ def test_detect_language_reads_only_the_first_window(tmp_path):
     import soundfile
 
     from workbench import WhisperModel
-    from workbench.engine.audio import AudioError, load_audio
+    from workbench.engine.audio.pcm import AudioError, load_audio
 
     jfk = load_audio(shared_file("data", "whisper", "jfk.wav"))
     noise = 0.002 * np.random.default_rng(4).standard_normal(16000 * 600).astype(np.float32)

@@ -34,9 +34,9 @@ from tests.support.mutations import (
     LARGE_COUNTS,
     mutated_bytes,
 )
-from workbench.engine.gguf import GGUFError, open_gguf
-from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError
-from workbench.engine.whisper_file import WhisperFile, WhisperFileError
+from workbench.engine.formats.gguf import GGUFError, open_gguf
+from workbench.engine.formats.whisper_file import WhisperFile, WhisperFileError
+from workbench.engine.runtime.prefix_cache import PrefixCache, PrefixCacheError
 
 KV_CACHE_SIZE = 64
 
@@ -225,7 +225,7 @@ def test_empty_token_texts_are_told_apart(tiny_gguf, tmp_path):
 def tiny_bert_gguf(tmp_path_factory) -> Path:
     """A tiny random-weight BERT (width 64, 4 heads, 2 layers), converted as users do."""
     from tests.support.tiny_encoders import tiny_bert
-    from workbench.engine.convert import hf_bert_to_gguf
+    from workbench.engine.formats.convert import hf_bert_to_gguf
 
     folder = tmp_path_factory.mktemp("bert")
     tiny_bert(folder / "tiny")
@@ -422,7 +422,7 @@ def test_a_1_4_gb_prefix_in_limited_memory(tiny_gguf, prefix_file, tmp_path):
     assert path.stat().st_size > 1.4e9
     assert_limited_refusal(f"""
 from workbench import LLM
-from workbench.engine.gguf import open_gguf
+from workbench.engine.formats.gguf import open_gguf
 m = LLM(open_gguf({str(tiny_gguf)!r}), prepare_kernels=False, kv_cache_size={KV_CACHE_SIZE})
 load = lambda: m.load_prefix({str(path)!r})
 """, "PrefixCacheError", "header is damaged \\(it claims 84001\\d\\d bytes.*at most 4864")
@@ -482,7 +482,7 @@ def test_whisper_n_text_ctx_2_30_in_limited_memory(tiny_bin, tmp_path):
     path = patched(tiny_bin, tmp_path / "ctx.bin", n_text_ctx=2**30)
     assert_limited_refusal(f"""
 from workbench.engine.models.whisper import Whisper
-from workbench.engine.whisper_file import WhisperFile
+from workbench.engine.formats.whisper_file import WhisperFile
 load = lambda: Whisper(WhisperFile({str(path)!r}))
 """, "WhisperFileError", "n_text_ctx = 1073741824")
     path = patched(tiny_bin, tmp_path / "ctx2.bin", n_text_ctx=448)

@@ -1,5 +1,5 @@
 """Hostile grammars: no GBNF grammar or JSON Schema, however many its rules or deep its
-nesting, crashes the process. Past the bounds of `workbench.engine.grammar`
+nesting, crashes the process. Past the bounds of `workbench.engine.decoding.grammar`
 (`MAX_GRAMMAR_CHARS`, `MAX_GBNF_RULES`, `MAX_GBNF_NESTING`, `MAX_SCHEMA_DEPTH`) it is
 refused with a `GrammarTooLargeError`, a ValueError the server answers with a 400.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from workbench.engine.grammar import (
+from workbench.engine.decoding.grammar import (
     MAX_GBNF_NESTING,
     MAX_GBNF_RULES,
     Grammar,
@@ -40,7 +40,7 @@ CHILD = r"""
 import json, sys
 import numpy as np
 import llguidance
-from workbench.engine.grammar import Grammar, GrammarError, GrammarMatcher, _Vocabulary
+from workbench.engine.decoding.grammar import Grammar, GrammarError, GrammarMatcher, _Vocabulary
 
 class Bytes:  # a vocabulary of the 256 bytes and an end token
     tokens = [bytes([b]) for b in range(256)] + [b"\xffend"]
@@ -102,7 +102,7 @@ def test_a_chain_of_three_thousand_rules_is_refused_not_a_crash():
     is a clean error in a fresh interpreter, as a server's request would get it."""
     text = chain(3000)
     assert 75_000 < len(text) < 85_000
-    code = ("import sys\nfrom workbench.engine.grammar import Grammar, GrammarError\n"
+    code = ("import sys\nfrom workbench.engine.decoding.grammar import Grammar, GrammarError\n"
             "try:\n    Grammar.from_gbnf(sys.stdin.read())\nexcept GrammarError as e:\n"
             "    print(type(e).__name__, isinstance(e, ValueError), e)\n")
     run = subprocess.run([sys.executable, "-c", code], input=text, cwd=REPO,

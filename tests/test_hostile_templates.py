@@ -22,8 +22,8 @@ import pytest
 
 from tests.support.byte_level import gpt2_alphabet
 from tests.support.chat_templates import GEMMA_STYLE, LLAMA3_STYLE, MISTRAL_STYLE
-from workbench.engine import chat_template, template_limits
-from workbench.engine.chat_template import (
+from workbench.engine.text import chat_template, template_limits
+from workbench.engine.text.chat_template import (
     CHATML,
     ChatTemplateError,
     ChatTemplateLimitError,
@@ -104,7 +104,7 @@ TIME_BOUND_S = 5.0  # each payload took minutes before the limits; now well unde
 _CHILD = textwrap.dedent("""
     import json, resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-    from workbench.engine.chat_template import render, ChatTemplateLimitError
+    from workbench.engine.text.chat_template import render, ChatTemplateLimitError
     payloads = json.loads(sys.stdin.read())
     results = {}
     for name, template in payloads.items():
@@ -279,8 +279,8 @@ def test_load_check_passes_the_family_templates():
 @pytest.mark.slow
 @pytest.mark.parametrize("alias", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_load_check_passes_the_real_models_templates(alias):
-    from workbench.engine import sources
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats import sources
+    from workbench.engine.formats.gguf import open_gguf
 
     template = open_gguf(sources.resolve(alias)).get("tokenizer.chat_template")
     assert template

@@ -60,7 +60,7 @@ class Ear:
         self.release = threading.Event()
 
     def transcribe(self, audio, max_seconds=None, **options):
-        from workbench.engine.audio import load_audio
+        from workbench.engine.audio.pcm import load_audio
 
         return f"{len(load_audio(audio, max_seconds=max_seconds))} samples"
 
@@ -137,7 +137,7 @@ def test_ffmpeg_opens_nothing_but_the_upload(tmp_path, monkeypatch):
     bytes reach FFmpeg through memory with no protocol allowed."""
     import av
 
-    from workbench.engine.audio import _ffmpeg_input
+    from workbench.engine.audio.pcm import _ffmpeg_input
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "secret.wav").write_bytes(tone_wav())
@@ -184,7 +184,7 @@ def encoded(kind: str) -> bytes:
 @pytest.mark.parametrize("kind", ["wav", "rf64", "aiff", "flac", "ogg-vorbis", "ogg-opus",
                                   "mp3", "webm", "mp4", "m4a", "adts"])
 def test_every_allowed_container_decodes(kind):
-    from workbench.engine.audio import load_audio
+    from workbench.engine.audio.pcm import load_audio
 
     data = encoded(kind)
     assert abs(len(load_audio(data)) - 16000) < 1200, kind  # encoders pad a little
@@ -196,7 +196,7 @@ def test_every_allowed_container_decodes(kind):
 @pytest.mark.parametrize("data", [b"hello", b"#EXTM3U\n", b"\x89PNG\r\n\x1a\n" + bytes(40),
                                   b"<?xml version='1.0'?><MPD/>", bytes(100)])
 def test_anything_else_is_refused_before_decoding(data):
-    from workbench.engine.audio import AudioError, load_audio
+    from workbench.engine.audio.pcm import AudioError, load_audio
 
     with pytest.raises(AudioError, match="not a supported audio file: send WAV, FLAC"):
         load_audio(data)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from workbench.engine.grammar import GrammarError, SchemaError
+from workbench.engine.decoding.grammar import GrammarError, SchemaError
 from workbench.widgets import JSONCell
 from workbench.widgets.json_cell import _NOTHING, EXAMPLE_GRAMMARS, close_partial_json
 

@@ -1,5 +1,5 @@
 """The kernels' disk cache (`workbench.kernels.cache`) and their warm-up at load
-(`workbench.engine.warmup`): compiled once, never stale, complete, with progress.
+(`workbench.engine.runtime.warmup`): compiled once, never stale, complete, with progress.
 
 The cache tests run a copy of the package in child processes with their own kernel
 cache, edit a kernel in the copy between runs and watch what Numba compiles.
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workbench.engine.warmup import KernelTask, KernelWarmup, Warming, show_progress
+from workbench.engine.runtime.warmup import KernelTask, KernelWarmup, Warming, show_progress
 from workbench.signals import Signal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -320,7 +320,7 @@ def test_no_tasks_is_done_at_once():
 def test_show_progress_without_a_terminal_prints_one_line_per_slow_task():
     """In a log (no terminal) a task gets its line once it has run `QUIET_SECONDS`:
     kernels read from a warm cache print nothing, a compile says what it is doing."""
-    from workbench.engine.warmup import QUIET_SECONDS
+    from workbench.engine.runtime.warmup import QUIET_SECONDS
 
     signal: Signal[Warming | None] = Signal(None)
     out = io.StringIO()

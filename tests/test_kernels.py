@@ -22,7 +22,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from tests.support.quant_blocks import F16_FIELDS, assert_bits_equal, random_blocks
-from workbench.engine import sources
+from workbench.engine.formats import sources
 from workbench.kernels import cpu
 from workbench.kernels.linear import QuantizedWeight
 from workbench.kernels.quants import SUPPORTED_TYPES, UnsupportedQuantError, dequantize
@@ -268,7 +268,7 @@ REAL_TYPES = [("smollm2-135m", "Q4_1"), ("smollm2-135m", "Q8_0"), ("qwen2.5-code
 @pytest.mark.parametrize("alias, qtype", REAL_TYPES)
 def test_real_tensors(alias, qtype):
     """Kernels on real weights (mmap views): SmolLM2 Q4_1/Q8_0, Qwen2.5 Q5_0/Q8_0/Q4_K/Q6_K."""
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats.gguf import open_gguf
 
     tensors = open_gguf(sources.pull(alias)).tensors.values()
     tensor = min((t for t in tensors if t.qtype.name == qtype and len(t.shape) == 2),

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from workbench import registry
+from workbench.engine.decoding.sampling import SamplingParams as SamplingParamsFromSampling
 from workbench.engine.options import DEFAULTS, GenerationOptions, SamplingParams
-from workbench.engine.sampling import SamplingParams as SamplingParamsFromSampling
 
 
 def test_sampling_params_keep_their_home_and_old_import_path():

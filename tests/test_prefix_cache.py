@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from workbench.engine.prefix_cache import PrefixCache
+from workbench.engine.runtime.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.slow
 

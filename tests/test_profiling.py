@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from workbench.engine import profiling
-from workbench.engine.profiling import recording, span
+from workbench.engine.runtime import profiling
+from workbench.engine.runtime.profiling import recording, span
 
 
 def test_spans_are_free_while_nothing_records():

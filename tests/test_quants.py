@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from tests.support.quant_blocks import F16_FIELDS, assert_bits_equal, random_blocks
-from workbench.engine import sources
+from workbench.engine.formats import sources
 from workbench.kernels.quants import (
     SUPPORTED_TYPES,
     UnsupportedQuantError,
@@ -113,7 +113,7 @@ def test_bad_row_length():
 @pytest.mark.parametrize("alias", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_real_tensors(alias):
     """First rows of one tensor of every type in the real model files."""
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats.gguf import open_gguf
 
     file = sources.pull(alias)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workbench.engine.sampling import Sampler, SamplingParams, entropy, log_softmax
+from workbench.engine.decoding.sampling import Sampler, SamplingParams, entropy, log_softmax
 
 
 def _draws(params: SamplingParams, logits: np.ndarray, n: int = 400) -> set[int]:

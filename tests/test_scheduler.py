@@ -1,4 +1,4 @@
-"""Continuous batching on the real SmolLM2 (`workbench.engine.scheduler`): generations from
+"""Continuous batching on the real SmolLM2 (`workbench.engine.decoding.scheduler`): generations from
 several threads decode together and give each the tokens it gets alone; a shared system
 prompt is read once and held once; cancelled and abandoned requests free their places.
 """
@@ -12,9 +12,9 @@ import pytest
 from tests.support.memory import resident_bytes
 from workbench import LLM
 from workbench.engine.cancel import Cancelled
-from workbench.engine.gguf import open_gguf
-from workbench.engine.prefix_cache import common_prefix
-from workbench.engine.scheduler import MIN_SHARED
+from workbench.engine.decoding.scheduler import MIN_SHARED
+from workbench.engine.formats.gguf import open_gguf
+from workbench.engine.runtime.prefix_cache import common_prefix
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +170,7 @@ def test_a_failing_request_leaves_the_others_running(smollm2):
     assert ok.token_ids == m.chat(_chat(QUESTIONS[0]), **GREEDY).token_ids
 
 
-# -- sharing the cores (workbench.engine.cores) -----------------------------------------------
+# -- sharing the cores (workbench.engine.runtime.cores) --------------------------------------------
 
 class _Stat:
     """A stand-in /proc/stat whose `procs_running` the test sets, and a clock."""
@@ -186,7 +186,7 @@ class _Stat:
 
 
 def test_core_share_uses_the_cores_other_work_leaves(tmp_path):
-    from workbench.engine.cores import DOWN_READINGS, READ_EVERY_S, UP_READINGS, CoreShare
+    from workbench.engine.runtime.cores import DOWN_READINGS, READ_EVERY_S, UP_READINGS, CoreShare
 
     stat = _Stat(tmp_path)
     stat.running(2)  # our two threads alone

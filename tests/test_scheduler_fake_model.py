@@ -1,4 +1,4 @@
-"""The scheduler (`workbench.engine.scheduler`) driven by a fake model through the
+"""The scheduler (`workbench.engine.decoding.scheduler`) driven by a fake model through the
 `GenerationModel` protocol, with no weights: which slot each request gets, whose tokens
 reach whom, what a finished or cancelled request leaves behind.
 
@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from workbench.engine.cancel import Cancelled
-from workbench.engine.decoding import Decoding
-from workbench.engine.generation_model import GenerationModel
-from workbench.engine.kv_cache import KVPool
+from workbench.engine.decoding.generation_model import GenerationModel
+from workbench.engine.decoding.scheduler import PREFILL_CHUNK, Request, Scheduler
+from workbench.engine.decoding.sequence import Decoding
 from workbench.engine.options import GenerationOptions
-from workbench.engine.scheduler import PREFILL_CHUNK, Request, Scheduler
-from workbench.engine.tokenizers import load_tokenizer
+from workbench.engine.runtime.kv_cache import KVPool
+from workbench.engine.text.tokenizers import load_tokenizer
 
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 

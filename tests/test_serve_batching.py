@@ -1,5 +1,5 @@
 """The server under concurrent load with its defaults: requests from many clients decode
-together in the engine's batch (`workbench.engine.scheduler`), each gets the answer it
+together in the engine's batch (`workbench.engine.decoding.scheduler`), each gets the answer it
 gets alone, and clients that leave mid-stream free their places and their memory.
 """
 

@@ -30,10 +30,10 @@ from tests.support.chi_square import chi_square_p
 from tests.support.devices import open_llm
 from tests.support.tiny_llama import PROMPT
 from workbench.engine.cancel import Cancelled
-from workbench.engine.convert import requantize_gguf
-from workbench.engine.kv_cache import ContextFullError
+from workbench.engine.decoding.sampling import Sampler
+from workbench.engine.formats.convert import requantize_gguf
 from workbench.engine.options import GenerationOptions
-from workbench.engine.sampling import Sampler
+from workbench.engine.runtime.kv_cache import ContextFullError
 
 SAMPLED = dict(temperature=1.0, top_k=5, top_p=1.0, min_p=0.0, repeat_penalty=1.5)
 N_DRAWS = 3000
@@ -258,7 +258,7 @@ def test_refusals(tiny_paths, tiny):
 # -- prompt lookup (draft="ngram") -----------------------------------------------------------
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
-    from workbench.engine.speculative import lookup_proposal
+    from workbench.engine.decoding.speculative import lookup_proposal
 
     assert lookup_proposal([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]
     assert lookup_proposal([1, 2, 3, 4, 1, 2, 3], 9) == [4, 1, 2, 3]

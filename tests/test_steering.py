@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from workbench.engine.metrics import Perplexity, model_entropy, model_surprisal
+from workbench.engine.explore.metrics import Perplexity, model_entropy, model_surprisal
 
 
 def _reference_logp(logits: np.ndarray) -> np.ndarray:
@@ -175,7 +175,7 @@ def test_is_stop_token(smollm2):
 
 
 def test_validate_chat_template():
-    from workbench.engine.chat_template import ChatTemplateError, validate_chat_template
+    from workbench.engine.text.chat_template import ChatTemplateError, validate_chat_template
 
     text = validate_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n"
                                   "{% endfor %}{% if add_generation_prompt %}[assistant]"

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from workbench.engine.kv_cache import ContextFullError
-from workbench.engine.strategies import best_of_n, stream_past_context
+from workbench.engine.explore.strategies import best_of_n, stream_past_context
+from workbench.engine.runtime.kv_cache import ContextFullError
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_stream_past_context_keeps_counting(smollm2):
 
 
 def test_entropy_branching(smollm2):
-    from workbench.engine.strategies import entropy_branching
+    from workbench.engine.explore.strategies import entropy_branching
 
     prompt = smollm2.tokenize(smollm2.apply_chat_template(
         [{"role": "user", "content": "Tell me a fun fact about octopuses."}]), add_bos=False)

@@ -28,7 +28,7 @@ from tests import goldens
 from tests.goldens.make_tiny_families import PROMPT, VARIANTS, WINDOW, golden_name
 from tests.support.devices import DEVICES, open_llm
 from tests.support.tiny_llama import assert_close as _assert_close
-from workbench.engine.kv_cache import RING_SLACK
+from workbench.engine.runtime.kv_cache import RING_SLACK
 
 
 class Built:

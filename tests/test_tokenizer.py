@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.byte_level import gpt2_alphabet
 from tests.support.shared import reference
-from workbench.engine.tokenizers import (
+from workbench.engine.text.tokenizers import (
     BPETokenizer,
     SPMTokenizer,
     TokenAttr,
@@ -20,8 +20,8 @@ from workbench.engine.tokenizers import (
     clean_up_tokenization_spaces,
     load_tokenizer,
 )
-from workbench.engine.tokenizers.bpe import PRE_TOKENIZERS, PreTokenizer, byte_encode
-from workbench.engine.tokenizers.stream import StreamDecoder
+from workbench.engine.text.tokenizers.bpe import PRE_TOKENIZERS, PreTokenizer, byte_encode
+from workbench.engine.text.tokenizers.stream import StreamDecoder
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 
@@ -240,8 +240,8 @@ MODELS = {
 
 @functools.cache
 def metadata(alias: str) -> dict:
-    from workbench.engine.gguf import open_gguf
-    from workbench.engine.sources import pull
+    from workbench.engine.formats.gguf import open_gguf
+    from workbench.engine.formats.sources import pull
 
     return open_gguf(pull(alias)).metadata
 

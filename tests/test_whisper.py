@@ -42,7 +42,7 @@ RTOL = 1e-4
 
 def _backend(device: str):
     """The `Backend` of a test device other than "cpu"."""
-    from workbench.engine.backend import get_backend
+    from workbench.engine.runtime.backend import get_backend
 
     require_device(device)
     return cuda_on_numpy() if device == "cuda-on-numpy" else get_backend(device)
@@ -68,9 +68,9 @@ def golden_mel(golden) -> np.ndarray:
 @pytest.mark.parametrize("name,n_vocab,multilingual", [
     ("for-tests-ggml-tiny.en.bin", 51864, False), ("for-tests-ggml-tiny.bin", 51865, True)])
 def test_header_only_files_parse(name, n_vocab, multilingual):
-    from workbench.engine.convert import mel_filters
-    from workbench.engine.tokenizers.whisper import WhisperTokenizer
-    from workbench.engine.whisper_file import WhisperFile, WhisperFileError
+    from workbench.engine.formats.convert import mel_filters
+    from workbench.engine.formats.whisper_file import WhisperFile, WhisperFileError
+    from workbench.engine.text.tokenizers.whisper import WhisperTokenizer
 
     f = WhisperFile(shared_file("data", "whisper", name))
     h = f.hparams
@@ -104,7 +104,7 @@ def test_header_only_files_parse(name, n_vocab, multilingual):
 
 
 def test_bad_files_give_clear_errors(tmp_path):
-    from workbench.engine.whisper_file import WhisperFile, WhisperFileError
+    from workbench.engine.formats.whisper_file import WhisperFile, WhisperFileError
 
     data = shared_file("data", "whisper", "for-tests-ggml-tiny.en.bin").read_bytes()
     (tmp_path / "cut.bin").write_bytes(data[:5000])
@@ -128,8 +128,8 @@ def test_bad_files_give_clear_errors(tmp_path):
 def test_tiny_whisper_matches_transformers(f16, device):
     """The goldens whisper-tiny-random-f32/-f16 hold the tiny model's .bin and
     transformers' encoder output and logits at every position of `tokens`."""
+    from workbench.engine.formats.whisper_file import WhisperFile
     from workbench.engine.models.whisper import Whisper
-    from workbench.engine.whisper_file import WhisperFile
 
     golden = load(f"whisper-tiny-random-{'f16' if f16 else 'f32'}")
     net = net_on(Whisper(WhisperFile(golden.file("tiny.bin"))), device)
@@ -168,8 +168,8 @@ def test_tiny_whisper_q8_0(device):
     transformers logits at the last token."""
     from gguf import GGMLQuantizationType
 
+    from workbench.engine.formats.whisper_file import WhisperFile
     from workbench.engine.models.whisper import Whisper
-    from workbench.engine.whisper_file import WhisperFile
 
     golden = load("whisper-tiny-random-q8_0")
     f = WhisperFile(golden.file("q8_0.bin"))
@@ -187,8 +187,8 @@ def test_tiny_whisper_q8_0(device):
 def test_log_mel_matches_transformers_feature_extractor():
     """The golden whisper-log-mel-jfk holds transformers' `WhisperFeatureExtractor` on
     jfk.wav."""
-    from workbench.engine.convert import mel_filters
-    from workbench.engine.mel import N_SAMPLES, log_mel_spectrogram
+    from workbench.engine.audio.mel import N_SAMPLES, log_mel_spectrogram
+    from workbench.engine.formats.convert import mel_filters
 
     golden = load("whisper-log-mel-jfk")
     assert digest(shared_file("data", "whisper", "jfk.wav")) == golden.inputs["audio_sha256"]
@@ -204,8 +204,8 @@ def test_log_mel_matches_transformers_feature_extractor():
 def whisper():
     """`whisper(alias, device)`: the model, loaded once per alias and device in this module."""
     from workbench import WhisperModel
-    from workbench.engine import sources
-    from workbench.engine.whisper_file import WhisperFile
+    from workbench.engine.formats import sources
+    from workbench.engine.formats.whisper_file import WhisperFile
 
     models = {}
 
@@ -319,7 +319,7 @@ def test_cuda_backend_on_numpy_transcribes_like_cpu(whisper):
 
 def _espeak(text: str, voice: str, tmp_path) -> np.ndarray:
     """Speech from espeak-ng, as 16 kHz mono samples."""
-    from workbench.engine.audio import load_audio
+    from workbench.engine.audio.pcm import load_audio
 
     return load_audio(espeak_wav(text, voice, tmp_path))
 
@@ -358,7 +358,7 @@ def test_translate_french_speech_to_english(whisper, device):
     CTranslate2's tokens after the prompt and, of its logits (steps, n_vocab), every 8th
     vocabulary column and each step's 16 largest (the whole array is 5 MB), with the
     largest magnitude of the whole array, which the tolerance is relative to."""
-    from workbench.engine.audio import load_audio
+    from workbench.engine.audio.pcm import load_audio
 
     golden = load("whisper-base-translate-fr-ct2")
     base = whisper("whisper-base")
@@ -405,8 +405,8 @@ def test_long_audio_in_chunks_skips_silence(whisper, device):
 def test_bad_audio(tiny_en, tmp_path):
     import soundfile
 
-    from workbench.engine.audio import AudioError, load_audio
-    from workbench.engine.whisper_file import WhisperFile, WhisperFileError
+    from workbench.engine.audio.pcm import AudioError, load_audio
+    from workbench.engine.formats.whisper_file import WhisperFile, WhisperFileError
 
     # stereo 44.1 kHz: converted, not rejected
     pcm = jfk_pcm()
@@ -457,7 +457,7 @@ def test_whisper_cpp_loads_the_converted_file(tmp_path):
     and transcribed JFK word for word: the golden whisper-cpp-tiny-en-jfk holds that
     file's sha256 and the transcript, and the converter must still write those bytes."""
     from workbench import registry
-    from workbench.engine.convert import ct2_whisper_to_bin
+    from workbench.engine.formats.convert import ct2_whisper_to_bin
 
     golden = load("whisper-cpp-tiny-en-jfk")
     assert digest(shared_file("data", "whisper", "jfk.wav")) == golden.inputs["audio_sha256"]

@@ -1,5 +1,5 @@
 """Test helper: write a transformers `WhisperForConditionalGeneration` as a whisper.cpp
-`.bin` file (the layout `workbench.engine.whisper_file` documents), with openai-whisper's
+`.bin` file (the layout `workbench.engine.formats.whisper_file` documents), with openai-whisper's
 tensor names, matrices in F32, F16 or Q8_0, and conv biases as (out, 1) like whisper.cpp's
 converter writes them."""
 

@@ -60,17 +60,21 @@ _LAZY = {
     "GenerationOptions": "engine.options",
     "Encoder": "engine.encoder",
     "WhisperModel": "engine.whisper",
-    "Branch": "engine.branch", "BranchStore": "engine.branch",
-    "Closing": "engine.closing", "ClosedEarlyWarning": "engine.closing",
-    "GrammarBudgetError": "engine.closing",
-    "PrefixCache": "engine.prefix_cache", "PrefixCacheError": "engine.prefix_cache",
-    "validate_chat_template": "engine.chat_template", "ChatTemplateError": "engine.chat_template",
-    "Grammar": "engine.grammar", "parse_gbnf": "engine.grammar",
-    "compile_schema": "engine.grammar", "UnsupportedSchemaError": "engine.grammar",
-    "GGUFError": "engine.gguf", "AudioError": "engine.audio", "Cancelled": "engine.cancel",
-    "Trace": "engine.trace", "TraceTooLargeError": "engine.trace",
+    "Branch": "engine.explore.branch", "BranchStore": "engine.explore.branch",
+    "Closing": "engine.decoding.closing", "ClosedEarlyWarning": "engine.decoding.closing",
+    "GrammarBudgetError": "engine.decoding.closing",
+    "PrefixCache": "engine.runtime.prefix_cache",
+    "PrefixCacheError": "engine.runtime.prefix_cache",
+    "validate_chat_template": "engine.text.chat_template",
+    "ChatTemplateError": "engine.text.chat_template",
+    "Grammar": "engine.decoding.grammar", "parse_gbnf": "engine.decoding.grammar",
+    "compile_schema": "engine.decoding.grammar",
+    "UnsupportedSchemaError": "engine.decoding.grammar",
+    "GGUFError": "engine.formats.gguf", "AudioError": "engine.audio.pcm",
+    "Cancelled": "engine.cancel",
+    "Trace": "engine.explore.trace", "TraceTooLargeError": "engine.explore.trace",
     "RemoteEngine": "server.remote",
-    "pull": "engine.sources", "architectures": "engine.models.families",
+    "pull": "engine.formats.sources", "architectures": "engine.models.families",
 }
 
 # the server's packages (FastAPI, uvicorn) load when `serve` is called, not here
@@ -82,21 +86,26 @@ from workbench.registry import (  # noqa: E402
 from workbench.server.runner import serve  # noqa: E402
 
 if TYPE_CHECKING:
-    from workbench.engine.audio import AudioError
-    from workbench.engine.branch import Branch, BranchStore
+    from workbench.engine.audio.pcm import AudioError
     from workbench.engine.cancel import Cancelled
-    from workbench.engine.chat_template import ChatTemplateError, validate_chat_template
-    from workbench.engine.closing import ClosedEarlyWarning, Closing, GrammarBudgetError
+    from workbench.engine.decoding.closing import ClosedEarlyWarning, Closing, GrammarBudgetError
+    from workbench.engine.decoding.grammar import (
+        Grammar,
+        UnsupportedSchemaError,
+        compile_schema,
+        parse_gbnf,
+    )
     from workbench.engine.encoder import Encoder
-    from workbench.engine.gguf import GGUFError
-    from workbench.engine.grammar import Grammar, UnsupportedSchemaError, compile_schema, parse_gbnf
+    from workbench.engine.explore.branch import Branch, BranchStore
+    from workbench.engine.explore.trace import Trace, TraceTooLargeError
+    from workbench.engine.formats.gguf import GGUFError
+    from workbench.engine.formats.sources import pull
     from workbench.engine.llm import LLM
     from workbench.engine.models.families import architectures
     from workbench.engine.options import GenerationOptions
-    from workbench.engine.prefix_cache import PrefixCache, PrefixCacheError
     from workbench.engine.results import Completion, TokenEvent, Transcript
-    from workbench.engine.sources import pull
-    from workbench.engine.trace import Trace, TraceTooLargeError
+    from workbench.engine.runtime.prefix_cache import PrefixCache, PrefixCacheError
+    from workbench.engine.text.chat_template import ChatTemplateError, validate_chat_template
     from workbench.engine.whisper import WhisperModel
     from workbench.server.remote import RemoteEngine
 

@@ -70,7 +70,7 @@ def read_lines(path: str | os.PathLike, options: GenerationOptions, grammar: Any
     (not JSON, neither `prompt` nor `messages`, an unknown field, an option out of range,
     a bad grammar, a repeated id) is a ValueError naming it. `options` and `grammar` are
     the defaults the lines' own fields override. Blank lines are skipped."""
-    from workbench.engine.grammar import Grammar, resolve_grammar
+    from workbench.engine.decoding.grammar import Grammar, resolve_grammar
 
     path = Path(path)
     lines: list[BatchLine] = []

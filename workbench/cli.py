@@ -12,7 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from workbench import registry
-from workbench.engine import load_engine, sources
+from workbench.engine import load_engine
+from workbench.engine.formats import sources
 from workbench.engine.options import DEFAULTS, GenerationOptions
 from workbench.lab import lab_command  # noqa: F401 (part of this module's API)
 from workbench.server import limits
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _hint(exc: BaseException) -> str:
     """The error's message, naming the command line's option where the engine names its
     own keyword."""
-    from workbench.engine.kv_cache import ContextFullError
+    from workbench.engine.runtime.kv_cache import ContextFullError
 
     if isinstance(exc, ContextFullError):
         return f"{exc} (on the command line: --ctx)"
@@ -301,7 +302,7 @@ def _observed(args) -> Iterator[None]:
     if not (profile or trace):
         yield
         return
-    from workbench.engine import profiling
+    from workbench.engine.runtime import profiling
 
     if trace and not Path(trace).resolve().parent.is_dir():
         raise FileNotFoundError(f"no directory for the trace file {trace}")
@@ -327,7 +328,7 @@ def _constraint(args):
         raise ValueError("--grammar and --schema exclude each other: pass one")
     import json
 
-    from workbench.engine.grammar import Grammar, GrammarError
+    from workbench.engine.decoding.grammar import Grammar, GrammarError
 
     path = args.grammar if args.grammar is not None else args.schema
     what = "grammar" if args.grammar is not None else "JSON Schema"
@@ -355,8 +356,8 @@ def _options(args) -> GenerationOptions:
 def _load(args, **kwargs):
     """The LLM the generation commands' flags name, its kernels ready (`-v`: the time each
     took; `--no-cuda-graphs` before the model loads)."""
-    from workbench.engine.backend import DeviceUnavailableError
     from workbench.engine.llm import LLM
+    from workbench.engine.runtime.backend import DeviceUnavailableError
 
     if args.no_cuda_graphs:
         os.environ["WORKBENCH_CUDA_GRAPHS"] = "0"
@@ -378,8 +379,8 @@ def _prepared(engine, quiet: bool = False):
     """`engine` once its CPU kernels are ready, with a status line on stderr meanwhile
     ("preparing kernels for this CPU (3/5): ..."; only the first run on a machine waits),
     or silently (`quiet`)."""
-    from workbench.engine.profiling import span
-    from workbench.engine.warmup import show_progress
+    from workbench.engine.runtime.profiling import span
+    from workbench.engine.runtime.warmup import show_progress
 
     with span("warmup"):
         if quiet:
@@ -490,7 +491,7 @@ def _transcribe(args) -> int:
 
 
 def _convert(args) -> int:
-    from workbench.engine.convert import ct2_whisper_to_bin, hf_bert_to_gguf
+    from workbench.engine.formats.convert import ct2_whisper_to_bin, hf_bert_to_gguf
 
     source = Path(args.source)
     if args.source in registry.MODELS:

@@ -116,7 +116,7 @@ def prepare_kernels(alias: str, file=None) -> None:
     for each step that takes over a second ("kernels: compiling 3/6: prefill") and
     "kernels ready in N s" at the end, or nothing at all when the cache had them."""
     from workbench.engine import load_engine
-    from workbench.engine.warmup import QUIET_SECONDS
+    from workbench.engine.runtime.warmup import QUIET_SECONDS
 
     file = file or sys.stdout
     engine = load_engine(alias)

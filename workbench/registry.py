@@ -163,7 +163,7 @@ def pull(alias: str, *, force: bool = False, progress: bool = True,
 
     Does nothing when the file is already cached (unless `force`). An alias made by
     converting a checkpoint folder needs `convert`, which the engine supplies
-    (`workbench.engine.sources.pull`): the registry only names the converter.
+    (`workbench.engine.formats.sources.pull`): the registry only names the converter.
     """
     entry = _entry(alias)
     target = cache_dir() / entry.filename

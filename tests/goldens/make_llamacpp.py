@@ -71,8 +71,8 @@ def vocabulary_sample(vocab_size: int) -> np.ndarray:
 def _fp32_arbiter(case: str) -> Golden:
     """transformers in fp32 on `case`'s dequantized weights along llama.cpp's paths."""
     from tests.gguf_to_hf import hf_logits, hf_model_from_gguf
-    from workbench.engine import sources
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats import sources
+    from workbench.engine.formats.gguf import open_gguf
     from workbench.registry import file_sha256
 
     path = sources.resolve(ALIASES[case])

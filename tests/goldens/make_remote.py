@@ -43,7 +43,7 @@ _CREATED = re.compile(rb'("created": ?)\d+')
 
 def make_llama_cpp_server() -> Golden:
     """Record llama_cpp.server's answers to the cells' requests (a few minutes on 2 cores)."""
-    from workbench.engine import sources
+    from workbench.engine.formats import sources
 
     paths = {alias: sources.resolve(alias) for alias in SETTINGS}
     with _live_server(paths) as live, ReplayServer([], upstream=live) as proxy:

@@ -42,7 +42,7 @@ TOP_K = 16
 
 def _tiny_bin(model, matrix_type: int) -> bytes:
     """The bytes tests/whisper_to_bin.py writes for `model`."""
-    from workbench.engine.convert import mel_filters
+    from workbench.engine.formats.convert import mel_filters
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_bin(model, Path(tmp) / "tiny.bin", mel_filters(80), TINY_TOKENS,
@@ -134,7 +134,7 @@ def base_translate_french() -> Golden:
     import ctranslate2
 
     from workbench import WhisperModel, registry
-    from workbench.engine.audio import load_audio
+    from workbench.engine.audio.pcm import load_audio
 
     with tempfile.TemporaryDirectory() as tmp:
         path = _french_speech(Path(tmp))
@@ -176,7 +176,7 @@ def whisper_cpp_jfk() -> Golden:
     from pywhispercpp.model import Model
 
     from workbench import registry
-    from workbench.engine.convert import ct2_whisper_to_bin
+    from workbench.engine.formats.convert import ct2_whisper_to_bin
 
     with tempfile.TemporaryDirectory() as tmp:
         path = ct2_whisper_to_bin(registry.source_folder("whisper-tiny.en"),

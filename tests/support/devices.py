@@ -29,7 +29,7 @@ def cuda_on_numpy(graphs: bool = True):
     decode step takes the path that CUDA graphs record; a "recording" re-runs it."""
     import numpy as np
 
-    from workbench.engine.backend import CupyBackend
+    from workbench.engine.runtime.backend import CupyBackend
     from workbench.kernels.cuda import ReferenceKernels
 
     return CupyBackend(np, ReferenceKernels(), name="cuda", graphs=graphs)
@@ -38,8 +38,8 @@ def cuda_on_numpy(graphs: bool = True):
 def open_llm(source, device: str, **options):
     """`LLM.load(source, device=...)`, with "cuda-on-numpy" for the stand-in backend."""
     from workbench import LLM
-    from workbench.engine import sources
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats import sources
+    from workbench.engine.formats.gguf import open_gguf
 
     require_device(device)
     if device == "cuda-on-numpy":
@@ -50,8 +50,8 @@ def open_llm(source, device: str, **options):
 def open_encoder(source, device: str, **options):
     """`Encoder.load(source, device=...)`, with "cuda-on-numpy" for the stand-in backend."""
     from workbench import Encoder
-    from workbench.engine import sources
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats import sources
+    from workbench.engine.formats.gguf import open_gguf
 
     require_device(device)
     if device == "cuda-on-numpy":

@@ -8,7 +8,7 @@ import json
 import struct
 from pathlib import Path
 
-from workbench.engine.prefix_cache import PrefixCache
+from workbench.engine.runtime.prefix_cache import PrefixCache
 
 
 def write_prefix(path: Path, header: dict | bytes, payload: bytes,

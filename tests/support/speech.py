@@ -36,7 +36,7 @@ def wer(hypothesis: str, truth: str) -> float:
 
 def jfk_pcm() -> np.ndarray:
     """../shared's jfk.wav as 16 kHz mono float32 samples."""
-    from workbench.engine.audio import load_audio
+    from workbench.engine.audio.pcm import load_audio
 
     return load_audio(shared_file("data", "whisper", "jfk.wav"))
 

@@ -10,14 +10,14 @@ def load_engine(source: str, *, ctx: int = 4096, max_batch: int | None = None):
     """The engine a model file calls for: `WhisperModel` for a whisper.cpp .bin, `Encoder`
     for a BERT GGUF, `LLM` for a decoder GGUF (decoding `max_batch` generations together;
     default: the LLM's)."""
-    from workbench.engine import sources
+    from workbench.engine.formats import sources
 
     path = sources.resolve(source)
     if path.suffix == ".bin":
         from workbench.engine.whisper import WhisperModel
 
         return WhisperModel.load(path)
-    from workbench.engine.gguf import open_gguf
+    from workbench.engine.formats.gguf import open_gguf
 
     g = open_gguf(path)
     if g.architecture == "bert":

@@ -27,14 +27,14 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from tqdm.auto import tqdm
 
-from workbench.engine import sources
-from workbench.engine.backend import Backend
 from workbench.engine.cancel import CancelFlag, check_cancel
-from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
+from workbench.engine.formats import sources
+from workbench.engine.formats.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.local_engine import LocalEngine
 from workbench.engine.models import bert, gemma3, llama
 from workbench.engine.results import TooManyTokensError
-from workbench.engine.tokenizers import Tokenizer, load_tokenizer
+from workbench.engine.runtime.backend import Backend
+from workbench.engine.text.tokenizers import Tokenizer, load_tokenizer
 from workbench.signals import Signal
 
 DEFAULT_ENCODER = "minilm-l6"
@@ -95,7 +95,7 @@ class Encoder(LocalEngine):
     def __init__(self, gguf: GGUFFile, *, device: str = "auto", max_length: int | None = None,
                  backend: Backend | None = None, prepare_kernels: bool = True):
         """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx".
-        `backend`: a `workbench.engine.backend.Backend` to run on instead of the one
+        `backend`: a `workbench.engine.runtime.backend.Backend` to run on instead of the one
         `device` names. `max_length`, `prepare_kernels`: see `load`."""
         arch = gguf.architecture
         if arch not in bert.ARCHITECTURES:

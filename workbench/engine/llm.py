@@ -23,21 +23,24 @@ from typing import Any
 import numpy as np
 
 from workbench import registry
-from workbench.engine import chat_template, sources, speculative
-from workbench.engine.backend import Backend
 from workbench.engine.cancel import CancelFlag, check_cancel
-from workbench.engine.closing import Closing
-from workbench.engine.decoding import Decoding, LogitsProcessor, replay
-from workbench.engine.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
-from workbench.engine.grammar import Grammar, resolve_grammar
-from workbench.engine.kv_cache import KVCache, KVPool
+from workbench.engine.decoding import speculative
+from workbench.engine.decoding.closing import Closing
+from workbench.engine.decoding.grammar import Grammar, resolve_grammar
+from workbench.engine.decoding.scheduler import (  # noqa: F401  (PREFILL_CHUNK: importable from here)
+    DEFAULT_MAX_BATCH,
+    PREFILL_CHUNK,
+    Request,
+    Scheduler,
+)
+from workbench.engine.decoding.sequence import Decoding, LogitsProcessor, replay
+from workbench.engine.decoding.structured import answer_json, with_schema_instruction  # noqa: F401
+from workbench.engine.formats import sources
+from workbench.engine.formats.gguf import GGUFFile, UnsupportedArchitectureError, open_gguf
 from workbench.engine.local_engine import LocalEngine
 from workbench.engine.models import llama, llama_device
 from workbench.engine.models.families import DECODERS
 from workbench.engine.options import GenerationOptions, publishes_options
-from workbench.engine.prefix_cache import PrefixCache
-from workbench.engine.profiling import span
-from workbench.engine.prompting import Prompting
 from workbench.engine.results import (  # noqa: F401  (importable from here, as before)
     Alternative,
     Completion,
@@ -48,15 +51,14 @@ from workbench.engine.results import (  # noqa: F401  (importable from here, as 
     TooManyTokensError,
     Usage,
 )
-from workbench.engine.scheduler import (  # noqa: F401  (PREFILL_CHUNK: importable from here)
-    DEFAULT_MAX_BATCH,
-    PREFILL_CHUNK,
-    Request,
-    Scheduler,
-)
-from workbench.engine.structured import answer_json, with_schema_instruction  # noqa: F401
-from workbench.engine.tokenizers import Tokenizer, load_tokenizer
-from workbench.engine.warmup import helper_command
+from workbench.engine.runtime.backend import Backend
+from workbench.engine.runtime.kv_cache import KVCache, KVPool
+from workbench.engine.runtime.prefix_cache import PrefixCache
+from workbench.engine.runtime.profiling import span
+from workbench.engine.runtime.warmup import helper_command
+from workbench.engine.text import chat_template
+from workbench.engine.text.prompting import Prompting
+from workbench.engine.text.tokenizers import Tokenizer, load_tokenizer
 
 _MODEL_CLASSES = DECODERS  # (the name the docs and older code use)
 SUPPORTED_ARCHITECTURES = tuple(DECODERS)
@@ -72,8 +74,8 @@ class LLM(Prompting, LocalEngine):
         """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx"
         (MLX on any platform). `max_batch`: how many generations (from any threads, the
         server's included) decode together in one forward pass per token; more wait
-        for a free place (`workbench.engine.scheduler`). `backend`: a
-        `workbench.engine.backend.Backend` to run on instead of the one `device`
+        for a free place (`workbench.engine.decoding.scheduler`). `backend`: a
+        `workbench.engine.runtime.backend.Backend` to run on instead of the one `device`
         names (the tests run the CuPy backend's code with NumPy standing in for CuPy).
         `prepare_kernels`: on the CPU, compile (or load from the disk cache) the kernels
         this model runs in a background thread right away, with progress in the
@@ -282,7 +284,7 @@ class LLM(Prompting, LocalEngine):
         and before each token; once it is set, iterating raises `Cancelled`.
 
         `draft`: a smaller `LLM` with the same vocabulary for speculative
-        decoding (`workbench.engine.speculative`): each round it proposes up to
+        decoding (`workbench.engine.decoding.speculative`): each round it proposes up to
         `draft_tokens` tokens, this model checks them in one forward pass and
         keeps what its own sampler would have drawn, so the output follows this
         model's distribution exactly (greedy: its very tokens); `usage` then
@@ -367,7 +369,7 @@ class LLM(Prompting, LocalEngine):
                        cancel: CancelFlag | None = None, **overrides: Any) -> list[Completion]:
         """Continue several prompts at once; returns their finished `Completion`s, in order.
 
-        The prompts join the model's batch (`workbench.engine.scheduler`, up to
+        The prompts join the model's batch (`workbench.engine.decoding.scheduler`, up to
         `max_batch` at once, the rest as places come free): every step runs one
         forward pass for all unfinished sequences together (one row per sequence
         in each matmul: on 2 CPU cores 8 rows cost about 3.6 times one), each
@@ -503,13 +505,13 @@ class LLM(Prompting, LocalEngine):
               heads: Sequence[int] | None = None, top_k: int = 10,
               add_bos: bool | None = None, max_bytes: int | None = None) -> Any:
         """Look inside the model on `prompt` (text, token ids, or chat messages): a
-        `workbench.engine.trace.Trace` with the residual stream after each of `layers`
+        `workbench.engine.explore.trace.Trace` with the residual stream after each of `layers`
         (default all), the logit lens at every position (`top_k` ids, probabilities,
         entropy) and, with `attention` (True, or a list of layers), the attention weights
         of `heads` (default all). Runs the host forward pass on any device; a request
         over `max_bytes` (default 512 MiB) raises `TraceTooLargeError` with the size it
         would need, before anything runs."""
-        from workbench.engine import trace as tracing
+        from workbench.engine.explore import trace as tracing
 
         limit = tracing.DEFAULT_MAX_BYTES if max_bytes is None else int(max_bytes)
         return tracing.trace(self, prompt, layers=layers, attention=attention, heads=heads,

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from workbench.engine.backend import Backend, select_backend
 from workbench.engine.lifecycle import Closeable
-from workbench.engine.warmup import KernelTask, KernelWarmup, Warming
+from workbench.engine.runtime.backend import Backend, select_backend
+from workbench.engine.runtime.warmup import KernelTask, KernelWarmup, Warming
 from workbench.signals import BusyCounter, Signal
 
 M = TypeVar("M")
@@ -20,7 +20,7 @@ M = TypeVar("M")
 class LocalEngine(Closeable):
     """A model run in this process. `device` (the backend's name), `busy` (True while any
     call runs) and `warming` (kernels being compiled: progress, or None; see
-    `workbench.engine.warmup`) are signals; `backend` is None on the CPU."""
+    `workbench.engine.runtime.warmup`) are signals; `backend` is None on the CPU."""
 
     backend: Backend | None
     path: Path

@@ -37,7 +37,7 @@ class TokenEvent:
     `closed` when the grammar's closer chose this token to make the output end
     valid: "budget" (max_tokens or the context was near), "free_text" (a
     string ran past its token limit) or "repetition" (a loop); see
-    `workbench.engine.closing`.
+    `workbench.engine.decoding.closing`.
     """
 
     id: int | None

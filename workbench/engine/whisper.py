@@ -7,8 +7,8 @@
     >>> w.transcribe(pcm, beam_size=5, timestamps=True)
     >>> w.detect_language("speech.wav")             # ("fr", 0.97) on multilingual models
 
-Audio is decoded and resampled to 16 kHz mono (`workbench.engine.audio`) and turned
-into a log-mel spectrogram (`workbench.engine.mel`) in 30 s chunks, streamed: never
+Audio is decoded and resampled to 16 kHz mono (`workbench.engine.audio.pcm`) and turned
+into a log-mel spectrogram (`workbench.engine.audio.mel`) in 30 s chunks, streamed: never
 the whole audio nor its whole spectrogram in memory. Whisper's log-mel is clamped to
 8 below its maximum over the whole audio, so audio longer than one chunk is decoded
 twice: once for that maximum, once to transcribe (the chunks are exactly those of
@@ -38,12 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench.engine import sources
-from workbench.engine.audio import SAMPLE_RATE, AudioError, AudioSource, open_audio
-from workbench.engine.backend import Backend
-from workbench.engine.cancel import CancelFlag, check_cancel
-from workbench.engine.local_engine import LocalEngine
-from workbench.engine.mel import (
+from workbench.engine.audio.mel import (
     HOP_LENGTH,
     LOG_MEL_FLOOR,
     N_FRAMES,
@@ -56,12 +51,17 @@ from workbench.engine.mel import (
     window_log10_mel,
     window_log10_mel_max,
 )
+from workbench.engine.audio.pcm import SAMPLE_RATE, AudioError, AudioSource, open_audio
+from workbench.engine.cancel import CancelFlag, check_cancel
+from workbench.engine.decoding.sampling import log_softmax
+from workbench.engine.formats import sources
+from workbench.engine.formats.whisper_file import WhisperFile
+from workbench.engine.local_engine import LocalEngine
 from workbench.engine.models import whisper as arch
-from workbench.engine.profiling import span
 from workbench.engine.results import Segment, Transcript
-from workbench.engine.sampling import log_softmax
-from workbench.engine.tokenizers.whisper import WhisperTokenizer
-from workbench.engine.whisper_file import WhisperFile
+from workbench.engine.runtime.backend import Backend
+from workbench.engine.runtime.profiling import span
+from workbench.engine.text.tokenizers.whisper import WhisperTokenizer
 
 DEFAULT_WHISPER = "whisper-tiny.en"
 SILENCE_RMS = 1e-4  # chunks quieter than this are not decoded
@@ -88,7 +88,7 @@ class WhisperModel(LocalEngine):
     def __init__(self, f: WhisperFile, *, device: str = "auto", backend: Backend | None = None,
                  prepare_kernels: bool = True):
         """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx"
-        (MLX on any platform). `backend`: a `workbench.engine.backend.Backend` to run on
+        (MLX on any platform). `backend`: a `workbench.engine.runtime.backend.Backend` to run on
         instead of the one `device` names (the tests run the CuPy backend's code with
         NumPy standing in for CuPy). `prepare_kernels`: see `load`."""
         self._start_engine(f.path, device, backend)

@@ -373,7 +373,7 @@ def _attend_layout(q: Any, k: Any, v: Any, keys: Any, values: Any, slots: Any, p
 
 
 class CudaKernels:
-    """The RawKernels of gguf.cu for `workbench.engine.backend.CupyBackend`.
+    """The RawKernels of gguf.cu for `workbench.engine.runtime.backend.CupyBackend`.
 
     All arrays are CuPy arrays on the current device; the module is compiled on the first
     call that needs it.

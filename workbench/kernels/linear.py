@@ -54,7 +54,7 @@ class QuantizedWeight:
                          shape: Sequence[int]) -> QuantizedWeight:
         """Wrap a GGUF tensor's data without copying it.
 
-        raw: the tensor data as `gguf.GGUFReader` / `workbench.engine.gguf` give
+        raw: the tensor data as `gguf.GGUFReader` / `workbench.engine.formats.gguf` give
             it: (N, bytes_per_row) uint8 for quantized types (any shape with the
             right number of bytes is accepted), (N, K) float32/float16 for
             F32/F16, uint8 or uint16 bytes for BF16.

@@ -272,7 +272,7 @@ def _as_bytes(raw: np.ndarray) -> np.ndarray:
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Dequantize a GGUF tensor's data to float32.
 
-    raw: the tensor's data as `gguf.GGUFReader` (or `workbench.engine.gguf`) gives
+    raw: the tensor's data as `gguf.GGUFReader` (or `workbench.engine.formats.gguf`) gives
         it: for quantized types uint8 of shape (..., bytes_per_row); for F32/F16
         typed arrays (..., cols) or their bytes; for BF16 uint8 (..., 2 * cols) or
         uint16/int16 (..., cols).

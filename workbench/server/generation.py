@@ -266,7 +266,7 @@ async def answer_chat(state: ServerState, engine: Any, body: ChatCompletionReque
                 raise APIError(400, "response_format json_schema needs a json_schema",
                                param="response_format.json_schema")
             options["schema"] = fmt.json_schema.schema_
-            from workbench.engine.structured import with_schema_instruction
+            from workbench.engine.decoding.structured import with_schema_instruction
 
             messages = with_schema_instruction(messages, fmt.json_schema.schema_)
     drafted = _with_draft(state, body.model, options)

@@ -29,8 +29,8 @@ from typing import Any
 from fastapi import Request
 
 from workbench.engine.cancel import Cancelled
-from workbench.engine.kv_cache import ContextFullError
 from workbench.engine.options import DEFAULTS
+from workbench.engine.runtime.kv_cache import ContextFullError
 from workbench.server import limits
 from workbench.server.schemas import APIError
 from workbench.signals import Signal

@@ -262,7 +262,7 @@ def _drafts(engines: Mapping[str, Any], draft: Any, draft_tokens: int | None
             ) -> dict[str, dict[str, Any]]:
     """{model id: speculative options} from `serve`'s `draft` (one served engine's draft,
     or a mapping {model id: draft}), each checked as `generate(..., draft=)` checks it."""
-    from workbench.engine import speculative
+    from workbench.engine.decoding import speculative
     from workbench.engine.llm import LLM
 
     if draft is None:

@@ -87,7 +87,7 @@ class BusyBadge(_Badge):
 
 def follow_warming(model: Any, widget: Any) -> Callable[[], None]:
     """Keep `widget.warming` equal to the text of `model.warming` (the kernels it is
-    compiling, "" when none; see `workbench.engine.warmup`); returns the function that
+    compiling, "" when none; see `workbench.engine.runtime.warmup`); returns the function that
     stops it. A model without that signal (a remote engine) leaves the trait at ""."""
     warming = getattr(model, "warming", None)
     if not isinstance(warming, Signal):

@@ -25,7 +25,7 @@ import anywidget
 import numpy as np
 import traitlets
 
-from workbench.engine.grammar import Grammar
+from workbench.engine.decoding.grammar import Grammar
 from workbench.engine.options import DEFAULTS
 from workbench.widgets.chat import STATIC, UPDATE_INTERVAL
 from workbench.widgets.worker import StoppableWorker
@@ -80,7 +80,7 @@ class JSONCell(StoppableWorker, anywidget.AnyWidget):
     busy = traitlets.Bool(False).tag(sync=True)
     stats = traitlets.Unicode("").tag(sync=True)
     # why the answer was closed before the model ended it ("budget", "free_text",
-    # "repetition"; see workbench.engine.closing), or ""
+    # "repetition"; see workbench.engine.decoding.closing), or ""
     closed = traitlets.Unicode("").tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
 

@@ -196,7 +196,7 @@ class LogitsCell(Worker, ipywidgets.VBox):
         token), `perplexity` (of the token and its continuation); the same table
         is shown under the tokens (`.comparison`).
         """
-        from workbench.engine.branch import Branch, BranchStore
+        from workbench.engine.explore.branch import Branch, BranchStore
 
         self.wait()
         tokens = self.tokens
@@ -304,7 +304,7 @@ class LogitsCell(Worker, ipywidgets.VBox):
                                   event.entropy, top)
 
     def _logprob_at(self, ids: list[int], token_id: int) -> float:
-        from workbench.engine.sampling import log_softmax
+        from workbench.engine.decoding.sampling import log_softmax
 
         cache = self.model.new_cache(len(ids) + 1)
         logits = self.model.forward(ids, cache)[-1]

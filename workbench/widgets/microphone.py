@@ -7,7 +7,7 @@
 
 The browser records with MediaRecorder (WebM/Opus in Chromium, Ogg or MP4 elsewhere)
 and sends the encoded bytes as a binary buffer; `whisper.transcribe` decodes them
-(`workbench.engine.audio`: libsndfile or PyAV, 30 s at a time) and transcribes them
+(`workbench.engine.audio.pcm`: libsndfile or PyAV, 30 s at a time) and transcribes them
 on a worker thread, so the kernel stays responsive. The model's `busy` signal drives
 the cell's state.
 """

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.engine.gguf import GGUFError, GGUFFile
+from workbench.engine.formats.gguf import GGUFError, GGUFFile
 from workbench.engine.models.sizes import TransformerSizes
 from workbench.engine.models.weights import fused, linear, vector
-from workbench.engine.warmup import KernelTask
+from workbench.engine.runtime.warmup import KernelTask
 from workbench.kernels import layers
 
 ARCHITECTURES = ("bert",)
@@ -207,7 +207,7 @@ def _check_batch(cfg: BertConfig, ids, lengths) -> tuple[np.ndarray, np.ndarray]
 # -- on a GPU backend --------------------------------------------------------------------------
 
 class DeviceBertModel:
-    """`BertModel`'s forward pass on a GPU backend's arrays (`workbench.engine.backend`).
+    """`BertModel`'s forward pass on a GPU backend's arrays (`workbench.engine.runtime.backend`).
 
     Built from a loaded `BertModel`: every matrix is uploaded once (`Backend.weight`),
     vectors and the position table with `Backend.vector` / `asarray`; the CPU model can

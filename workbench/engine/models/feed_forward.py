@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench.engine.formulas import glu_activation  # noqa: F401  (importable from here)
-from workbench.engine.gguf import GGUFFile
+from workbench.engine.formats.gguf import GGUFFile
 from workbench.engine.models.weights import fused, linear
+from workbench.engine.runtime.formulas import glu_activation  # noqa: F401  (importable from here)
 from workbench.kernels import layers
 
 

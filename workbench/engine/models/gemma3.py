@@ -30,13 +30,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from workbench.engine.gguf import GGUFFile
-from workbench.engine.kv_cache import KVPool, LayerKVCache
+from workbench.engine.formats.gguf import GGUFFile
 from workbench.engine.models.feed_forward import FeedForward
 from workbench.engine.models.llama import Attention, Block, LlamaModel, rms_norm
 from workbench.engine.models.llama_config import LlamaConfig
 from workbench.engine.models.rope import Rope
 from workbench.engine.models.weights import vector
+from workbench.engine.runtime.kv_cache import KVPool, LayerKVCache
 from workbench.kernels import layers
 
 ARCHITECTURES = ("gemma3",)

@@ -1,4 +1,4 @@
-"""The warm-up helper process (`workbench.engine.warmup`): it builds the CPU model of a
+"""The warm-up helper process (`workbench.engine.runtime.warmup`): it builds the CPU model of a
 decoder file, as `LLM` does, and runs the kernel tasks it is given, so that the decode
 step's kernels compile on another core while the first prompt's compile here."""
 
@@ -8,7 +8,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from workbench.engine.gguf import open_gguf
+from workbench.engine.formats.gguf import open_gguf
 from workbench.engine.models.families import DECODERS
 from workbench.kernels.cache import KernelCacheWarning
 

@@ -26,7 +26,7 @@ embedding. Weights stay in the file's format
 
 Sliding-window layers attend to their last `sliding_window` positions (the
 token itself included); their KV cache rotates when the context is longer than
-the window (`workbench.engine.kv_cache`). `workbench.engine.models.gemma3`
+the window (`workbench.engine.runtime.kv_cache`). `workbench.engine.models.gemma3`
 builds on the classes here.
 
 Where the pieces live: the settings and the tensor checks in `llama_config`, RoPE in
@@ -46,9 +46,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from workbench.engine.formulas import rms_norm
-from workbench.engine.gguf import GGUFFile
-from workbench.engine.kv_cache import KVCache, KVPool, LayerKVCache
+from workbench.engine.formats.gguf import GGUFFile
 from workbench.engine.models.feed_forward import FeedForward
 from workbench.engine.models.llama_config import (  # noqa: F401  (importable from here)
     ARCHITECTURES,
@@ -58,7 +56,9 @@ from workbench.engine.models.llama_config import (  # noqa: F401  (importable fr
 from workbench.engine.models.moe import MoEFeedForward
 from workbench.engine.models.rope import Rope, rope_factors
 from workbench.engine.models.weights import fused, linear, vector
-from workbench.engine.warmup import KernelTask
+from workbench.engine.runtime.formulas import rms_norm
+from workbench.engine.runtime.kv_cache import KVCache, KVPool, LayerKVCache
+from workbench.engine.runtime.warmup import KernelTask
 from workbench.kernels import cpu, layers
 from workbench.kernels.decode import StackWeights, decode_stack, decode_stack_cached
 from workbench.kernels.linear import QuantizedWeight

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.engine.gguf import GGUFError, GGUFFile
+from workbench.engine.formats.gguf import GGUFError, GGUFFile
 from workbench.engine.models.sizes import TransformerSizes
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3")

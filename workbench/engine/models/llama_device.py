@@ -1,5 +1,5 @@
 """The llama-family forward pass (Gemma 3 included) on a GPU backend's arrays
-(`workbench.engine.backend`: CuPy on CUDA, MLX), built from a loaded `LlamaModel`.
+(`workbench.engine.runtime.backend`: CuPy on CUDA, MLX), built from a loaded `LlamaModel`.
 
 The math is the host model's, written over the backend's array module and its
 operations (`Backend.rms_norm`, `rope` and `glu`: the host's formulas, one kernel each on
@@ -72,7 +72,7 @@ class DeviceLlamaModel:
     # -- caches -----------------------------------------------------------------------------
     def new_pool(self, n_slots: int, max_len: int | None = None):
         """Device KV-cache room for `n_slots` sequences of up to `max_len` positions."""
-        from workbench.engine.kv_cache import DeviceKVPool
+        from workbench.engine.runtime.kv_cache import DeviceKVPool
 
         cfg = self.config
         max_len = min(max_len or self.max_len, self.max_len)

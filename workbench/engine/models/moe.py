@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench.engine.gguf import GGUFError, GGUFFile
+from workbench.engine.formats.gguf import GGUFError, GGUFFile
 from workbench.engine.models.feed_forward import device_glu, glu
 from workbench.engine.models.weights import Stacked, experts, fused, linear, vector
 
@@ -74,7 +74,7 @@ class MoEFeedForward:
 
 
 class DeviceMoEFeedForward:
-    """`MoEFeedForward` on a GPU backend's arrays (`workbench.engine.backend`).
+    """`MoEFeedForward` on a GPU backend's arrays (`workbench.engine.runtime.backend`).
 
     The router, the top-k choice and the weights run on the device; the chosen expert
     ids (T, n_used) are then copied to the host, so that only the experts some token

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench.engine.formulas import rotate
-from workbench.engine.gguf import GGUFError, GGUFFile
+from workbench.engine.formats.gguf import GGUFError, GGUFFile
 from workbench.engine.models.llama_config import LlamaConfig
 from workbench.engine.models.weights import vector
+from workbench.engine.runtime.formulas import rotate
 
 
 def rope_factors(g: GGUFFile, cfg: LlamaConfig, max_len: int) -> np.ndarray | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench.engine.gguf import GGUFError, GGUFFile, UnsupportedTensorTypeError
+from workbench.engine.formats.gguf import GGUFError, GGUFFile, UnsupportedTensorTypeError
 from workbench.kernels.linear import QuantizedWeight
 from workbench.kernels.quants import UnsupportedQuantError
 

@@ -1,6 +1,6 @@
 """Whisper: audio encoder and text decoder (whisper.cpp `.bin` weights).
 
-- Front end: the log-mel spectrogram, in `workbench.engine.mel`.
+- Front end: the log-mel spectrogram, in `workbench.engine.audio.mel`.
 - Encoder: two 3-wide convolutions (the second with stride 2) with GELU, the
   positional embedding, `n_audio_layer` pre-LN blocks (self-attention, MLP with
   GELU), a final LayerNorm: (3000 mel frames) -> (1500, n_state).
@@ -19,7 +19,7 @@ with the CPU's own instruction and read half the bytes of an F32 copy (the
 on F32). The encoder's F16 matrices (and the convolutions) are widened to F32
 once at load, since its 1500-row products are BLAS's.
 
-On a GPU backend (`workbench.engine.backend`), `DeviceWhisper` runs the same network
+On a GPU backend (`workbench.engine.runtime.backend`), `DeviceWhisper` runs the same network
 on the device's arrays with the same `encode` / `new_cache` / `decode` contract.
 """
 
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from workbench.engine.audio.mel import N_FFT
 from workbench.engine.cancel import CancelFlag, check_cancel
-from workbench.engine.mel import N_FFT
+from workbench.engine.formats.whisper_file import WhisperFile, WhisperFileError, WhisperHParams
 from workbench.engine.models.weights import linear, vector
-from workbench.engine.warmup import KernelTask
-from workbench.engine.whisper_file import WhisperFile, WhisperFileError, WhisperHParams
+from workbench.engine.runtime.warmup import KernelTask
 from workbench.kernels import layers
 from workbench.kernels.linear import QuantizedWeight
 
@@ -411,7 +411,7 @@ class DeviceDecoderCache:
 
 
 class DeviceWhisper:
-    """`Whisper` on a GPU backend's arrays (`workbench.engine.backend`): the same
+    """`Whisper` on a GPU backend's arrays (`workbench.engine.runtime.backend`): the same
     `encode` / `new_cache` / `decode` contract, the arrays on the device.
 
     Built from a loaded `Whisper`: every weight is uploaded once (matrices with
