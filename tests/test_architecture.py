@@ -23,6 +23,24 @@ ALLOWED = {
 REMOTE_REACHES = {"workbench.engine.results", "workbench.engine.options",
                   "workbench.engine.lifecycle", "workbench.signals"}
 
+# The parts of engine/ (docs/architecture.md) and the parts each may import. "light" are
+# the plain-data modules at engine/'s top that every part reads; "front" the rest of its
+# top: the three engines, what they share and `load_engine`.
+ENGINE_LIGHT = {"options", "results", "cancel", "lifecycle"}
+ENGINE_PARTS = {
+    "light": set(),
+    "runtime": {"light"},
+    "text": {"light", "runtime"},
+    "audio": {"light"},
+    "formats": {"light", "text", "audio"},
+    "models": {"light", "runtime", "formats", "audio"},
+    "decoding": {"light", "runtime", "text"},
+    "front": {"light", "runtime", "text", "audio", "formats", "models", "decoding"},
+    "explore": {"light", "runtime", "text", "audio", "formats", "models", "decoding",
+                "front"},
+}
+ENGINE_TOP_MOST = 16  # entries at engine/'s top, so that a newcomer finds a room by name
+
 
 def room(module: str) -> str:
     """The room of a dotted module name under workbench."""
@@ -158,6 +176,43 @@ def test_rooms_import_only_the_rooms_below_them():
             if theirs != mine and theirs not in ALLOWED[mine]:
                 wrong.append(f"{name} ({mine}) imports {other} ({theirs})")
     assert not wrong, "\n".join(wrong)
+
+
+def engine_part(module: str) -> str:
+    """The part of engine/ that a dotted module name under workbench.engine is in."""
+    parts = module.split(".")
+    if len(parts) == 2:
+        return "front"  # (workbench/engine/__init__.py)
+    if (ENGINE / parts[2]).is_dir():
+        return parts[2]
+    return "light" if parts[2] in ENGINE_LIGHT else "front"
+
+
+ENGINE = PACKAGE / "engine"
+
+
+def test_engine_parts_import_only_the_parts_below_them():
+    wrong = []
+    graph = import_graph()
+    for name in sorted(MODULES):
+        if room(name) != "engine":
+            continue
+        mine = engine_part(name)
+        for other in sorted(graph[name]):
+            if room(other) != "engine":
+                continue
+            theirs = engine_part(other)
+            if theirs != mine and theirs not in ENGINE_PARTS[mine]:
+                wrong.append(f"{name} ({mine}) imports {other} ({theirs})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_engine_part_is_placed_and_the_top_stays_small():
+    top = sorted(p.name for p in ENGINE.iterdir() if p.name != "__pycache__")
+    assert len(top) <= ENGINE_TOP_MOST, top
+    folders = {p.name for p in ENGINE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(ENGINE_PARTS) - {"light", "front"}
+    assert all((ENGINE / p).with_suffix(".py").exists() for p in ENGINE_LIGHT)
 
 
 def test_the_remote_client_reaches_only_the_light_engine_modules():
