@@ -116,7 +116,7 @@ def test_trace_on_every_device(model, device):
         assert m.backend is not None
         trace = m.trace(golden.inputs["prompt"], attention=True)
         _check_against(trace, golden, f"{model} on {device}")
-        from workbench.engine.explore.trace import host_model
+        from workbench.engine.models.trace import host_model
 
         assert host_model(m) is host_model(m)  # the host copy is built once
 
@@ -202,7 +202,7 @@ def test_smollm2_final_lens_is_its_logits(smollm2):
 
 
 def test_refused_for_size(smollm2):
-    from workbench.engine.explore.trace import TraceTooLargeError
+    from workbench.engine.models.trace import TraceTooLargeError
 
     m, _ = smollm2
     ids = list(range(1000, 1900))

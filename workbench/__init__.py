@@ -72,7 +72,7 @@ _LAZY = {
     "UnsupportedSchemaError": "engine.decoding.grammar",
     "GGUFError": "engine.formats.gguf", "AudioError": "engine.audio.pcm",
     "Cancelled": "engine.cancel",
-    "Trace": "engine.explore.trace", "TraceTooLargeError": "engine.explore.trace",
+    "Trace": "engine.models.trace", "TraceTooLargeError": "engine.models.trace",
     "RemoteEngine": "server.remote",
     "pull": "engine.formats.sources", "architectures": "engine.models.families",
 }
@@ -97,11 +97,11 @@ if TYPE_CHECKING:
     )
     from workbench.engine.encoder import Encoder
     from workbench.engine.explore.branch import Branch, BranchStore
-    from workbench.engine.explore.trace import Trace, TraceTooLargeError
     from workbench.engine.formats.gguf import GGUFError
     from workbench.engine.formats.sources import pull
     from workbench.engine.llm import LLM
     from workbench.engine.models.families import architectures
+    from workbench.engine.models.trace import Trace, TraceTooLargeError
     from workbench.engine.options import GenerationOptions
     from workbench.engine.results import Completion, TokenEvent, Transcript
     from workbench.engine.runtime.prefix_cache import PrefixCache, PrefixCacheError

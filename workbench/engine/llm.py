@@ -505,13 +505,13 @@ class LLM(Prompting, LocalEngine):
               heads: Sequence[int] | None = None, top_k: int = 10,
               add_bos: bool | None = None, max_bytes: int | None = None) -> Any:
         """Look inside the model on `prompt` (text, token ids, or chat messages): a
-        `workbench.engine.explore.trace.Trace` with the residual stream after each of `layers`
+        `workbench.engine.models.trace.Trace` with the residual stream after each of `layers`
         (default all), the logit lens at every position (`top_k` ids, probabilities,
         entropy) and, with `attention` (True, or a list of layers), the attention weights
         of `heads` (default all). Runs the host forward pass on any device; a request
         over `max_bytes` (default 512 MiB) raises `TraceTooLargeError` with the size it
         would need, before anything runs."""
-        from workbench.engine.explore import trace as tracing
+        from workbench.engine.models import trace as tracing
 
         limit = tracing.DEFAULT_MAX_BYTES if max_bytes is None else int(max_bytes)
         return tracing.trace(self, prompt, layers=layers, attention=attention, heads=heads,

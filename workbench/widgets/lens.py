@@ -3,7 +3,7 @@
     cell = LensCell(m, "The capital of France is")
     cell                      # a grid of layers x tokens; an Attention tab beside it
     cell.wait()
-    cell.trace.top_tokens(-1)  # the `workbench.engine.explore.trace.Trace` behind it
+    cell.trace.top_tokens(-1)  # the `workbench.engine.models.trace.Trace` behind it
     cell.select(20, 5)        # open layer 20's distribution at position 5 beside the final one
     cell.lens_figure()        # the grid as a matplotlib figure
     cell.attention_figure(3, 0)
@@ -33,7 +33,7 @@ from workbench.widgets.figures import literal
 from workbench.widgets.worker import Worker
 
 if TYPE_CHECKING:
-    from workbench.engine.explore.trace import Trace
+    from workbench.engine.models.trace import Trace
 
 STATIC = Path(__file__).parent / "static"
 LN2 = math.log(2.0)
