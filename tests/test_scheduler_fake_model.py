@@ -116,6 +116,17 @@ def _text(model: FakeModel, request: Request) -> str:
     return "".join(model.tokenizer.tokens[e.id] for e in request.events if e.id is not None)
 
 
+def _run_together(scheduler: Scheduler, requests: list[Request]) -> None:
+    """`run_all`, but every request is waiting before the first step (on a busy machine
+    the thread could otherwise finish one before the next is submitted)."""
+    with scheduler.paused():
+        for r in requests:
+            scheduler.submit(r)
+    for r in requests:
+        while (event := scheduler._next_event(r)) is not None:
+            r.events.append(event)
+
+
 def test_the_fake_model_provides_the_protocol():
     assert isinstance(FakeModel(), GenerationModel)
 
@@ -124,7 +135,7 @@ def test_each_request_gets_the_tokens_of_its_own_sequence_decoded_together():
     model = FakeModel()
     scheduler = Scheduler(model, max_batch=4)
     requests = [_request(model, p, 5) for p in ("abc", "klm", "wxy")]
-    scheduler.run_all(requests)
+    _run_together(scheduler, requests)
     assert [_text(model, r) for r in requests] == ["defgh", "nopqr", "zabcd"]
     assert max(len(b) for b in model.decode_batches) == 3  # one pass for all three
     assert model.prefilled_tokens == 9
