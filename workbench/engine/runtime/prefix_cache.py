@@ -101,13 +101,12 @@ class PrefixCache:
         arrays = []
         if self.state is not None:
             codes = {np.dtype(v): k for k, v in self.ARRAY_TYPES.items()}
-            named = sorted((self.arrays or {}).items())
-            arrays = [np.ascontiguousarray(a).reshape(-1).astype(
-                self.ARRAY_TYPES[codes[np.dtype(a.dtype).newbyteorder("<")]], copy=False)
-                for _, a in named]
-            fields.update(state=self.state, arrays={
-                name: [codes[np.dtype(a.dtype).newbyteorder("<")], int(a.size)]
-                for name, a in named})
+            layout = {}  # name -> [type code, length], in file order
+            for name, a in sorted((self.arrays or {}).items()):
+                code = codes[np.dtype(a.dtype).newbyteorder("<")]
+                arrays.append(np.ascontiguousarray(a, dtype=self.ARRAY_TYPES[code]).reshape(-1))
+                layout[name] = [code, int(a.size)]
+            fields.update(state=self.state, arrays=layout)
         # ASCII with no escapes: what load's header check accepts
         header = json.dumps(fields, ensure_ascii=True).encode()
         if b"\\" in header:
