@@ -114,6 +114,10 @@ def test_batch_resumes_after_a_kill(tmp_path, smollm2):
     ('{"prompt": "a", "logit_bias": {"1_000": 5}}\n', "line 1: logit_bias keys"),
     ('{"prompt": "a", "logit_bias": {" 12 ": 5}}\n', "line 1: logit_bias keys"),
     ('{"prompt": "a", "logit_bias": {"\u0661\u0662": 5}}\n', "line 1: logit_bias keys"),
+    ('{"prompt": "a", "draft": "small.gguf"}\n', "line 1: \"draft\" is 'ngram'"),
+    ('{"prompt": "a", "draft": "ngram", "grammar": "root ::= \\"a\\""}\n',
+     "line 1: a line with a grammar or schema cannot draft"),
+    ('{"prompt": "a", "draft_tokens": 0}\n', "line 1: draft_tokens must be an int >= 1"),
 ])
 def test_bad_batch_lines_fail_before_any_work(tmp_path, capsys, content, message):
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -217,6 +221,38 @@ def test_batch_per_line_options_and_a_line_that_fails(tmp_path, capsys, smollm2)
     assert "2 of 3 lines already done" in err and "tried again" in err
     ids = [r["id"] for r in _read_jsonl(out)]  # (in the order the lines finished)
     assert sorted(ids[:2]) == ["a", "b"] and ids[2] == "long"
+
+
+def test_batch_drafts_per_run_and_per_line(tmp_path, capsys, smollm2):
+    """`--draft MODEL --draft-tokens N` drafts every line with that model unless the line
+    says otherwise (`"draft": "ngram"`, null, its own `draft_tokens`); a constrained line
+    decodes without the run's draft. Greedy answers are the model's own, and a line
+    that drafted reports its drafted and accepted tokens."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompt = "Repeat: one two three four, one two three four, one two"
+    _write_jsonl(source, [
+        {"id": "run", "prompt": prompt},
+        {"id": "ngram", "prompt": prompt, "draft": "ngram", "draft_tokens": 2},
+        {"id": "none", "prompt": prompt, "draft": None},
+        {"id": "json", "messages": [{"role": "user", "content": "A number?"}],
+         "schema": {"type": "integer"}}])
+    draft = str(smollm2.path)
+    assert main(["batch", "-i", str(source), "-o", str(out), "-t", "0", "-n", "12", "-q",
+                 "--draft", draft, "--draft-tokens", "3"]) == 0
+    records = {r["id"]: r for r in _read_jsonl(out)}
+    want = smollm2.generate(prompt, temperature=0, max_tokens=12).text
+    assert [records[i]["text"] for i in ("run", "ngram", "none")] == [want] * 3
+    assert records["run"]["usage"]["drafted_tokens"] > 0  # the same model: all kept
+    assert records["run"]["usage"]["accepted_tokens"] == records["run"]["usage"][
+        "drafted_tokens"]
+    assert records["ngram"]["usage"]["drafted_tokens"] > 0
+    assert "drafted_tokens" not in records["none"]["usage"]
+    assert "drafted_tokens" not in records["json"]["usage"]
+    assert isinstance(json.loads(records["json"]["text"]), int)
+    source.write_text(json.dumps({"prompt": "a", "draft": draft}) + "\n", encoding="utf-8")
+    assert main(["batch", "-i", str(source), "-o", str(tmp_path / "o2.jsonl"),
+                 "--draft", "ngram"]) == 1  # a model the run did not name
+    assert "\"draft\" is 'ngram' (prompt lookup) or null" in capsys.readouterr().err
 
 
 PLAIN_PROMPTS = ["The capital of France is", "The capital of Japan is", "A haiku:"]

@@ -10,8 +10,9 @@ transformers once and stored as the golden `tiny-llama-speculative`
   seeds, with 2 proposals per round: kept proposals, corrections at either position
   and bonus tokens all occur); the same statistic rejects draws from the draft alone
   and from the target at another temperature.
+- The same in a batch (`generate_batch(draft=)`), whose proposals are verified together.
 - Greedy output is the target's own, token for token (penalties, stops, logprobs, a
-  short context, prefix caches, the CuPy backend's code on NumPy).
+  short context, prefix caches, batches, the CuPy backend's code on NumPy).
 - Refusals: another vocabulary, bad draft_tokens, grammar, logits processors.
 Real models (slow): SmolLM2 Q4_1 drafts for SmolLM2 re-quantized to Q8_0.
 """
@@ -59,7 +60,8 @@ def tiny(tiny_paths):
 
 
 def _outcome(completion) -> tuple[int, ...]:
-    ids = tuple(completion.token_ids)
+    """The first N_TOKENS tokens (or fewer, then END)."""
+    ids = tuple(completion.token_ids[:N_TOKENS])
     return ids if len(ids) == N_TOKENS else ids + (END,)
 
 
@@ -99,9 +101,10 @@ def test_sampled_output_follows_the_targets_distribution(tiny):
     assert abs(sum(joint.values()) - 1.0) < 1e-9
     counts: Counter = Counter()
     drafted = accepted = 0
-    for seed in range(N_DRAWS):
+    for seed in range(N_DRAWS):  # (the first token comes from the prompt's pass, so
+        # N_TOKENS + 1 lets the second round draft 2: corrections at either position)
         c = target.generate(prompt, draft=draft, draft_tokens=2, seed=seed,
-                            max_tokens=N_TOKENS, **SAMPLED)
+                            max_tokens=N_TOKENS + 1, **SAMPLED)
         counts[_outcome(c)] += 1
         drafted += c.usage.drafted_tokens
         accepted += c.usage.accepted_tokens
@@ -117,6 +120,54 @@ def test_sampled_output_follows_the_targets_distribution(tiny):
     cold = Counter(_outcome(target.generate(prompt, seed=s, max_tokens=N_TOKENS, **colder))
                    for s in range(N_DRAWS))
     assert _p_value(cold, joint) < 1e-6
+
+
+def test_sampled_output_in_a_batch_follows_the_targets_distribution(tiny, monkeypatch):
+    """`generate_batch(draft=)`: every sequence drafts, the batch's proposals are checked
+    together in one pass per step, and each sequence's first tokens still follow the
+    target sampler's joint distribution."""
+    from workbench.engine.decoding.scheduler import Scheduler
+
+    target, draft = tiny
+    prompt = PROMPT[:6]
+    joint = _exact_joint(target, prompt, SAMPLED)
+    together = []  # sequences per verifying pass
+    verify = Scheduler._verify
+    monkeypatch.setattr(Scheduler, "_verify",
+                        lambda self, drafted: (together.append(len(drafted)),
+                                               verify(self, drafted)))
+    batch = target.generate_batch([prompt] * N_DRAWS, draft=draft, draft_tokens=2,
+                                  seed=list(range(N_DRAWS)), max_tokens=N_TOKENS + 1,
+                                  **SAMPLED)
+    counts = Counter(_outcome(c) for c in batch)
+    drafted = sum(c.usage.drafted_tokens for c in batch)
+    accepted = sum(c.usage.accepted_tokens for c in batch)
+    assert set(counts) <= set(joint), "an outcome the target cannot produce"
+    assert 0.2 < accepted / drafted < 0.8, (accepted, drafted)
+    assert max(together) == target.max_batch  # verified inside the batch
+    assert _p_value(counts, joint) > 1e-3
+
+
+def test_greedy_batches_are_the_targets_own(tiny):
+    """Greedy `generate_batch` / `chat_batch` with a draft model or prompt lookup give
+    each sequence's tokens without a draft, with its own counts."""
+    target, draft = tiny
+    prompts = [PROMPT[:6], PROMPT[2:9], PROMPT[:6] + PROMPT[:6], PROMPT[5:8]] * 3
+    want = target.generate_batch(prompts, temperature=0, max_tokens=20)
+    for d in (draft, "ngram"):
+        got = target.generate_batch(prompts, temperature=0, max_tokens=20, draft=d,
+                                    draft_tokens=3)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+        assert sum(c.usage.drafted_tokens for c in got) > 0
+        assert all(c.draft_counts is not None for c in got)
+    conversations = [[{"role": "user", "content": text}] for text in ("hi", "hello there")]
+    want = target.chat_batch(conversations, temperature=0, max_tokens=12)
+    got = target.chat_batch(conversations, temperature=0, max_tokens=12, draft=draft)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    with pytest.raises(ValueError, match="grammar"):
+        target.generate_batch(prompts, draft=draft, grammar='root ::= "a"')
+    assert target.generate_batch(prompts[:2], draft=draft, max_tokens=0)[0].token_ids == []
 
 
 def test_same_seed_same_text(tiny):
@@ -281,7 +332,9 @@ def test_prompt_lookup_greedy_output_is_the_targets_own(tiny, draft_tokens):
                               draft_tokens=draft_tokens)
         assert got.token_ids == alone.token_ids and got.text == alone.text
         assert got.usage.drafted_tokens > 0
-        assert got.draft_counts.target_passes + got.usage.accepted_tokens == 30
+        # each pass of the target gives one token of its own besides the kept proposals;
+        # the first token comes from the prompt's pass
+        assert got.draft_counts.target_passes + got.usage.accepted_tokens == 29
 
 
 def test_prompt_lookup_sampled_output_follows_the_targets_distribution(tiny):

@@ -3,7 +3,9 @@
 Each input line is a JSON object: `{"messages": [...]}` (a chat) or `{"prompt": "..."}`
 (a completion), with an optional `"id"` (default: the line number) and any
 `GenerationOptions` field (`max_tokens`, `temperature`, `seed`, `stop` ...) or
-`"grammar"` (GBNF text) / `"schema"` (a JSON Schema) for that line alone:
+`"grammar"` (GBNF text) / `"schema"` (a JSON Schema) for that line alone, and
+`"draft"` / `"draft_tokens"` for its speculative decoding (`"ngram"`: prompt lookup; the
+run's `--draft` model by the name given there; null: none):
 
     {"id": "q1", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}
     {"prompt": "The capital of France is", "temperature": 0, "stop": ["\\n"]}
@@ -15,6 +17,8 @@ finish, not the input's):
 
     {"id": "q1", "line": 1, "text": "...", "finish_reason": "stop",
      "usage": {"prompt_tokens": 31, "completion_tokens": 9, "total_tokens": 40}}
+
+(a line that drafted has `drafted_tokens` and `accepted_tokens` in its usage too).
 
 A line whose generation fails gets `"error"` instead of `text`. Run again with the same
 output file and the lines already answered are skipped: a killed run loses only the
@@ -43,13 +47,16 @@ from typing import Any
 
 from workbench.engine.options import OPTION_NAMES, GenerationOptions
 
-LINE_FIELDS = ("id", "prompt", "messages", "grammar", "schema")
+LINE_FIELDS = ("id", "prompt", "messages", "grammar", "schema", "draft", "draft_tokens")
+LOOKUP = "ngram"  # a line's (or the run's) draft for prompt lookup
 
 
 @dataclass(frozen=True)
 class BatchLine:
     """One input line: its `id`, its 1-based `line` number, a `prompt` or `messages`,
-    its options and its constraint (a compiled `Grammar`, or None)."""
+    its options, its constraint (a compiled `Grammar`, or None) and its draft (`LOOKUP`,
+    the run's draft model's name, or None) with the proposals per pass (None: the
+    engine's default)."""
 
     id: str | int
     line: int
@@ -57,6 +64,44 @@ class BatchLine:
     messages: list[dict] | None
     options: GenerationOptions
     grammar: Any = None
+    draft: str | None = None
+    draft_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """The run's speculative decoding: its default draft (`LOOKUP`, a model's name as
+    `--draft` gave it, or None), the proposals per pass (None: the engine's default) and
+    how a draft model is loaded by that name (once, if some line drafts with it)."""
+
+    default: str | None = None
+    tokens: int | None = None
+    load: Callable[[str], Any] | None = None
+
+    def __post_init__(self):
+        if self.tokens is not None and (isinstance(self.tokens, bool)
+                                        or not isinstance(self.tokens, int) or self.tokens < 1):
+            raise ValueError(f"draft_tokens must be an int >= 1, got {self.tokens!r}")
+
+    def for_line(self, item: dict, grammar: Any) -> tuple[str | None, int | None]:
+        """A line's (draft, draft_tokens): its own fields, else the run's; a line with a
+        grammar or schema decodes without the run's draft (speculation takes none). A
+        bad field is a ValueError."""
+        tokens = item.get("draft_tokens", self.tokens)
+        if tokens is not None:
+            Drafts(tokens=tokens)  # (checks it)
+        if "draft" not in item:
+            return (None if grammar is not None else self.default), tokens
+        draft = item["draft"]
+        if draft is not None and draft not in (LOOKUP, self.default):
+            run = (f", or {self.default!r} (the run's --draft)"
+                   if self.default not in (None, LOOKUP) else "")
+            raise ValueError(f"\"draft\" is {LOOKUP!r} (prompt lookup){run} or null, not "
+                             f"{draft!r}")
+        if draft is not None and grammar is not None:
+            raise ValueError("a line with a grammar or schema cannot draft (\"draft\"); "
+                             "constrained output decodes without one")
+        return draft, tokens
 
 
 def id_key(value: Any) -> str:
@@ -64,12 +109,13 @@ def id_key(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def read_lines(path: str | os.PathLike, options: GenerationOptions, grammar: Any = None
-               ) -> list[BatchLine]:
+def read_lines(path: str | os.PathLike, options: GenerationOptions, grammar: Any = None,
+               drafts: Drafts = Drafts()) -> list[BatchLine]:
     """Every line of the JSONL file at `path`, checked before any work: a bad line
     (not JSON, neither `prompt` nor `messages`, an unknown field, an option out of range,
-    a bad grammar, a repeated id) is a ValueError naming it. `options` and `grammar` are
-    the defaults the lines' own fields override. Blank lines are skipped."""
+    a bad grammar or draft, a repeated id) is a ValueError naming it. `options`,
+    `grammar` and `drafts` are the defaults the lines' own fields override. Blank lines
+    are skipped."""
     from workbench.engine.decoding.grammar import Grammar, resolve_grammar
 
     path = Path(path)
@@ -130,8 +176,12 @@ def read_lines(path: str | os.PathLike, options: GenerationOptions, grammar: Any
                 except (TypeError, ValueError) as exc:
                     raise ValueError(f"{where}: {exc}") from None
             line_grammar = compiled[spec]
+        try:
+            draft, draft_tokens = drafts.for_line(item, line_grammar)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
         lines.append(BatchLine(line_id, number, prompt, messages, line_options,
-                               line_grammar))
+                               line_grammar, draft, draft_tokens))
     return lines
 
 
@@ -156,9 +206,10 @@ def is_jsonl(path: str | os.PathLike) -> bool:
 
 
 def read_text_lines(path: str | os.PathLike, options: GenerationOptions, grammar: Any = None,
-                    use_template: bool = False) -> list[BatchLine]:
+                    use_template: bool = False, drafts: Drafts = Drafts()) -> list[BatchLine]:
     """binfer's input: one prompt per line of the text file at `path` (blank lines
-    skipped, ids are line numbers); with `use_template` each is a chat's user message."""
+    skipped, ids are line numbers); with `use_template` each is a chat's user message.
+    Each line drafts with the run's draft (`drafts`)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -170,8 +221,9 @@ def read_text_lines(path: str | os.PathLike, options: GenerationOptions, grammar
         if not prompt.strip():
             continue
         chat = [{"role": "user", "content": prompt}] if use_template else None
+        draft, draft_tokens = drafts.for_line({}, grammar)
         lines.append(BatchLine(number, number, None if use_template else prompt, chat,
-                               options, grammar))
+                               options, grammar, draft, draft_tokens))
     return lines
 
 
@@ -225,24 +277,34 @@ def read_done(path: str | os.PathLike) -> tuple[set[str], list[str]]:
     return done, dropped
 
 
-def answer(llm: Any, line: BatchLine, cancel: threading.Event | None = None) -> dict:
-    """The output record of one line (generated to its end on `llm`)."""
-    kw = dict(options=line.options, grammar=line.grammar, cancel=cancel)
+def answer(llm: Any, line: BatchLine, cancel: threading.Event | None = None,
+           draft_models: dict[str, Any] | None = None) -> dict:
+    """The output record of one line (generated to its end on `llm`; `draft_models`: the
+    loaded draft models by name)."""
+    kw: dict[str, Any] = dict(options=line.options, grammar=line.grammar, cancel=cancel)
+    if line.draft is not None:
+        kw["draft"] = line.draft if line.draft == LOOKUP else (draft_models or {})[line.draft]
+        if line.draft_tokens is not None:
+            kw["draft_tokens"] = line.draft_tokens
     completion = (llm.chat(line.messages, **kw) if line.messages is not None
                   else llm.generate(line.prompt, **kw)).wait()
     usage = completion.usage
+    counts = {"prompt_tokens": usage.prompt_tokens,
+              "completion_tokens": usage.completion_tokens,
+              "total_tokens": usage.total_tokens}
+    if getattr(usage, "drafted_tokens", None) is not None:  # a line that drafted
+        counts.update(drafted_tokens=usage.drafted_tokens,
+                      accepted_tokens=usage.accepted_tokens)
     return {"id": line.id, "line": line.line, "text": completion.text,
-            "finish_reason": completion.finish_reason,
-            "usage": {"prompt_tokens": usage.prompt_tokens,
-                      "completion_tokens": usage.completion_tokens,
-                      "total_tokens": usage.total_tokens}}
+            "finish_reason": completion.finish_reason, "usage": counts}
 
 
 def run(llm: Any, lines: Iterable[BatchLine], out: str | os.PathLike, *,
         workers: int | None = None, progress: Callable[[dict], None] | None = None,
-        ) -> int:
+        draft_models: dict[str, Any] | None = None) -> int:
     """Answer `lines` on `llm`, appending one JSON line per answer to `out` (flushed as
-    each finishes); `progress(record)` after each. `workers` requests are in flight at
+    each finishes); `progress(record)` after each; `draft_models`: the draft models the
+    lines name, loaded. `workers` requests are in flight at
     once (default: twice the model's `max_batch`, so that a place coming free in the batch
     finds the next request waiting). Returns the number of lines that failed (their
     records carry `"error"`). Ctrl-C cancels what is in flight and raises
@@ -256,7 +318,7 @@ def run(llm: Any, lines: Iterable[BatchLine], out: str | os.PathLike, *,
 
     def one(line: BatchLine) -> dict:
         try:
-            return answer(llm, line, cancel)
+            return answer(llm, line, cancel, draft_models)
         except Cancelled:
             raise
         except Exception as exc:  # noqa: BLE001 - recorded on the line, the others go on
@@ -306,24 +368,25 @@ def check_output(source: str | os.PathLike, out: str | os.PathLike) -> None:
 
 def run_file(llm_factory: Callable[[], Any], source: str | os.PathLike,
              out: str | os.PathLike, options: GenerationOptions, grammar: Any = None, *,
-             file=None, use_template: bool = False, quiet: bool = False) -> int:
+             file=None, use_template: bool = False, quiet: bool = False,
+             drafts: Drafts = Drafts()) -> int:
     """The `workbench batch` command: read and check `source` (JSONL, or plain text: one
     prompt per line, `use_template` to chat them), skip what `out` already answers, load
-    the model (`llm_factory()`) only if lines remain, and answer them with a progress bar
-    on `file` (default: stderr; none when `quiet`). Returns the exit status (1 when
-    lines failed)."""
+    the model (`llm_factory()`) and the draft model the lines use (`drafts`) only if
+    lines remain, and answer them with a progress bar on `file` (default: stderr; none
+    when `quiet`). Returns the exit status (1 when lines failed)."""
     file = file or sys.stderr
     check_output(source, out)
     if is_jsonl(source):
         if use_template:
             raise ValueError("--use-template is for plain text prompts; a JSONL line "
                              "chooses \"prompt\" or \"messages\" itself")
-        return _answer_file(llm_factory, read_lines(source, options, grammar), out, file,
-                            quiet)
-    lines = read_text_lines(source, options, grammar, use_template)
+        return _answer_file(llm_factory, read_lines(source, options, grammar, drafts), out,
+                            file, quiet, drafts)
+    lines = read_text_lines(source, options, grammar, use_template, drafts)
     progress = Path(f"{out}.progress.jsonl")
     check_output(source, progress)
-    status = _answer_file(llm_factory, lines, progress, file, quiet)
+    status = _answer_file(llm_factory, lines, progress, file, quiet, drafts)
     if status == 0:  # every line answered: the text file, in the input's order
         by_id = {}
         for raw in progress.read_text(encoding="utf-8").splitlines():
@@ -339,7 +402,7 @@ def run_file(llm_factory: Callable[[], Any], source: str | os.PathLike,
 
 
 def _answer_file(llm_factory: Callable[[], Any], lines: list[BatchLine],
-                 out: str | os.PathLike, file, quiet: bool) -> int:
+                 out: str | os.PathLike, file, quiet: bool, drafts: Drafts) -> int:
     """Answer the `lines` that `out` (JSONL) does not hold yet, appending to it."""
     from tqdm import tqdm
 
@@ -354,9 +417,12 @@ def _answer_file(llm_factory: Callable[[], Any], lines: list[BatchLine],
     if not todo:
         return 0
     llm = llm_factory()
+    named = {line.draft for line in todo} - {None, LOOKUP}
+    draft_models = {name: drafts.load(name) for name in named}
     with tqdm(total=len(lines), initial=n_done, unit="line", desc="batch", file=file,
               dynamic_ncols=True, disable=quiet) as bar:
-        failed = run(llm, todo, out, progress=lambda record: bar.update(1))
+        failed = run(llm, todo, out, progress=lambda record: bar.update(1),
+                     draft_models=draft_models)
     if failed:
         print(f"workbench: {failed} of {len(todo)} lines failed (their \"error\" is in {out}; "
               "run again to retry them)", file=file)

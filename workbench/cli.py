@@ -132,6 +132,8 @@ def _parser() -> argparse.ArgumentParser:
                             "message); without it they are continued as they are")
     batch.add_argument("--max-batch", type=int, default=None, metavar="N",
                        help="sequences decoded together (default: the model's, 8)")
+    _draft_options(batch, "every line (a line's \"draft\" field overrides it: \"ngram\", "
+                   "this MODEL or null)")
     _generation_options(batch)
     _profiling_options(batch)
     batch.set_defaults(func=_batch)
@@ -203,12 +205,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="requests waiting for a slot before 429 (default: 64)")
     srv.add_argument("--ctx", type=int, default=4096,
                      help="context length of chat models in tokens (default 4096)")
-    srv.add_argument("--draft", default=None, metavar="MODEL",
-                     help="speculative decoding for the first chat model: a smaller model "
-                          "with its vocabulary (alias or .gguf path), or 'ngram' (prompt "
-                          "lookup, no second model)")
-    srv.add_argument("--draft-tokens", type=int, default=None, metavar="N",
-                     help="proposals the target checks per pass (default: 4)")
+    _draft_options(srv, "the first chat model")
     srv.add_argument("--max-tokens-limit", type=int, default=limits.MAX_TOKENS_LIMIT,
                      metavar="N", help="the most tokens one request may generate per choice "
                      "(default %(default)s; 0: no limit)")
@@ -351,6 +348,24 @@ def _options(args) -> GenerationOptions:
     """The generation options the command line set (the others at their defaults)."""
     return GenerationOptions(stop=args.stop,
                              **{name: getattr(args, name) for name in _OPTION_FLAGS})
+
+
+def _draft_options(p: argparse.ArgumentParser, what: str) -> None:
+    """--draft and --draft-tokens: speculative decoding (`LLM.generate(draft=)`)."""
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help=f"speculative decoding for {what}: a smaller model with its "
+                        "vocabulary (alias or .gguf path), or 'ngram' (prompt lookup, no "
+                        "second model)")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="N",
+                   help="proposals the target checks per pass (default: 4)")
+
+
+def _load_draft(args, source: str):
+    """A draft model for the generation commands' `--draft`, on the target's device."""
+    from workbench.engine.llm import LLM
+
+    return _prepared(LLM.load(source, kv_cache_size=args.ctx, device=args.device),
+                     quiet=args.quiet)
 
 
 def _load(args, **kwargs):
@@ -558,8 +573,10 @@ def _batch(args) -> int:
 
     options, grammar = _options(args), _constraint(args)
     extra = {} if args.max_batch is None else {"max_batch": args.max_batch}
+    drafts = batch.Drafts(args.draft, args.draft_tokens, lambda name: _load_draft(args, name))
     return batch.run_file(lambda: _load(args, **extra), args.input, args.output, options,
-                          grammar, use_template=args.use_template, quiet=args.quiet)
+                          grammar, use_template=args.use_template, quiet=args.quiet,
+                          drafts=drafts)
 
 
 def _chat(args) -> int:

@@ -14,9 +14,11 @@ the entropy of the distribution it was drawn from (with `logprobs=k`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Generator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -292,8 +294,8 @@ class LLM(Prompting, LocalEngine):
         `draft="ngram"` drafts without a second model (prompt lookup): the
         proposals are what followed the latest earlier occurrence of the last
         few tokens in the prompt and output, which pays where the answer copies
-        the prompt (editing code, extracting). It runs on caches of its own,
-        outside the batch, and refuses `grammar`, `schema` and
+        the prompt (editing code, extracting). The sequence runs in this model's
+        batch like any other; `draft` refuses `grammar`, `schema` and
         `logits_processors` (ValueError).
         """
         opts = GenerationOptions.of(options, **overrides)
@@ -305,13 +307,11 @@ class LLM(Prompting, LocalEngine):
                                     logits_processors=logits_processors)
         seq = self._decoding(ids, constraint, opts,
                              logits_processors=logits_processors, closing=closing)
-        if draft is None:
-            return Completion(self._generate_events(ids, seq, prefix, cancel), ids,
-                              prompt_text)
-        counts = DraftCounts()
-        events = speculative.speculative_events(self, draft, ids, seq, draft_tokens, counts,
-                                                prefix=prefix, cancel=cancel)
-        return Completion(events, ids, prompt_text, draft_counts=counts)
+        drafting = None if draft is None else speculative.Drafting(self, draft, draft_tokens,
+                                                                    seq, len(ids))
+        request = Request(ids, seq, prefix, cancel, drafting=drafting)
+        return Completion(self._generate_events(request), ids, prompt_text,
+                          draft_counts=None if drafting is None else drafting.counts)
 
     @publishes_options
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: list | None = None,
@@ -366,7 +366,9 @@ class LLM(Prompting, LocalEngine):
                        schema: Any = None, closing: Closing | bool = True,
                        prefix: PrefixCache | None = None,
                        logits_processors: Sequence[LogitsProcessor] = (),
-                       cancel: CancelFlag | None = None, **overrides: Any) -> list[Completion]:
+                       cancel: CancelFlag | None = None, draft: LLM | str | None = None,
+                       draft_tokens: int = speculative.DRAFT_TOKENS,
+                       **overrides: Any) -> list[Completion]:
         """Continue several prompts at once; returns their finished `Completion`s, in order.
 
         The prompts join the model's batch (`workbench.engine.decoding.scheduler`, up to
@@ -381,6 +383,11 @@ class LLM(Prompting, LocalEngine):
 
         `cancel`: a flag (`threading.Event`) looked at before each prompt's prefill
         and each decode step; once it is set the call raises `Cancelled`.
+
+        `draft` / `draft_tokens`: speculative decoding as in `generate`, for every
+        sequence: each drafts its own proposals and the batch's proposals are
+        checked together, in one pass per step; each `Completion` reports its own
+        drafted and accepted tokens.
         """
         opts = GenerationOptions.of(options, **overrides)
         if isinstance(prompts, (str, bytes)):
@@ -402,15 +409,22 @@ class LLM(Prompting, LocalEngine):
             prompt_texts.append(self._prompt_ids(p, add_bos, include_prompt))
         self._check_prefix(prefix)
         constraint = resolve_grammar(grammar, schema)
-        seqs = [self._decoding(ids, constraint, replace(opts, seed=sd),
-                               logits_processors=logits_processors, closing=closing)
-                for (ids, _), sd in zip(prompt_texts, seeds)]
-        requests = [Request(ids, seq, prefix, cancel)
-                    for (ids, _), seq in zip(prompt_texts, seqs)]
+        if draft is not None:
+            for ids, _ in prompt_texts:
+                speculative.check_draft(self, draft, draft_tokens, ids, grammar=constraint,
+                                        logits_processors=logits_processors)
+        requests = []
+        for (ids, _), sd in zip(prompt_texts, seeds):
+            seq = self._decoding(ids, constraint, replace(opts, seed=sd),
+                                 logits_processors=logits_processors, closing=closing)
+            drafting = None if draft is None else speculative.Drafting(
+                self, draft, draft_tokens, seq, len(ids))
+            requests.append(Request(ids, seq, prefix, cancel, drafting=drafting))
         if opts.max_tokens > 0:
-            with self._busy:
+            with self._busy, self._draft_busy(draft):
                 self._scheduler.run_all(requests)
-        return [Completion(replay(r.events, r.seq.finish_reason or "length"), r.ids, text)
+        return [Completion(replay(r.events, r.seq.finish_reason or "length"), r.ids, text,
+                           draft_counts=None if r.drafting is None else r.drafting.counts)
                 for r, (_, text) in zip(requests, prompt_texts)]
 
     @publishes_options
@@ -594,12 +608,16 @@ class LLM(Prompting, LocalEngine):
                               logits_processors=logits_processors, closing=closing,
                               room=self.kv_cache_size - len(prompt_ids) + 1)
 
-    def _generate_events(self, prompt_ids: list[int], seq: Decoding,
-                         prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
-                         ) -> Generator[TokenEvent, None, str]:
+    def _generate_events(self, request: Request) -> Generator[TokenEvent, None, str]:
         """Yield the events of one generation (run by the scheduler, batched with whatever
         else is generating); return its finish reason."""
-        if seq.max_tokens == 0:
+        if request.seq.max_tokens == 0:
             return "length"
-        with self._busy:
-            return (yield from self._scheduler.events(Request(prompt_ids, seq, prefix, cancel)))
+        draft = None if request.drafting is None else request.drafting.draft
+        with self._busy, self._draft_busy(draft):
+            return (yield from self._scheduler.events(request))
+
+    @staticmethod
+    def _draft_busy(draft: LLM | str | None) -> AbstractContextManager:
+        """A draft model's busy signal, held while it drafts for this model."""
+        return draft.marked_busy() if isinstance(draft, LLM) else contextlib.nullcontext()

@@ -174,29 +174,26 @@ def as_completion(result: Any) -> Any:
     return result if hasattr(result, "iter_events") else TextPieces(result)
 
 
-def _with_draft(state: ServerState, model: str, options: dict) -> bool:
+def _with_draft(state: ServerState, model: str, options: dict) -> None:
     """Add the served model's draft (`serve(..., draft=)`) to a generation's `options`,
-    unless it is constrained (speculation takes no grammar); whether it was added."""
+    unless it is constrained (speculation takes no grammar)."""
     drafted = state.drafts.get(model)
-    if not drafted or "schema" in options or "grammar" in options:
-        return False
-    options.update(drafted)
-    return True
+    if drafted and "schema" not in options and "grammar" not in options:
+        options.update(drafted)
 
 
 def _choices(engine: Any, method: str, batch_method: str, inputs: list[Any], n: int,
-             options: dict, stream: bool, batched: bool = True
-             ) -> Callable[[threading.Event], list[Any]]:
+             options: dict, stream: bool) -> Callable[[threading.Event], list[Any]]:
     """Start `n` completions of each input: one call each (choice i gets seed s + i, as a
     batch gives it; each call gets `cancel=` where it names it, which also stops its
     prefill between chunks), except a non-streamed answer from an engine with a batch
-    method, which takes that (`cancel=` stops it between decode steps) unless `batched`
-    is False. Calls to a local `LLM` return at once and generate while they are read,
-    together in its batch."""
+    method, which takes that (`cancel=` stops it between decode steps). Calls to a
+    local `LLM` return at once and generate while they are read, together in its
+    batch."""
 
     def start(cancelled: threading.Event) -> list[Any]:
         repeated = [x for x in inputs for _ in range(n)]
-        if len(repeated) > 1 and not stream and batched and hasattr(engine, batch_method):
+        if len(repeated) > 1 and not stream and hasattr(engine, batch_method):
             batch = getattr(engine, batch_method)
             extra = {"cancel": cancelled} if engine_accepts(batch, "cancel") else {}
             return [as_completion(c) for c in batch(repeated, **options, **extra)]
@@ -269,9 +266,8 @@ async def answer_chat(state: ServerState, engine: Any, body: ChatCompletionReque
             from workbench.engine.decoding.structured import with_schema_instruction
 
             messages = with_schema_instruction(messages, fmt.json_schema.schema_)
-    drafted = _with_draft(state, body.model, options)
-    start = _choices(engine, "chat", "chat_batch", [messages], body.n, options, body.stream,
-                     batched=not drafted)
+    _with_draft(state, body.model, options)
+    start = _choices(engine, "chat", "chat_batch", [messages], body.n, options, body.stream)
     job = await start_job(state, request, _run_choices(start))
     meta = {"id": _id("chatcmpl"), "created": int(time.time()), "model": body.model}
     first = await job.next()  # the engine accepted the request (or not)
@@ -377,9 +373,9 @@ async def answer_completion(state: ServerState, engine: Any, body: CompletionReq
         options["logprobs"] = body.logprobs
     if body.echo:
         options["include_prompt"] = True
-    drafted = _with_draft(state, body.model, options)
+    _with_draft(state, body.model, options)
     start = _choices(engine, "generate", "generate_batch", prompts, body.n, options,
-                     body.stream, batched=not drafted)
+                     body.stream)
     job = await start_job(state, request, _run_choices(start))
     meta = {"id": _id("cmpl"), "created": int(time.time()), "model": body.model}
     ready = await job.next()

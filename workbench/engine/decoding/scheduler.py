@@ -5,6 +5,7 @@ One thread owns the model's KV pool and advances every running sequence together
     step:  admit waiting requests into free slots (reusing cached prompt prefixes)
            sample one token for each sequence whose logits are ready
            one decode forward pass for all of them (one row per sequence)
+           one verifying pass: the drafted sequences' newest tokens with their proposals
            one prefill pass: the next chunk of each prompt still being read
 
 Requests come from any thread (`LLM.generate` / `chat`, `generate_batch`, the
@@ -13,7 +14,9 @@ or their caller cancels or stops reading; each keeps its own `Decoding` (sampler
 grammar matcher, stop conditions, logprobs). Prompts are read in chunks between
 decode steps, at most `PREFILL_BUDGET` prompt tokens per step while others are
 decoding, so a long prompt delays the others' next token by one chunk, not by its
-whole prefill.
+whole prefill. A speculative request (`Request.drafting`,
+`workbench.engine.decoding.speculative`) feeds its newest token together with the tokens
+its drafter proposes, and emits the proposals the model keeps plus one token of its own.
 
 Slots keep what they cached after their request ends. A new prompt continues the
 slot that shares the longest beginning with it (a conversation's next turn reuses
@@ -41,6 +44,7 @@ from workbench.engine.cancel import CancelFlag, Cancelled
 from workbench.engine.decoding.generation_model import GenerationModel
 from workbench.engine.decoding.sampling import DeviceSampler
 from workbench.engine.decoding.sequence import Decoding
+from workbench.engine.decoding.speculative import Drafting
 from workbench.engine.results import TokenEvent
 from workbench.engine.runtime.cores import CoreShare
 from workbench.engine.runtime.kv_cache import ContextFullError, KVCache
@@ -77,6 +81,7 @@ class Request:
     pending: list[int] = field(default_factory=list)  # prompt tokens still to read
     stepwise: bool = False  # read `pending` one token per decode step
     row: Any = None  # logits after the last token read: the next sample is due
+    drafting: Drafting | None = None  # speculative: each token fed comes with proposals
     gone: bool = False  # the caller stopped reading: free the slot
     events: list[TokenEvent] = field(default_factory=list)  # collected by `run_all`
 
@@ -266,10 +271,14 @@ class Scheduler:
                 self._end(r, Cancelled("cancelled") if not r.gone else None)
         self._admit()
         feed: list[tuple[Request, int]] = []
+        drafted: list[tuple[Request, list[int], list[Any]]] = []
         picked = self._pick_together()
         for r in list(self._running):
             if r.stepwise and r.pending:  # a short tail read on the decode path
-                feed.append((r, r.pending.pop(0)))
+                token = r.pending.pop(0)
+                if r.drafting is not None and not r.pending and self._propose(r, drafted):
+                    continue
+                feed.append((r, token))
             elif r.row is not None:
                 room = r.cache.max_len - r.cache.offset
                 try:
@@ -288,10 +297,12 @@ class Scheduler:
                     r.out.put(ev)
                 if token is None:
                     self._end(r)
-                else:
+                elif r.drafting is None or not self._propose(r, drafted):
                     feed.append((r, token))
         if feed:
             self._guarded([r for r, _ in feed], lambda: self._decode(feed))
+        if drafted:
+            self._guarded([r for r, _, _ in drafted], lambda: self._verify(drafted))
         reading = [r for r in self._running if r.reading]
         if reading:
             self._guarded(reading, lambda: self._read(reading, bool(feed)))
@@ -336,6 +347,52 @@ class Scheduler:
         for (r, _), row in zip(feed, rows):
             if not r.pending:
                 r.row = row
+
+    def _propose(self, r: Request, drafted: list) -> bool:
+        """Draft what follows `r`'s newest token (the last of its history, about to be
+        fed) into `drafted`; False when the drafter has nothing (then it is fed alone).
+        A drafter's error ends `r` with it."""
+        try:
+            proposal, q = r.drafting.propose(r.seq, room=r.cache.max_len - len(r.seq.history))
+        except Exception as exc:  # noqa: BLE001 - the caller's to see
+            self._end(r, exc)
+            return True
+        if not proposal:
+            r.drafting.counts.target_passes += 1  # a plain decode row
+            return False
+        drafted.append((r, proposal, q))
+        return True
+
+    def _verify(self, drafted: list[tuple[Request, list[int], list[Any]]]) -> None:
+        """The drafted sequences' newest tokens with their proposals through the model, in
+        one pass, then each one's round: the proposals it keeps and the target's own next
+        token, emitted; the cache keeps what was kept, and the last token is fed next."""
+        model = self.model
+        chunks = [(np.asarray(r.seq.history[-1:] + proposal), r.cache)
+                  for r, proposal, _ in drafted]
+        with model.forward_lock, span("verify", tokens=sum(len(ids) for ids, _ in chunks),
+                                     sequences=len(chunks)):
+            hidden = model.hidden_batch(chunks)
+            logits = [model.logits_out(h, on_device=False) for h in hidden]
+        for (r, proposal, q), rows in zip(drafted, logits):  # rows: (k + 1, n_vocab)
+            try:
+                chosen = r.drafting.verify(r.seq, rows, proposal, q)
+            except Exception as exc:  # noqa: BLE001 - the caller's to see
+                self._end(r, exc)
+                continue
+            r.cache.trim(len(r.seq.history) + len(chosen) - 1)  # the fed and the kept
+            for row, token in zip(rows, chosen):
+                token, evs = r.seq.push(token, row,
+                                        room=r.cache.max_len - len(r.seq.history))
+                for ev in evs:
+                    r.out.put(ev)
+                if token is None:
+                    self._end(r)
+                    break
+            else:  # the last chosen token is fed next step (with the next proposals)
+                r.seq.device_token = None
+                r.pending = r.seq.history[r.cache.offset :]  # (more if a ring started over)
+                r.stepwise = len(r.pending) <= STEPWISE_TAIL
 
     def _read(self, reading: list[Request], decoding: bool) -> None:
         """The next chunk of each prompt being read: PREFILL_CHUNK tokens (or what is

@@ -29,27 +29,29 @@ and q is one-hot on each, so the same rule keeps a proposal with probability p(x
 (greedy: when it is the target's argmax). Editing and extraction tasks, whose output
 copies long stretches of the prompt, then need far fewer target passes.
 
-The generation runs in the caller's thread on KV caches of its own (not the
-scheduler's slots), taking each model's forward lock per pass, so it interleaves with
-the scheduler's batches of either model without touching their caches.
+A speculative sequence runs in the target's batch like any other
+(`workbench.engine.decoding.scheduler`): in the step where it would feed its newest token,
+it feeds that token and its proposals as one chunk (the step's drafted chunks go through
+the target together, in one pass after the decode rows), and the round's tokens come out
+of that chunk's logits. So `generate`,
+`generate_batch` and the server's requests with a draft share the target's KV slots, its
+prefix reuse and its passes. A draft model proposes on a KV cache of its own, taking its
+forward lock per pass, so it may serve batches of its own meanwhile.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from workbench.engine.cancel import CancelFlag, check_cancel
 from workbench.engine.decoding.generation_model import GenerationModel
 from workbench.engine.decoding.sampling import Sampler
 from workbench.engine.decoding.sequence import Decoding
-from workbench.engine.results import DraftCounts, TokenEvent
-from workbench.engine.runtime.kv_cache import ContextFullError
-from workbench.engine.runtime.prefix_cache import PrefixCache
+from workbench.engine.results import DraftCounts
+from workbench.engine.runtime.kv_cache import ContextFullError, KVCache
 
 DRAFT_TOKENS = 4  # proposals per round: the default of `generate(..., draft_tokens=)`
 LOOKUP = "ngram"  # `draft=` for prompt-lookup drafting (no draft model)
@@ -89,88 +91,79 @@ def check_draft(target: GenerationModel, draft: Any, draft_tokens: Any,
             f"and the draft holds {room}; load both with a larger kv_cache_size")
 
 
-def speculative_events(target: GenerationModel, draft: GenerationModel | str,
-                       prompt_ids: list[int], seq: Decoding,
-                       draft_tokens: int, counts: DraftCounts, *,
-                       prefix: PrefixCache | None = None, cancel: CancelFlag | None = None
-                       ) -> Generator[TokenEvent, None, str]:
-    """Yield the events of `seq` (a `Decoding` of `target`, checked by `check_draft`)
-    generated speculatively with `draft` (a model, or `LOOKUP`) proposing up to
-    `draft_tokens` tokens per round; `counts` is updated after every round. Returns the
-    finish reason.
+class Drafting:
+    """One sequence's speculative decoding, run by the scheduler
+    (`workbench.engine.decoding.scheduler`) inside its batch: before the sequence's next
+    token is fed, `propose` drafts up to `tokens` more; the scheduler feeds them together
+    in one pass of the target, and `verify` picks the round's tokens from the k + 1
+    logits rows that pass returns. `counts` is updated every round."""
 
-    `prefix` (the target's `PrefixCache`) spares the target's prefill of the prompt
-    tokens it holds. `cancel` is looked at between prefill chunks and rounds."""
-    if seq.max_tokens == 0:
-        return "length"
-    lookup = draft == LOOKUP
-    limit = target.kv_cache_size if lookup else min(target.kv_cache_size,
-                                                    draft.kv_cache_size)
-    size = min(limit, len(prompt_ids) + seq.max_tokens)  # the most positions ever fed
-    t_cache = target.new_cache(size)
-    sampler = seq.sampler  # the target's: its transforms and its random generator
-    drafter = (_Lookup(target.config.n_vocab) if lookup
-               else _DraftModel(draft, size, Sampler(sampler.params, draft.config.n_vocab)))
-    with contextlib.ExitStack() as held:
-        held.enter_context(target.marked_busy())
-        if not lookup:
-            held.enter_context(draft.marked_busy())
-        if prefix is not None:
-            t_cache.restore(prefix, min(prefix.common_prefix(prompt_ids),
-                                        len(prompt_ids) - 1))
-        rest = prompt_ids[t_cache.offset : -1]  # the last one is fed with the proposals
-        if rest:
-            target.prefill(rest, t_cache, cancel=cancel)
-        target.prefilled_tokens += len(rest) + 1
-        drafter.prefill(prompt_ids, cancel)
-        while True:
-            check_cancel(cancel)
-            history = list(seq.history)  # prompt and output: the caches hold a prefix
-            k = min(draft_tokens, seq.max_tokens - seq.n_generated - 1,
-                    size - len(history))
-            proposal, q = drafter.propose(history, k, sampler.rng)
-            k = len(proposal)  # prompt lookup may find fewer (or none)
-            feed = history[t_cache.offset :] + proposal
-            with target.forward_lock:  # (k + 1, n_vocab): after `last`, each proposal
-                hidden = target.hidden(np.asarray(feed), t_cache)
-                logits = target.logits_out(hidden, on_device=False)[-(k + 1) :]
-            chosen = _verify(sampler, logits, history, proposal, q, sampler.rng)
-            counts.target_passes += 1
-            counts.drafted += k
-            counts.accepted += len(chosen) - 1
-            keep = len(history) + len(chosen) - 1  # the prompt, output, kept proposals
-            t_cache.trim(keep)
-            drafter.trim(keep)
-            for row, token in zip(logits, chosen):
-                position = len(seq.history)
-                token, events = seq.push(token, row, room=limit - position)
-                yield from events
-                if token is None:
-                    return seq.finish_reason or "stop"
+    def __init__(self, target: GenerationModel, draft: GenerationModel | str, tokens: int,
+                 seq: Decoding, prompt_len: int):
+        self.tokens = tokens
+        self.counts = DraftCounts()
+        if draft == LOOKUP:
+            self.drafter: _DraftModel | _Lookup = _Lookup(target.config.n_vocab)
+        else:
+            size = min(draft.kv_cache_size, prompt_len + seq.max_tokens)
+            self.drafter = _DraftModel(draft, size,
+                                       Sampler(seq.sampler.params, draft.config.n_vocab))
+        self.draft = draft  # the model, or LOOKUP
+
+    def propose(self, seq: Decoding, room: int) -> tuple[list[int], list[np.ndarray]]:
+        """Proposals to follow `seq.history` (whose last token is about to be fed with
+        them) and the distributions q (n_vocab,) they were drawn from; `room`: the
+        positions the target's cache has after that token. [] where nothing is left to
+        draft or the drafter finds nothing."""
+        # the pass gives a token of its own after the kept ones: the last one to write
+        # needs no proposal
+        k = min(self.tokens, seq.max_tokens - seq.n_generated - 1, room,
+                self.drafter.room(len(seq.history)))
+        if k < 1:
+            return [], []
+        return self.drafter.propose(seq.history, k, seq.sampler.rng)
+
+    def verify(self, seq: Decoding, logits: np.ndarray, proposal: list[int],
+               q: list[np.ndarray]) -> list[int]:
+        """The round's tokens: the proposals the target keeps, then its correction or a
+        bonus token. `logits` (k + 1, n_vocab): the target's after the fed token and after
+        each proposal. The drafter forgets what it read beyond the kept ones."""
+        history = seq.history
+        chosen = _verify(seq.sampler, logits, history, proposal, q, seq.sampler.rng)
+        self.counts.target_passes += 1
+        self.counts.drafted += len(proposal)
+        self.counts.accepted += len(chosen) - 1
+        self.drafter.trim(len(history) + len(chosen) - 1)
+        return chosen
 
 
 class _DraftModel:
     """Proposals sampled from a draft model, on a KV cache of its own."""
 
     def __init__(self, draft: GenerationModel, size: int, sampler: Sampler):
-        self.draft, self.sampler = draft, sampler
-        self.cache = draft.new_cache(size)
+        self.draft, self.size, self.sampler = draft, size, sampler
+        self.cache: KVCache | None = None  # made at the first proposal
 
-    def prefill(self, prompt_ids: list[int], cancel: CancelFlag | None) -> None:
-        rest = prompt_ids[:-1]  # the last one is fed with the first proposal
-        if rest:
-            self.draft.prefill(rest, self.cache, cancel=cancel)
-        self.draft.prefilled_tokens += len(rest) + 1
+    def room(self, n_history: int) -> int:
+        """Proposals the draft's cache can take after a history of `n_history` tokens."""
+        return self.size - n_history + 1
 
     def propose(self, history: list[int], k: int, rng: np.random.Generator
                 ) -> tuple[list[int], list[np.ndarray]]:
         """`k` tokens the draft samples after `history` (whose first `cache.offset` tokens
         its cache holds) and the distributions q (n_vocab,) they were drawn from. The
         cache then holds everything but the last proposal."""
-        draft, cache = self.draft, self.cache
+        draft = self.draft
+        if self.cache is None:
+            self.cache = draft.new_cache(self.size)
+        cache = self.cache
         proposal: list[int] = []
         dists: list[np.ndarray] = []
         feed = history[cache.offset :]
+        if len(feed) > 1:  # the prompt (or what a rotating cache forgot), in chunks
+            draft.prefill(feed[:-1], cache)
+            draft.prefilled_tokens += len(feed) - 1
+            feed = feed[-1:]
         for _ in range(k):
             with draft.forward_lock:
                 logits = draft.logits_out(draft.hidden(np.asarray(feed), cache)[-1:],
@@ -183,7 +176,8 @@ class _DraftModel:
         return proposal, dists
 
     def trim(self, keep: int) -> None:
-        self.cache.trim(min(self.cache.offset, keep))
+        if self.cache is not None:
+            self.cache.trim(min(self.cache.offset, keep))
 
 
 class _Lookup:
@@ -193,8 +187,8 @@ class _Lookup:
     def __init__(self, n_vocab: int):
         self.n_vocab = n_vocab
 
-    def prefill(self, prompt_ids: list[int], cancel: CancelFlag | None) -> None:
-        pass  # nothing to read: the history is the draft
+    def room(self, n_history: int) -> int:
+        return n_history  # (no cache: as many as are asked for)
 
     def propose(self, history: list[int], k: int, rng: np.random.Generator
                 ) -> tuple[list[int], list[np.ndarray]]:
