@@ -397,6 +397,9 @@ def test_device_flag(capsys):
     assert capsys.readouterr().out == " Paris\n"
     assert main(["generate", "--device", "tpu", "hi"]) == 1
     assert "unknown device 'tpu'" in capsys.readouterr().err
+    # --dtype (the device weights' format; tests/test_device.py runs it on the devices)
+    assert main(["generate", "--device", "cpu", "--dtype", "bf16", "hi"]) == 1
+    assert "the CPU engine runs the file's own formats" in capsys.readouterr().err
 
 
 def test_transcribe_profile(tmp_path, capsys):

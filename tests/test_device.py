@@ -409,3 +409,47 @@ def test_cuda_graph_ends_a_broken_capture_and_reports_its_error():
         CudaGraph(cp, step)
     assert cp.cuda.log == [("begin", "capture-stream"), ("end", "capture-stream")]
     assert cp.cuda.allocator is None and cp.cuda.current == "legacy"
+
+
+# -- dtype: the device weights' format ---------------------------------------------------------
+
+@pytest.mark.parametrize("device", GPU_DEVICES)
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_dtype_widens_every_device_matrix(tiny_path, device, dtype, monkeypatch):
+    """`dtype="f16"` / `"bf16"` (binfer's --dtype): every matrix goes to the device in that
+    format, each weight the file's value rounded to it; the logits stay within the
+    format's rounding of the file's own (host) logits and greedy decoding picks the same
+    tokens. The CPU refuses a dtype, and an unknown one is refused everywhere."""
+    from workbench import LLM
+    from workbench.engine.runtime import backend
+    from workbench.engine.runtime.backend import WEIGHT_DTYPES, widened
+
+    uploaded = []  # the format of each matrix as the device backend receives it
+    for cls in (backend.CupyBackend, backend.MLXBackend):
+        def spy(self, w, upload=cls._weight):
+            uploaded.append(w.qtype)
+            return upload(self, w)
+        monkeypatch.setattr(cls, "_weight", spy)
+    with LLM.load(tiny_path, device="cpu", kv_cache_size=64) as host, \
+            open_llm(tiny_path, device, kv_cache_size=64, dtype=dtype) as m:
+        n_blocks = len(host.model.blocks)
+        assert len(uploaded) >= 2 * n_blocks + 1
+        assert set(uploaded) == {WEIGHT_DTYPES[dtype]}
+        w = host.model.blocks[0].attn.wqkv
+        exact = w.dequantize()
+        rounded = widened(w, dtype).dequantize()
+        # one rounding of each weight: half a unit in the last place of the format
+        ulp = 2.0 ** -10 if dtype == "f16" else 2.0 ** -7
+        assert np.all(np.abs(rounded - exact) <= ulp / 2 * np.abs(exact) + 1e-7)
+        assert not np.array_equal(rounded, exact)  # (the test sees the format)
+        want = host.forward(PROMPT, host.new_cache())[-1]
+        got = m.forward(PROMPT, m.new_cache())[-1]
+        spread = float(want.max() - want.min())
+        assert np.abs(got - want).max() < (0.01 if dtype == "f16" else 0.05) * spread
+        assert not np.array_equal(got, want)
+        greedy = dict(temperature=0, max_tokens=12)
+        assert m.generate(PROMPT, **greedy).token_ids == host.generate(PROMPT, **greedy).token_ids
+    with pytest.raises(ValueError, match="the CPU engine runs the file's own formats"):
+        LLM.load(tiny_path, device="cpu", dtype=dtype)
+    with pytest.raises(ValueError, match="dtype must be one of f16, bf16"):
+        open_llm(tiny_path, device, dtype="fp8")

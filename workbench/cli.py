@@ -269,6 +269,9 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="auto (metal, then cuda, then cpu), cpu, cuda, metal or mlx "
                         "(default: auto)")
+    p.add_argument("--dtype", choices=("f16", "bf16"), default=None,
+                   help="on a device (cuda, metal), upload the weights widened to this "
+                        "float format (default: the file's own formats)")
     p.add_argument("--grammar", metavar="FILE", default=None,
                    help="constrain the output with the GBNF grammar in FILE")
     p.add_argument("--schema", metavar="FILE", default=None,
@@ -364,8 +367,8 @@ def _load_draft(args, source: str):
     """A draft model for the generation commands' `--draft`, on the target's device."""
     from workbench.engine.llm import LLM
 
-    return _prepared(LLM.load(source, kv_cache_size=args.ctx, device=args.device),
-                     quiet=args.quiet)
+    return _prepared(LLM.load(source, kv_cache_size=args.ctx, device=args.device,
+                              dtype=args.dtype), quiet=args.quiet)
 
 
 def _load(args, **kwargs):
@@ -378,7 +381,8 @@ def _load(args, **kwargs):
         os.environ["WORKBENCH_CUDA_GRAPHS"] = "0"
     start = time.perf_counter()
     try:
-        m = LLM.load(args.model, kv_cache_size=args.ctx, device=args.device, **kwargs)
+        m = LLM.load(args.model, kv_cache_size=args.ctx, device=args.device, dtype=args.dtype,
+                     **kwargs)
     except DeviceUnavailableError as exc:
         raise ValueError(str(exc)) from None
     loaded = time.perf_counter()

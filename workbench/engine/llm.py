@@ -72,7 +72,7 @@ class LLM(Prompting, LocalEngine):
 
     def __init__(self, gguf: GGUFFile, *, device: str = "auto", kv_cache_size: int = 4096,
                  max_batch: int = DEFAULT_MAX_BATCH, backend: Backend | None = None,
-                 prepare_kernels: bool = True):
+                 prepare_kernels: bool = True, dtype: str | None = None):
         """`device`: "auto" (metal, then cuda, then cpu), "cpu", "cuda", "metal" or "mlx"
         (MLX on any platform). `max_batch`: how many generations (from any threads, the
         server's included) decode together in one forward pass per token; more wait
@@ -81,7 +81,10 @@ class LLM(Prompting, LocalEngine):
         names (the tests run the CuPy backend's code with NumPy standing in for CuPy).
         `prepare_kernels`: on the CPU, compile (or load from the disk cache) the kernels
         this model runs in a background thread right away, with progress in the
-        `warming` signal; False compiles each on first use."""
+        `warming` signal; False compiles each on first use. `dtype`: on a device,
+        "f16" or "bf16" uploads every matrix widened to that format (for the device's
+        matrix units, at two bytes a weight); None (the default) keeps the file's
+        formats. The CPU runs the file's formats only (`ValueError`)."""
         arch = gguf.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitectureError(
@@ -90,7 +93,7 @@ class LLM(Prompting, LocalEngine):
             )
         if kv_cache_size < 1:
             raise ValueError("kv_cache_size must be >= 1")
-        self._start_engine(gguf.path, device, backend)
+        self._start_engine(gguf.path, device, backend, dtype)
         self.metadata = gguf.metadata
         self.tokenizer: Tokenizer = load_tokenizer(gguf.metadata)
         self.model = self._place_model(DECODERS[arch](gguf, kv_cache_size),
@@ -110,19 +113,20 @@ class LLM(Prompting, LocalEngine):
     @classmethod
     def load(cls, source: str | os.PathLike = registry.DEFAULT_MODEL, *, device: str = "auto",
              kv_cache_size: int = 4096, max_batch: int = DEFAULT_MAX_BATCH,
-             prepare_kernels: bool = True) -> LLM:
+             prepare_kernels: bool = True, dtype: str | None = None) -> LLM:
         """Load a model from an alias (see `workbench list`), a .gguf path or `hf://repo/file`.
 
         Aliases are downloaded on first use. `kv_cache_size` is the context length
         (prompt plus output) in tokens; `max_batch` how many generations decode
         together (see `__init__`). The CPU kernels the model needs start compiling
         in the background at once (`prepare_kernels`; progress in `m.warming`,
-        `m.warmup.wait()` blocks until they are ready).
+        `m.warmup.wait()` blocks until they are ready). `dtype` ("f16", "bf16"):
+        the device weights' format (see `__init__`).
         """
         path = sources.resolve(source)
         with span("load", model=path.name):
             return cls(open_gguf(path), device=device, kv_cache_size=kv_cache_size,
-                       max_batch=max_batch, prepare_kernels=prepare_kernels)
+                       max_batch=max_batch, prepare_kernels=prepare_kernels, dtype=dtype)
 
     @property
     def max_batch(self) -> int:

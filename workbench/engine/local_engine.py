@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from workbench.engine.lifecycle import Closeable
-from workbench.engine.runtime.backend import Backend, select_backend
+from workbench.engine.runtime.backend import Backend, check_weight_dtype, select_backend
 from workbench.engine.runtime.warmup import KernelTask, KernelWarmup, Warming
 from workbench.signals import BusyCounter, Signal
 
@@ -27,12 +27,17 @@ class LocalEngine(Closeable):
     config: Any
     warmup: KernelWarmup
 
-    def _start_engine(self, path: Path, device: str, backend: Backend | None) -> None:
+    def _start_engine(self, path: Path, device: str, backend: Backend | None,
+                      dtype: str | None = None) -> None:
         """A constructor's first steps: the backend `device` names (refused here, before
-        any weights load, when there is none) and the signals, the file's path, and the
-        lock held around every forward pass (one at a time per model; the kernel warm-up
-        holds it too)."""
+        any weights load, when there is none; `dtype`: the float format its matrices
+        are uploaded in, `workbench.engine.runtime.backend.WEIGHT_DTYPES`) and the
+        signals, the file's path, and the lock held around every forward pass (one at a
+        time per model; the kernel warm-up holds it too)."""
         self._start_signals(device, backend)
+        check_weight_dtype(dtype, self.backend)
+        if dtype is not None:
+            self.backend.weight_dtype = dtype
         self.path = path
         self._forward_lock = threading.Lock()
 

@@ -138,12 +138,50 @@ class DeviceWeight(Protocol):
         """Rows `ids` (T,) int of W as float32 (T, K): the embedding lookup."""
 
 
+# `dtype=` for device weights (binfer's `--dtype`): the float format quantized (and F32)
+# matrices are widened to when uploaded, for the device's matrix units; None keeps the file's
+WEIGHT_DTYPES = {"f16": Q.F16, "bf16": Q.BF16}
+_CONVERT_ROWS = 8192  # rows widened on the host at a time (a vocabulary's embedding is large)
+
+
+def check_weight_dtype(dtype: str | None, backend: Backend | None) -> None:
+    """Refuse a `dtype` that is not one of `WEIGHT_DTYPES`, or any on the CPU (whose
+    kernels run the file's own formats)."""
+    if dtype is None:
+        return
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)} (or None: the "
+                         f"file's formats), got {dtype!r}")
+    if backend is None:
+        raise ValueError(f"dtype={dtype!r} sets the precision of weights on a device (cuda, "
+                         "metal); the CPU engine runs the file's own formats")
+
+
+def widened(w: QuantizedWeight, dtype: str) -> QuantizedWeight:
+    """`w` in the float format `dtype` names (`WEIGHT_DTYPES`): dequantized to float32,
+    then rounded to nearest (even) F16 or BF16; `w` itself when it is in that format."""
+    qtype = WEIGHT_DTYPES[dtype]
+    if w.qtype == qtype:
+        return w
+    n, k = w.shape
+    out = np.empty((n, k), np.float16 if qtype == Q.F16 else np.uint16)
+    for lo in range(0, n, _CONVERT_ROWS):
+        rows = w.rows(np.arange(lo, min(n, lo + _CONVERT_ROWS)))  # (rows, K) float32
+        if qtype == Q.F16:
+            out[lo : lo + len(rows)] = rows
+        else:  # bfloat16: the high half of the float32, rounded to nearest even
+            bits = rows.view(np.uint32)
+            out[lo : lo + len(rows)] = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return QuantizedWeight.from_gguf_tensor(out, qtype, (n, k))
+
+
 class Backend:
     """An array module and what the device forward passes need beyond it."""
 
     name: str
     xp: Any
     records = False  # whether `capture` records (the CUDA backend: graphs)
+    weight_dtype: str | None = None  # `WEIGHT_DTYPES`: matrices widened at upload
 
     # -- traffic ------------------------------------------------------------------------
     def asarray(self, a: Any, dtype: Any = None) -> Any:
@@ -170,10 +208,13 @@ class Backend:
 
     # -- weights ------------------------------------------------------------------------
     def weight(self, w: Any) -> DeviceWeight:
-        """Upload a `QuantizedWeight` (or a `weights.Stacked` of them) once."""
+        """Upload a `QuantizedWeight` (or a `weights.Stacked` of them) once (in
+        `weight_dtype` when set)."""
         parts = getattr(w, "parts", None)
         if parts is not None:
             return StackedWeight([self.weight(p) for p in parts], self.xp)
+        if self.weight_dtype is not None:
+            w = widened(w, self.weight_dtype)
         return self._weight(w)
 
     def _weight(self, w: QuantizedWeight) -> DeviceWeight:
