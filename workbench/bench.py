@@ -485,10 +485,8 @@ def _rss_child(engine: str, path: str, args: argparse.Namespace) -> dict:
         ids = m.tokenize(text)[: args.prompt_tokens]
         m.generate(ids, max_tokens=args.decode_tokens, temperature=0).wait()
     else:
-        from llama_cpp import Llama
-
-        m = Llama(path, n_ctx=n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
-                  verbose=False)
+        m = load_llama_cpp(path, n_ctx=n_ctx, n_threads=args.threads,
+                           n_threads_batch=args.threads, verbose=False)
         ids = m.tokenize(text.encode(), add_bos=False)[: args.prompt_tokens]
         m.create_completion(ids, max_tokens=args.decode_tokens, temperature=0)
     return {"peak_rss_mb": _peak_rss_mb()}
