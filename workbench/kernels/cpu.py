@@ -209,9 +209,13 @@ _BF16_TABLE = frozenset(f.qtype for f in _CPU_FORMATS if f.bf16)
 # (4 x 4 blocked dots) / tile+BLAS: Q4_1 49152x576 T=8 4.1 / 9.5, T=16 6.4 / 13.0;
 # Q4_1 4864x896 T=32 1.9 / 2.6, T=64 3.2 / 4.9, T=128 6.8 / 7.6, T=512 28.6 / 23.2.
 GEMV_MAX_T = 64
-# Weights dequantized per tile on the BLAS path (1M floats = 4 MiB of fp32);
-# 256K and 4M were 5-40% slower from T=16 to T=512.
-TILE_WEIGHTS = 1 << 20
+# Weights dequantized per tile on the BLAS path (8M floats = 32 MiB of fp32: a whole
+# matrix of the models we run, so one BLAS call each). Against 1M (bench/bench_kernels.py,
+# one run, AVX-512 host, 2 threads): Qwen2.5's 896x4864 Q5_0 at T=512 17.9 -> 14.4 ms and
+# at T=128 6.6 -> 5.1 ms, Q4_1 19.4 -> 14.1 ms; its 4864x896 and SmolLM2's shapes within
+# the noise (+-8%). (Before the BLAS path took T > 64 only, 256K and 4M had been 5-40%
+# slower than 1M from T=16 to T=512.)
+TILE_WEIGHTS = 1 << 23
 
 
 def _table(qtype: GGMLQuantizationType) -> np.ndarray:
