@@ -37,6 +37,7 @@ from workbench.kernels.cache import njit
 from workbench.kernels.simd import (
     FASTMATH,
     deq16,
+    deq16_hb,
     half16,
     half16_store,
     half_at,
@@ -342,31 +343,20 @@ def row_q4_1(w, wi, r, f16, out, n):
 
 @njit(inline="always")
 def row_q5_0(w, wi, r, f16, out, n):
+    wr = w[r]
     for b in range(out.shape[0] // 32):
         o = b * 22
-        d = _h(w, r, o, f16)
-        qh = _u32(w, r, o + 2)
-        for j in range(n):
-            q = np.int64(w[r, o + 6 + j])
-            lo = (q & 15) | (((qh >> j) & 1) << 4)
-            hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
-            out[b * 32 + j] = d * np.float32(lo - 16)
-            out[b * 32 + 16 + j] = d * np.float32(hi - 16)
+        deq16_hb(out, b * 32, wr, o + 6, np.float32(16.0), _h(w, r, o, f16),
+                 np.float32(-0.0), np.int32(_u32(w, r, o + 2)))
 
 
 @njit(inline="always")
 def row_q5_1(w, wi, r, f16, out, n):
+    wr = w[r]
     for b in range(out.shape[0] // 32):
         o = b * 24
-        d = _h(w, r, o, f16)
-        m = _h(w, r, o + 2, f16)
-        qh = _u32(w, r, o + 4)
-        for j in range(n):
-            q = np.int64(w[r, o + 8 + j])
-            lo = (q & 15) | (((qh >> j) & 1) << 4)
-            hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
-            out[b * 32 + j] = d * np.float32(lo) + m
-            out[b * 32 + 16 + j] = d * np.float32(hi) + m
+        deq16_hb(out, b * 32, wr, o + 8, np.float32(0.0), _h(w, r, o, f16),
+                 _h(w, r, o + 2, f16), np.int32(_u32(w, r, o + 4)))
 
 
 @njit(inline="always")

@@ -61,6 +61,8 @@ Other steps:
   (hi_j - offset) * d + m, rounded step by step (no fused multiply-add), so
   bit-identical to the scalar reference (Q4_0: offset 8, m = -0.0; Q4_1:
   offset 0 and its min m).
+- `deq16_hb(out, oo, w, off, offset, d, m, qh)`: `deq16` of 5-bit weights (Q5_0: offset
+  16, m = -0.0; Q5_1: offset 0 and its min), the fifth bits from `qh` as in `nib16_hb`.
 - `half16(acc, h, off, x, xo)`: acc[j] += float(h[off + j]) * x[xo + j] for
   j in 0..15, h holding IEEE half-precision bit patterns (uint16): LLVM's
   `fpext` from half, one instruction per 8 or 16 lanes where the CPU converts
@@ -415,6 +417,15 @@ def store_totals(typingctx, y, r, t0, T, a0, a1, s, rows):
     return sig, codegen
 
 
+def _store_dequantized(context, builder, sig, out, oo, lo, hi, offset, d, m):
+    """out[oo + j] = (lo_j - offset) * d + m and out[oo + 16 + j] the same of hi_j (lo, hi:
+    <16 x i32>), each operation rounded on its own (no flags: never fused)."""
+    sub, dv, mv = _splat(builder, offset), _splat(builder, d), _splat(builder, m)
+    for q, o in ((lo, oo), (hi, builder.add(oo, ir.Constant(oo.type, 16)))):
+        v = builder.fadd(builder.fmul(builder.fsub(builder.uitofp(q, _V16F), sub), dv), mv)
+        builder.store(v, _element_ptr(context, builder, sig.args[0], out, o, _V16F), align=4)
+
+
 @intrinsic
 def deq16(typingctx, out, oo, w, off, offset, d, m):
     sig = types.void(out, oo, w, off, types.float32, types.float32, types.float32)
@@ -422,11 +433,21 @@ def deq16(typingctx, out, oo, w, off, offset, d, m):
     def codegen(context, builder, signature, args):
         out_, oo_, w_, off_, offset_, d_, m_ = args
         lo, hi = _nibbles(builder, context, signature.args[2], w_, off_)
-        sub, dv, mv = _splat(builder, offset_), _splat(builder, d_), _splat(builder, m_)
-        for q, o in ((lo, oo_), (hi, builder.add(oo_, ir.Constant(oo_.type, 16)))):
-            v = builder.fadd(builder.fmul(builder.fsub(builder.uitofp(q, _V16F), sub), dv), mv)
-            builder.store(v, _element_ptr(context, builder, signature.args[0], out_, o, _V16F),
-                          align=4)
+        _store_dequantized(context, builder, signature, out_, oo_, lo, hi, offset_, d_, m_)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def deq16_hb(typingctx, out, oo, w, off, offset, d, m, qh):
+    sig = types.void(out, oo, w, off, types.float32, types.float32, types.float32, types.int32)
+
+    def codegen(context, builder, signature, args):
+        out_, oo_, w_, off_, offset_, d_, m_, qh_ = args
+        lo, hi = _five_bits(builder, *_nibbles(builder, context, signature.args[2], w_, off_),
+                            qh_)
+        _store_dequantized(context, builder, signature, out_, oo_, lo, hi, offset_, d_, m_)
         return context.get_dummy_value()
 
     return sig, codegen
