@@ -159,19 +159,18 @@ def check_weight_dtype(dtype: str | None, backend: Backend | None) -> None:
 
 def widened(w: QuantizedWeight, dtype: str) -> QuantizedWeight:
     """`w` in the float format `dtype` names (`WEIGHT_DTYPES`): dequantized to float32,
-    then rounded to nearest (even) F16 or BF16; `w` itself when it is in that format."""
+    then rounded to F16 or BF16 by gguf's own writer (`gguf.quants.quantize`, as the
+    converters write files); `w` itself when it is in that format."""
+    from gguf.quants import quantize
+
     qtype = WEIGHT_DTYPES[dtype]
     if w.qtype == qtype:
         return w
     n, k = w.shape
-    out = np.empty((n, k), np.float16 if qtype == Q.F16 else np.uint16)
+    out = np.empty((n, 2 * k), np.uint8)  # (N, bytes per row): two bytes a weight
     for lo in range(0, n, _CONVERT_ROWS):
         rows = w.rows(np.arange(lo, min(n, lo + _CONVERT_ROWS)))  # (rows, K) float32
-        if qtype == Q.F16:
-            out[lo : lo + len(rows)] = rows
-        else:  # bfloat16: the high half of the float32, rounded to nearest even
-            bits = rows.view(np.uint32)
-            out[lo : lo + len(rows)] = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out[lo : lo + len(rows)] = np.asarray(quantize(rows, qtype)).view(np.uint8)
     return QuantizedWeight.from_gguf_tensor(out, qtype, (n, k))
 
 
