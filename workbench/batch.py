@@ -79,9 +79,8 @@ class Drafts:
     load: Callable[[str], Any] | None = None
 
     def __post_init__(self):
-        if self.tokens is not None and (isinstance(self.tokens, bool)
-                                        or not isinstance(self.tokens, int) or self.tokens < 1):
-            raise ValueError(f"draft_tokens must be an int >= 1, got {self.tokens!r}")
+        if self.tokens is not None:
+            _check_draft_tokens(self.tokens)
 
     def for_line(self, item: dict, grammar: Any) -> tuple[str | None, int | None]:
         """A line's (draft, draft_tokens): its own fields, else the run's; a line with a
@@ -89,7 +88,7 @@ class Drafts:
         bad field is a ValueError."""
         tokens = item.get("draft_tokens", self.tokens)
         if tokens is not None:
-            Drafts(tokens=tokens)  # (checks it)
+            _check_draft_tokens(tokens)
         if "draft" not in item:
             return (None if grammar is not None else self.default), tokens
         draft = item["draft"]
@@ -102,6 +101,14 @@ class Drafts:
             raise ValueError("a line with a grammar or schema cannot draft (\"draft\"); "
                              "constrained output decodes without one")
         return draft, tokens
+
+
+def _check_draft_tokens(value: Any) -> None:
+    """`speculative.check_draft_tokens`, imported when used (it loads the decoding
+    modules, which this module's readers need only for lines that use them)."""
+    from workbench.engine.decoding.speculative import check_draft_tokens
+
+    check_draft_tokens(value)
 
 
 def id_key(value: Any) -> str:

@@ -58,6 +58,12 @@ LOOKUP = "ngram"  # `draft=` for prompt-lookup drafting (no draft model)
 LOOKUP_NGRAM = 3  # the longest n-gram prompt lookup matches (then shorter ones)
 
 
+def check_draft_tokens(draft_tokens: Any) -> None:
+    """Refuse a `draft_tokens` that is not an int >= 1 (`ValueError`)."""
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
+
+
 def check_draft(target: GenerationModel, draft: Any, draft_tokens: Any,
                 prompt_ids: list[int], *,
                 grammar: Any = None, logits_processors: Sequence[Any] = ()) -> None:
@@ -70,8 +76,7 @@ def check_draft(target: GenerationModel, draft: Any, draft_tokens: Any,
     if not isinstance(draft, (GenerationModel, str)):
         raise TypeError(f"draft must be an LLM (a smaller model with the same vocabulary) or "
                         f"{LOOKUP!r} (prompt lookup), not {type(draft).__name__}")
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
-        raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
+    check_draft_tokens(draft_tokens)
     if grammar is not None:
         raise ValueError("speculative decoding (draft=) does not support grammar= or schema=; "
                          "generate without a draft for constrained output")
