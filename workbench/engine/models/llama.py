@@ -39,7 +39,7 @@ stack); the tests hold every path to transformers' logits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -86,6 +86,51 @@ def masked_keys(key_pos, query_pos, window: int):
     if window:
         hidden = hidden | (key_pos <= query_pos - window)
     return hidden
+
+
+QUERY_CHUNK = 64  # query rows whose attention scores are computed at once (prefill)
+
+
+def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int,
+                     lo: int, window: int, seen: Callable | None = None) -> np.ndarray:
+    """Attention of T queries at positions start .. start + T - 1 over the keys and values
+    of positions lo .. start + T - 1: q (T, n_head, hd), rotated; keys, values (n_kv, S,
+    hd) -> (T, n_head * hd). Each query sees the keys up to its own position (in a sliding
+    `window`, the last `window` of them).
+
+    The queries go `QUERY_CHUNK` at a time, each chunk over the keys one of them sees,
+    so the work above the diagonal (masked keys) is at most one chunk wide. `seen(a, b,
+    k0, weights, hidden)`, when given, is called with each chunk's softmax weights
+    (n_kv, group, b - a, k1 - k0) of queries a .. b - 1 over keys k0 .. k1 - 1 (indices
+    into keys) and which of those keys are hidden ((b - a, k1 - k0) bool)."""
+    T, n_head, hd = q.shape
+    n_kv = keys.shape[0]
+    group = n_head // n_kv
+    out = np.empty((T, n_head * hd), np.float32)
+    scale = np.float32(1.0 / np.sqrt(hd))
+    for a in range(0, T, QUERY_CHUNK):
+        b = min(T, a + QUERY_CHUNK)
+        n = b - a
+        k0 = max(0, start + a - window + 1 - lo) if window else 0  # first key any query sees
+        k1 = start + b - lo  # one past the last
+        S = k1 - k0
+        # (n, n_head, hd) -> (n_kv, group * n, hd): a kv head's queries as one matrix
+        qc = np.ascontiguousarray(q[a:b].reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3))
+        scores = np.matmul(qc.reshape(n_kv, group * n, hd),
+                           keys[:, k0:k1].transpose(0, 2, 1))  # (n_kv, group * n, S)
+        scores *= scale
+        hidden = masked_keys(lo + k0 + np.arange(S)[None, :],
+                             (start + a + np.arange(n))[:, None], window)  # (n, S)
+        if hidden.any():
+            scores.reshape(n_kv, group, n, S)[:, :, hidden] = np.float32(-np.inf)
+        rows = scores.reshape(-1, S)  # a view: (n_kv * group * n, S)
+        layers.softmax_rows(rows, rows.max(axis=1))  # in place
+        if seen is not None:
+            seen(a, b, k0, scores.reshape(n_kv, group, n, S), hidden)
+        o = np.matmul(scores, values[:, k0:k1])  # (n_kv, group * n, hd)
+        # (n_kv, group, n, hd) -> (n, n_head * hd), head h = kv * group + g
+        out[a:b] = o.reshape(n_kv, group, n, hd).transpose(2, 0, 1, 3).reshape(n, n_head * hd)
+    return out
 
 
 def check_ids(ids, n_vocab: int) -> np.ndarray:
@@ -183,9 +228,7 @@ class Attention:
         """One sequence's attention, before the output projection: q (T, n_head, hd) and
         k, v (T, n_kv, hd) of T tokens at the cache's next positions (start .. start + T
         - 1) -> (T, n_head * hd). Rotates q and k, writes k and v into the cache."""
-        cfg = self.cfg
-        T, start = q.shape[0], cache.seq.offset
-        n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        start = cache.seq.offset
         q, k = self.rope(q, start), self.rope(k, start)
         if self.window:
             keys, values, lo = cache.update_and_fetch_window(
@@ -193,20 +236,8 @@ class Attention:
         else:
             keys, values = cache.update_and_fetch(k.transpose(1, 0, 2), v.transpose(1, 0, 2))
             lo = 0
-        S = keys.shape[1]  # keys, values: (n_kv, S, hd), positions lo .. start + T - 1
-        group = n_head // n_kv
-        q = q.reshape(T, n_kv, group, hd).transpose(1, 2, 0, 3)  # (n_kv, group, T, hd)
-        scores = np.matmul(q, keys[:, None].transpose(0, 1, 3, 2))  # (n_kv, group, T, S)
-        scores *= np.float32(1.0 / np.sqrt(hd))
-        key_pos = lo + np.arange(S)[None, :]  # (1, S)
-        query_pos = (start + np.arange(T))[:, None]  # (T, 1)
-        hidden = masked_keys(key_pos, query_pos, self.window)  # (T, S)
-        if hidden.any():
-            scores += np.where(hidden, np.float32(-np.inf), np.float32(0.0))
-        rows = scores.reshape(-1, S)  # a view: (n_kv * group * T, S)
-        layers.softmax_rows(rows, rows.max(axis=1))  # in place
-        out = np.matmul(scores, values[:, None])  # (n_kv, group, T, hd)
-        return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)
+        # keys, values: (n_kv, S, hd), positions lo .. start + T - 1
+        return causal_attention(q, keys, values, start, lo, self.window)
 
     def decode(self, x: np.ndarray, pool: KVPool, layer: int, slots: np.ndarray,
                pos: np.ndarray, src: np.ndarray | None = None) -> np.ndarray:

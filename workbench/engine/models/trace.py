@@ -23,9 +23,9 @@ What is recorded, for each requested layer L (0 .. n_layer - 1, counted from the
   attention shares them (`Trace.kv_head`).
 
 The trace runs the model's own NumPy forward pass (`workbench.engine.models.llama`: the
-same blocks, norms, RoPE tables and matrix kernels as a prefill, with attention written
-out here so that its weights can be read) on the host, whatever device the `LLM` runs
-on: on a GPU backend a host copy of the model over the same memory-mapped file is built
+same blocks, norms, RoPE tables, matrix kernels and attention as a prefill, the attention
+weights read as each chunk of queries is computed) on the host, whatever device the `LLM`
+runs on: on a GPU backend a host copy of the model over the same memory-mapped file is built
 on first use.
 
 Memory is bounded: the trace keeps T x n_embd floats of residual and T x (2 top_k + 1)
@@ -45,9 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workbench.engine.models.llama import masked_keys, rms_norm, split_heads
+from workbench.engine.models.llama import QUERY_CHUNK, causal_attention, rms_norm, split_heads
 from workbench.kernels import cpu
-from workbench.kernels import layers as layer_kernels
 from workbench.kernels.lens import lens_rows
 
 if TYPE_CHECKING:
@@ -55,7 +54,6 @@ if TYPE_CHECKING:
     from workbench.engine.models.llama import Block, LlamaModel
 
 DEFAULT_MAX_BYTES = 512 * 2**20  # what one trace may hold and work in, unless told more
-QUERY_CHUNK = 256  # query rows of attention scores computed at once
 LENS_ROWS = 128  # rows of lens logits (rows x n_vocab floats) computed at once
 TOP_K = 10
 
@@ -349,30 +347,17 @@ def _attend(attn, cfg, q: np.ndarray, k: np.ndarray, v: np.ndarray,
     and, for `heads`, the weights (len(heads), T, T) with exact zeros where keys are
     hidden (the engine's softmax gives them e^-60 of the row's largest)."""
     T = q.shape[0]
-    n_head, n_kv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    group, window = n_head // n_kv, attn.window
+    n_head = cfg.n_head
     q, k = attn.rope(q, 0), attn.rope(k, 0)
     keys = np.ascontiguousarray(k.transpose(1, 0, 2))  # (n_kv, T, hd), as a cache holds them
     values = np.ascontiguousarray(v.transpose(1, 0, 2))
-    out = np.empty((T, n_head * hd), np.float32)
     weights = None if heads is None else np.zeros((len(heads), T, T), np.float32)
     pick = None if heads is None else np.asarray(heads)
-    for a in range(0, T, QUERY_CHUNK):
-        b = min(T, a + QUERY_CHUNK)
-        n = b - a
-        lo = max(0, a - window + 1) if window else 0  # the first key any of these queries sees
-        S = b - lo
-        qc = q[a:b].reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)  # (n_kv, group, n, hd)
-        scores = np.matmul(qc, keys[:, None, lo:b].transpose(0, 1, 3, 2))  # (n_kv, group, n, S)
-        scores *= np.float32(1.0 / np.sqrt(hd))
-        hidden = masked_keys(lo + np.arange(S)[None, :], (a + np.arange(n))[:, None], window)
-        if hidden.any():
-            scores += np.where(hidden, np.float32(-np.inf), np.float32(0.0))
-        rows = scores.reshape(-1, S)  # a view: (n_kv * group * n, S)
-        layer_kernels.softmax_rows(rows, rows.max(axis=1))  # in place
-        o = np.matmul(scores, values[:, None, lo:b])  # (n_kv, group, n, hd)
-        out[a:b] = o.transpose(2, 0, 1, 3).reshape(n, n_head * hd)
-        if weights is not None:
-            w = scores.reshape(n_head, n, S)[pick]  # head h = kv * group + g
-            weights[:, a:b, lo:b] = np.where(hidden, np.float32(0.0), w)
+
+    def seen(a, b, k0, w, hidden):  # w: (n_kv, group, b - a, S), head h = kv * group + g
+        w = w.reshape(n_head, b - a, -1)[pick]
+        weights[:, a:b, k0 : k0 + w.shape[2]] = np.where(hidden, np.float32(0.0), w)
+
+    out = causal_attention(q, keys, values, 0, 0, attn.window,
+                           None if heads is None else seen)
     return out, weights
