@@ -32,7 +32,7 @@ import numpy as np
 
 from workbench.engine.formats.gguf import GGUFFile
 from workbench.engine.models.feed_forward import FeedForward
-from workbench.engine.models.llama import Attention, Block, LlamaModel, rms_norm
+from workbench.engine.models.llama import Attention, Block, LlamaModel, norm_rows
 from workbench.engine.models.llama_config import LlamaConfig
 from workbench.engine.models.rope import Rope
 from workbench.engine.models.weights import vector
@@ -60,10 +60,10 @@ class Gemma3Block(Block):
     def __call__(self, x: np.ndarray, caches: Sequence[LayerKVCache],
                  counts: Sequence[int]) -> np.ndarray:
         """Prefill of one or more sequences, as `Block.__call__`, with the post-norms."""
-        a = self.attn(rms_norm(x, self.attn_norm, self.eps), caches, counts)
-        h = x + rms_norm(a, self.post_attn_norm, self.eps)
-        f = self.ffn(rms_norm(h, self.ffn_norm, self.eps), counts)
-        return h + rms_norm(f, self.post_ffn_norm, self.eps)
+        a = self.attn(norm_rows(x, self.attn_norm, self.eps), caches, counts)
+        h = x + norm_rows(a, self.post_attn_norm, self.eps)
+        f = self.ffn(norm_rows(h, self.ffn_norm, self.eps), counts)
+        return h + norm_rows(f, self.post_ffn_norm, self.eps)
 
     def decode(self, x: np.ndarray, h: np.ndarray, pool: KVPool, layer: int,
                slots: np.ndarray, pos: np.ndarray, src: np.ndarray | None,

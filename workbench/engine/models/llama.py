@@ -88,6 +88,15 @@ def masked_keys(key_pos, query_pos, window: int):
     return hidden
 
 
+def norm_rows(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of each row of x (T, D) on the host: the decode stack's kernel
+    (`layers.rms_norm`), into a new array."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    layers.rms_norm(x, weight, eps, out)
+    return out
+
+
 QUERY_CHUNK = 64  # query rows whose attention scores are computed at once (prefill)
 
 
@@ -282,8 +291,8 @@ class Block:
                  counts: Sequence[int]) -> np.ndarray:
         """Prefill: x (sum(counts), n_embd), `counts[i]` tokens of the sequence of
         `caches[i]` (one sequence, or several in one pass: see `Attention.__call__`)."""
-        h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), caches, counts)
-        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps), counts)
+        h = x + self.attn(norm_rows(x, self.attn_norm, self.eps), caches, counts)
+        return h + self.ffn(norm_rows(h, self.ffn_norm, self.eps), counts)
 
     def decode(self, x: np.ndarray, h: np.ndarray, pool: KVPool, layer: int,
                slots: np.ndarray, pos: np.ndarray, src: np.ndarray | None,
@@ -349,7 +358,7 @@ class LlamaModel:
         for block, layer_cache in zip(self.blocks, cache.layers):
             x = block(x, [layer_cache], [ids.size])
         cache.advance(ids)
-        return rms_norm(x, self.norm, self.config.norm_eps)
+        return norm_rows(x, self.norm, self.config.norm_eps)
 
     def hidden_batch(self, chunks: Sequence[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
         """Prefill several sequences in one forward pass: `chunks` holds (ids (T_i,), cache)
@@ -367,7 +376,7 @@ class LlamaModel:
             x = block(x, [c.layers[i] for c in caches], counts)
         for c, t in zip(caches, ids):
             c.advance(t)
-        h = rms_norm(x, self.norm, self.config.norm_eps)
+        h = norm_rows(x, self.norm, self.config.norm_eps)
         return np.split(h, np.cumsum(counts)[:-1])  # [(T_i, n_embd)]
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workbench.engine.models.llama import QUERY_CHUNK, causal_attention, rms_norm, split_heads
+from workbench.engine.models.llama import QUERY_CHUNK, causal_attention, norm_rows, split_heads
 from workbench.kernels import cpu
 from workbench.kernels.lens import lens_rows
 
@@ -201,7 +201,7 @@ def trace(llm: LLM, prompt: str | Sequence[int] | Sequence[Mapping[str, Any]], *
     weights: dict[int, np.ndarray] = {}
 
     def lens(x: np.ndarray) -> np.ndarray:
-        return model.logits(rms_norm(x, model.norm, cfg.norm_eps))
+        return model.logits(norm_rows(x, model.norm, cfg.norm_eps))
 
     with llm._busy, llm._forward_lock:
         x = model._embed(np.asarray(ids, dtype=np.int64))  # (T, n_embd)
@@ -327,16 +327,16 @@ def _layer(block: Block, cfg, x: np.ndarray, heads: tuple[int, ...] | None
     attention weights of `heads` (len(heads), T, T), or None without heads)."""
     eps, attn = block.eps, block.attn
     T = x.shape[0]
-    q, k, v = split_heads(attn.qkv(rms_norm(x, block.attn_norm, eps), [T]), cfg,
+    q, k, v = split_heads(attn.qkv(norm_rows(x, block.attn_norm, eps), [T]), cfg,
                           attn.q_norm, attn.k_norm)
     out, w = _attend(attn, cfg, q, k, v, heads)
     a = attn.wo.matmul(out, [T])
     if block.post_attn_norm is not None:
-        a = rms_norm(a, block.post_attn_norm, eps)
+        a = norm_rows(a, block.post_attn_norm, eps)
     h = x + a
-    f = block.ffn(rms_norm(h, block.ffn_norm, eps), [T])
+    f = block.ffn(norm_rows(h, block.ffn_norm, eps), [T])
     if block.post_ffn_norm is not None:
-        f = rms_norm(f, block.post_ffn_norm, eps)
+        f = norm_rows(f, block.post_ffn_norm, eps)
     return h + f, w
 
 
