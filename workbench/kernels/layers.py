@@ -34,7 +34,9 @@ For encoders (BERT), whose layers see a whole padded batch at once:
 - `softmax_rows(scores, top)`: the attention softmax of each row, in place,
   given the row maxima (Whisper's encoder blocks of 256 x 1500 scores), with
   `exp_neg`, a float32 exp for arguments in [-60, 0] that LLVM vectorizes
-  (a libm `exp` call per element would not be).
+  (a libm `exp` call per element would not be); `hide_keys(scores, n, own,
+  window)`: the decoders' prefill mask of a chunk of queries (-inf where a key is
+  later than the query or outside its sliding window).
 
 Transformers' BERT (checked to 1e-4 in the tests) is their reference. All
 kernels are compiled once and cached on disk.
@@ -526,3 +528,21 @@ def softmax_rows(scores, top):
         inv = np.float32(1.0) / total
         for j in range(S):
             row[j] *= inv
+
+
+
+@njit(cache=True)
+def hide_keys(scores, n, own, window):
+    """Set to -inf, in place, the scores of the keys a query may not see: scores (R, S)
+    holds R = heads x n rows (row r: query r % n of a head) over S keys, key `own + i`
+    being query i's own position; a query sees the keys up to its own and, with a sliding
+    `window`, not those `window` or more behind it. Touches only the hidden entries."""
+    R, S = scores.shape
+    hidden = np.float32(-np.inf)
+    for r in range(R):
+        last = own + r % n
+        for j in range(last + 1, S):
+            scores[r, j] = hidden
+        if window:
+            for j in range(min(S, max(0, last - window + 1))):
+                scores[r, j] = hidden

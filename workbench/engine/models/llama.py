@@ -73,7 +73,10 @@ def split_heads(qkv, cfg: LlamaConfig, q_norm, k_norm, xp=np):
     q = qkv[:, : n_head * hd].reshape(T, n_head, hd)
     k = qkv[:, n_head * hd : (n_head + n_kv) * hd].reshape(T, n_kv, hd)
     v = qkv[:, (n_head + n_kv) * hd :].reshape(T, n_kv, hd)
-    if q_norm is not None:
+    if q_norm is not None and xp is np:  # the host kernel over the rows of every head
+        q = norm_rows(q.reshape(-1, hd), q_norm, cfg.norm_eps).reshape(T, n_head, hd)
+        k = norm_rows(k.reshape(-1, hd), k_norm, cfg.norm_eps).reshape(T, n_kv, hd)
+    elif q_norm is not None:
         q = rms_norm(q, q_norm, cfg.norm_eps, xp)
         k = rms_norm(k, k_norm, cfg.norm_eps, xp)
     return q, k, v
@@ -108,10 +111,10 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start:
     `window`, the last `window` of them).
 
     The queries go `QUERY_CHUNK` at a time, each chunk over the keys one of them sees,
-    so the work above the diagonal (masked keys) is at most one chunk wide. `seen(a, b,
-    k0, weights, hidden)`, when given, is called with each chunk's softmax weights
-    (n_kv, group, b - a, k1 - k0) of queries a .. b - 1 over keys k0 .. k1 - 1 (indices
-    into keys) and which of those keys are hidden ((b - a, k1 - k0) bool)."""
+    so the work above the diagonal (hidden keys) is at most one chunk wide; a hidden key
+    gets e^-60 of the largest weight (`layers.softmax_rows`). `seen(a, b, k0, weights)`, when
+    given, is called with each chunk's softmax weights (n_kv, group, b - a, k1 - k0) of
+    queries a .. b - 1 over keys k0 .. k1 - 1 (indices into keys)."""
     T, n_head, hd = q.shape
     n_kv = keys.shape[0]
     group = n_head // n_kv
@@ -128,14 +131,12 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start:
         scores = np.matmul(qc.reshape(n_kv, group * n, hd),
                            keys[:, k0:k1].transpose(0, 2, 1))  # (n_kv, group * n, S)
         scores *= scale
-        hidden = masked_keys(lo + k0 + np.arange(S)[None, :],
-                             (start + a + np.arange(n))[:, None], window)  # (n, S)
-        if hidden.any():
-            scores.reshape(n_kv, group, n, S)[:, :, hidden] = np.float32(-np.inf)
         rows = scores.reshape(-1, S)  # a view: (n_kv * group * n, S)
+        # query i of the chunk sits at key start + a + i - lo - k0
+        layers.hide_keys(rows, n, start + a - lo - k0, window)
         layers.softmax_rows(rows, rows.max(axis=1))  # in place
         if seen is not None:
-            seen(a, b, k0, scores.reshape(n_kv, group, n, S), hidden)
+            seen(a, b, k0, scores.reshape(n_kv, group, n, S))
         o = np.matmul(scores, values[:, k0:k1])  # (n_kv, group * n, hd)
         # (n_kv, group, n, hd) -> (n, n_head * hd), head h = kv * group + g
         out[a:b] = o.reshape(n_kv, group, n, hd).transpose(2, 0, 1, 3).reshape(n, n_head * hd)

@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workbench.engine.models.llama import QUERY_CHUNK, causal_attention, norm_rows, split_heads
+from workbench.engine.models.llama import (
+    QUERY_CHUNK,
+    causal_attention,
+    masked_keys,
+    norm_rows,
+    split_heads,
+)
 from workbench.kernels import cpu
 from workbench.kernels.lens import lens_rows
 
@@ -354,10 +360,13 @@ def _attend(attn, cfg, q: np.ndarray, k: np.ndarray, v: np.ndarray,
     weights = None if heads is None else np.zeros((len(heads), T, T), np.float32)
     pick = None if heads is None else np.asarray(heads)
 
-    def seen(a, b, k0, w, hidden):  # w: (n_kv, group, b - a, S), head h = kv * group + g
+    def seen(a, b, k0, w):  # w: (n_kv, group, b - a, S), head h = kv * group + g
         w = w.reshape(n_head, b - a, -1)[pick]
-        weights[:, a:b, k0 : k0 + w.shape[2]] = np.where(hidden, np.float32(0.0), w)
+        S = w.shape[2]
+        hidden = masked_keys(k0 + np.arange(S)[None, :], np.arange(a, b)[:, None], window)
+        weights[:, a:b, k0 : k0 + S] = np.where(hidden, np.float32(0.0), w)
 
-    out = causal_attention(q, keys, values, 0, 0, attn.window,
+    window = attn.window
+    out = causal_attention(q, keys, values, 0, 0, window,
                            None if heads is None else seen)
     return out, weights
