@@ -145,6 +145,16 @@ def _rope(v, cos, sin, dim, neox):
             v[2 * i + 1] = a * sin[i] + b * cos[i]
 
 
+@njit(fastmath=_FM, cache=True)
+def rope_rows(x, cos, sin, start, dim, neox):
+    """Rotate x (T, H, hd) in place, row t at position start + t, every head the same way
+    (`_rope`, the decode kernels' rotation); cos, sin: (max_len, dim // 2) tables."""
+    T, H, _ = x.shape
+    for t in range(T):
+        for h in range(H):
+            _rope(x[t, h], cos[start + t], sin[start + t], dim, neox)
+
+
 @njit(fastmath=_FM, error_model="numpy", cache=True)
 def _attend_group(qkv, n, kv, group, g0, g1, slots, pos, cos, sin, rope_dim, neox, q_norm,
                   eps, keys, values, out, src, forked, window, ring):

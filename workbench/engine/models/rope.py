@@ -19,6 +19,7 @@ from workbench.engine.formats.gguf import GGUFError, GGUFFile
 from workbench.engine.models.llama_config import LlamaConfig
 from workbench.engine.models.weights import vector
 from workbench.engine.runtime.formulas import rotate
+from workbench.kernels import layers
 
 
 def rope_factors(g: GGUFFile, cfg: LlamaConfig, max_len: int) -> np.ndarray | None:
@@ -64,10 +65,11 @@ class Rope:
         self._inv_freq = inv_freq / factor
 
     def __call__(self, x: np.ndarray, start: int) -> np.ndarray:
-        """Rotate x of shape (T, n_head, head_dim) for positions start .. start+T-1."""
-        T = x.shape[0]
-        return rotate(np, x, self.cos[start : start + T, None, :],  # (T, 1, half)
-                      self.sin[start : start + T, None, :], self.dim, self.neox)
+        """x of shape (T, n_head, head_dim) rotated for positions start .. start+T-1 (a new
+        array; the host kernel `layers.rope_rows`, the decode kernels' rotation)."""
+        out = np.array(x, dtype=np.float32, order="C")  # (T, n_head, head_dim), a copy
+        layers.rope_rows(out, self.cos, self.sin, start, self.dim, self.neox)
+        return out
 
     def shift(self, x: np.ndarray, delta: int) -> np.ndarray:
         """Move already rotated x (..., head_dim) by `delta` positions (negative: back);
