@@ -19,9 +19,17 @@ exceeds their arithmetic. These kernels do each step in one call:
   bound by reading the cache); with fewer such jobs than threads, the query heads
   of a group are split between threads.
 
-The NumPy code of `workbench.engine.models.llama` (used for prefill) is their
-reference; the tests compare token-by-token decoding through these kernels
-with a single prefill pass.
+Prefill (`workbench.engine.models.llama`, NumPy around these and the matmuls) uses
+`rms_norm` too, and:
+
+- `rope_rows(x, cos, sin, start, dim, neox)`: RoPE of every row and head of x
+  (T, H, hd) in place, with `attend`'s rotation;
+- `hide_keys(scores, n, own, window)`: -inf, in place, where a chunk of queries'
+  scores meet a key later than the query or outside its sliding window (only those
+  entries are written), before `softmax_rows`.
+
+The tests hold these kernels to transformers' logits and compare token-by-token
+decoding through them with a single prefill pass.
 
 For encoders (BERT), whose layers see a whole padded batch at once:
 
@@ -34,9 +42,7 @@ For encoders (BERT), whose layers see a whole padded batch at once:
 - `softmax_rows(scores, top)`: the attention softmax of each row, in place,
   given the row maxima (Whisper's encoder blocks of 256 x 1500 scores), with
   `exp_neg`, a float32 exp for arguments in [-60, 0] that LLVM vectorizes
-  (a libm `exp` call per element would not be); `hide_keys(scores, n, own,
-  window)`: the decoders' prefill mask of a chunk of queries (-inf where a key is
-  later than the query or outside its sliding window).
+  (a libm `exp` call per element would not be).
 
 Transformers' BERT (checked to 1e-4 in the tests) is their reference. All
 kernels are compiled once and cached on disk.

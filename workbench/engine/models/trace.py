@@ -359,6 +359,7 @@ def _attend(attn, cfg, q: np.ndarray, k: np.ndarray, v: np.ndarray,
     values = np.ascontiguousarray(v.transpose(1, 0, 2))
     weights = None if heads is None else np.zeros((len(heads), T, T), np.float32)
     pick = None if heads is None else np.asarray(heads)
+    window = attn.window
 
     def seen(a, b, k0, w):  # w: (n_kv, group, b - a, S), head h = kv * group + g
         w = w.reshape(n_head, b - a, -1)[pick]
@@ -366,7 +367,6 @@ def _attend(attn, cfg, q: np.ndarray, k: np.ndarray, v: np.ndarray,
         hidden = masked_keys(k0 + np.arange(S)[None, :], np.arange(a, b)[:, None], window)
         weights[:, a:b, k0 : k0 + S] = np.where(hidden, np.float32(0.0), w)
 
-    window = attn.window
     out = causal_attention(q, keys, values, 0, 0, window,
                            None if heads is None else seen)
     return out, weights
