@@ -5,11 +5,14 @@ stand-in.
   the dequantize kernels contain no FMA (each weight must round as the reference does).
 - `ReferenceKernels` against `gguf.quants.dequantize` on random blocks of every format, and
   its decode attention against the definition.
-- On a CUDA device (marker `gpu`): `CudaKernels` against the reference, every format;
-  dequantize bit for bit, matmul (gemv for T <= GEMV_MAX_T, tiles + cuBLAS above) to 1e-4
-  of the sum of |x_j * w_j|; the decode step's attention, RMSNorm, RoPE and GLU against
-  the definitions and the host's formulas. Skipped with the reason where CuPy or a device
-  is missing.
+- `CudaKernels` against the reference, every format, on a CUDA device (marker `gpu`;
+  skipped with the reason where CuPy or a device is missing) and here on the CPU, with
+  the CUDA source compiled by g++ over tests/support/cuda_emulator.hpp (each block's
+  threads as coroutines, barriers and warp shuffles included) and NumPy arrays for CuPy's:
+  dequantize bit for bit, matmul (gemv for T <= GEMV_MAX_T, tiles + cuBLAS above) and the
+  fused step's products (norm before, bias, residual add or gated activation after) to
+  1e-4 of the sum of |x_j * w_j|; the decode step's attention, its RoPE-and-store, RMSNorm,
+  RoPE and GLU against the definitions and the host's formulas.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from tests.support import cuda_emulator
 from tests.support.quant_blocks import F16_FIELDS, assert_bits_equal, random_blocks
 from workbench.engine.models.feed_forward import glu_activation
 from workbench.kernels import cuda, quants
@@ -106,7 +110,7 @@ def test_nvcc_compiles_a_cubin_with_every_kernel(tmp_path):
     cubin = _compile(tmp_path, "cubin")
     assert cubin[:4] == b"\x7fELF"
     names = kernel_names()
-    assert len(names) == 2 * len(FORMATS)
+    assert len(names) == 3 * len(FORMATS)
     for name in names:  # the symbol names, NUL-terminated in the ELF string table
         assert b"\0" + name.encode() + b"\0" in cubin, name
 
@@ -273,8 +277,11 @@ def test_bad_inputs_raise_clear_errors():
 
 # -- CudaKernels on a GPU --------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def cp():
+@pytest.fixture(scope="module", params=["cuda", "emulated"])
+def cp(request):
+    """CuPy on a CUDA device, or the CPU emulator's stand-in for it."""
+    if request.param == "emulated":
+        return cuda_emulator.emulated_cupy()
     try:
         import cupy
     except ImportError as exc:
@@ -290,7 +297,7 @@ def cp():
 
 @pytest.fixture(scope="module")
 def kernels(cp):
-    return cuda.CudaKernels()
+    return cuda.CudaKernels(cp)
 
 
 @pytest.mark.gpu
@@ -307,6 +314,111 @@ def test_cuda_attend_step(cp, kernels, case):
     np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-5, atol=1e-5)
     assert_bits_equal(cp.asnumpy(on_device[3]), keys)
     assert_bits_equal(cp.asnumpy(on_device[4]), values)
+
+
+@pytest.mark.gpu
+def test_cuda_attend_step_over_stored_keys(cp, kernels):
+    """Without k and v (the fused step's `rope_store` wrote them), attend_step writes
+    nothing and attends as it does after writing them."""
+    args = _attend_inputs(ATTEND_CASES[0], np.random.default_rng(1))
+    keys, values, want = _attend_want(*args)
+    q, slots, positions = (cp.asarray(a) for a in (args[0], args[5], args[6]))
+    on_keys, on_values = cp.asarray(keys), cp.asarray(values)
+    out = kernels.attend_step(q, None, None, on_keys, on_values, slots, positions, *args[7:])
+    np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-5, atol=1e-5)
+    assert_bits_equal(cp.asnumpy(on_keys), keys)
+    assert_bits_equal(cp.asnumpy(on_values), values)
+
+
+def _glu_bound(r, bound, gelu):
+    """Error bound of act(gate) * up from gate and up each within `bound` of r's halves:
+    the activation's slope is below 1.2 (SiLU) or 1.13 (tanh GELU), plus float32
+    rounding of the terms."""
+    gate, up = np.split(r, 2, axis=1)
+    g_bound, u_bound = np.split(bound, 2, axis=1)
+    act = glu_activation(np, np.concatenate([gate, np.ones_like(up)], axis=1), gelu)
+    return 1.2 * np.abs(up) * g_bound + np.abs(act) * u_bound + 1e-6 * (1 + np.abs(act * up))
+
+
+# (T, epilogue, norm before, bias): one token and a full 64-row step, chunks of 8 tokens
+# with a remainder, every epilogue with and without the norm
+STEP_CASES = [(1, "store", True, True), (3, "add", False, False), (9, "silu", True, False),
+              (64, "gelu", True, True), (40, "store", False, True), (20, "add", True, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", STEP_CASES, ids=str)
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
+def test_cuda_step_matmul(cp, kernels, qtype, case):
+    """The fused step's product against float64: x RMS-normed times the norm weight where
+    given, the product with W, the bias; then stored, added to what was there, or gate
+    and up rows paired into act(gate) * up; into a block of a wider array's columns,
+    the columns around it untouched."""
+    t, epilogue, normed, biased = case
+    n, k = 38, 768
+    rng = np.random.default_rng(1000 * int(qtype) + t)
+    raw = random_weight(qtype, n, k, rng)
+    w = reference_matrix(raw, qtype).astype(np.float64)
+    x = rng.standard_normal((t, k)).astype(np.float32) * 2
+    norm = rng.standard_normal(k).astype(np.float32) if normed else None
+    bias = rng.standard_normal(n).astype(np.float32) if biased else None
+    xn = x.astype(np.float64)
+    if normed:
+        xn = xn / np.sqrt(np.mean(xn * xn, axis=1, keepdims=True) + 1e-5) * norm
+    r = xn @ w.T + (0 if bias is None else bias)
+    bound = 1e-4 * (np.abs(xn) @ np.abs(w).T) + 1e-30
+    gated = epilogue in ("silu", "gelu")
+    width = n // 2 if gated else n
+    before = rng.standard_normal((t, width + 7)).astype(np.float32)
+    out = cp.asarray(before)
+    kernels.step_matmul(cp.asarray(raw), qtype, (n, k), cp.asarray(x), out[:, 3 : 3 + width],
+                        None if norm is None else cp.asarray(norm), 1e-5,
+                        None if bias is None else cp.asarray(bias), epilogue)
+    got = cp.asnumpy(out)
+    assert_bits_equal(got[:, :3], before[:, :3])
+    assert_bits_equal(got[:, 3 + width :], before[:, 3 + width :])
+    got = got[:, 3 : 3 + width].astype(np.float64)
+    if epilogue == "store":
+        want = r
+    elif epilogue == "add":
+        want = before[:, 3 : 3 + width] + r
+        bound = bound + 1e-7 * np.abs(want)
+    else:
+        with np.errstate(over="ignore"):  # exp(-gate) of a large negative gate: SiLU -> -0
+            want = glu_activation(np, r, epilogue == "gelu")
+            bound = _glu_bound(r, bound, epilogue == "gelu")
+    worst = np.max(np.abs(got - want) / bound)
+    assert worst <= 1, worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("neox", [False, True], ids=["pairs", "neox"])
+@pytest.mark.parametrize("head_norms", [False, True], ids=["plain", "qk-norm"])
+def test_cuda_rope_store(cp, kernels, head_norms, neox):
+    """The fused step's `rope_store` against the reference (the per-head norms, RoPE as
+    `rope`, the stores): three rows, the last the first again, a partial rotary dim."""
+    rng = np.random.default_rng(5)
+    b, n_head, n_kv, hd, max_len, dim = 3, 6, 2, 64, 40, 48
+    qkv = rng.standard_normal((b, (n_head + 2 * n_kv) * hd)).astype(np.float32)
+    qkv[2] = qkv[0]
+    angles = rng.uniform(0, 100, (max_len, dim // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    q_norm, k_norm = (rng.standard_normal((2, hd)).astype(np.float32) if head_norms
+                      else (None, None))
+    keys = rng.standard_normal((3, n_kv, max_len, hd)).astype(np.float32)
+    values = rng.standard_normal((3, n_kv, max_len, hd)).astype(np.float32)
+    slots, pos = np.array([2, 0, 2], np.int32), np.array([39, 7, 39], np.int32)
+    want_keys, want_values = keys.copy(), values.copy()
+    want = ReferenceKernels().rope_store(qkv, q_norm, k_norm, 1e-6, cos, sin, dim, neox,
+                                         want_keys, want_values, slots, pos, n_head)
+    on_keys, on_values = cp.asarray(keys), cp.asarray(values)
+    got = kernels.rope_store(cp.asarray(qkv), *(None if a is None else cp.asarray(a)
+                                                for a in (q_norm, k_norm)),
+                             1e-6, cp.asarray(cos), cp.asarray(sin), dim, neox, on_keys,
+                             on_values, cp.asarray(slots), cp.asarray(pos), n_head)
+    np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cp.asnumpy(on_keys), want_keys, rtol=1e-5, atol=1e-6)
+    assert_bits_equal(cp.asnumpy(on_values), want_values)
 
 
 # (x shape, with a residual): model rows, per-head rows (Qwen3's q/k norms), a row longer
@@ -372,7 +484,7 @@ def test_cuda_glu(cp, kernels, shape, gelu):
 
 @pytest.mark.gpu
 def test_cuda_module_has_every_kernel(kernels):
-    module = cuda._module()
+    module = cuda._module(kernels.cp)
     for name in kernel_names():
         module.get_function(name)
 
@@ -451,6 +563,8 @@ def test_cuda_f16_special_values(cp, kernels):
 @pytest.mark.gpu
 def test_cuda_weight_past_2_gib(cp, kernels):
     """Byte offsets of rows beyond 2**31: the last row of a 2.1 GB Q8_0 matrix."""
+    if getattr(cp, "emulated", False):
+        pytest.skip("half a million rows are too many for the CPU emulator")
     k = 4096
     row_bytes = quants.row_bytes(Q.Q8_0, k)
     n = (2**31 + row_bytes - 1) // row_bytes + 4  # rows n - 4.. start past 2 GiB

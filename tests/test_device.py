@@ -169,11 +169,13 @@ def test_decode_copies_one_token_id_per_step(tiny_path, sampling, graphs):
         finally:
             DeviceArray.traffic = None
         assert bool(m._cache.pool.recordings) == graphs
+        # a fused step's new recording is checked against the unfused step: two floats
+        checks = len(m._cache.pool.recordings) if graphs and m.model._fused else 0
     log = list(xp.log)
     first_down = next(i for i, (d, _, _) in enumerate(log) if d == "down")
     assert any(d == "up" for d, _, _ in log[:first_down])  # the prompt went up
     after = log[first_down:]  # then each token: one id down, nothing up
-    assert len(after) == 9 and all(d == "down" and n <= 8 for d, _, n in after), after
+    assert len(after) == 9 + checks and all(d == "down" and n <= 8 for d, _, n in after), after
 
 
 def _raises(step):
@@ -211,11 +213,13 @@ def test_a_failed_recording_falls_back_to_the_unrecorded_step(tiny_path, capture
     assert message in messages[0]
 
 
-def test_batched_decode_copies_the_token_ids_once_per_step(tiny_path):
+@pytest.mark.parametrize("n_seq", [3, 40])
+def test_batched_decode_copies_the_token_ids_once_per_step(tiny_path, n_seq):
     """`generate_batch` on the device, greedy: each step the sequences' picks come down in
     one copy of their ids (one argmax over their rows, with each one's logit bias, not an
-    argmax and a wait for the device each); what goes up does not grow with the number of
-    steps; each sequence gets the tokens it gets alone."""
+    argmax and a wait for the device each), 3 sequences or 40 (one recorded step of 64
+    rows); what goes up does not grow with the number of steps; each sequence gets the
+    tokens it gets alone."""
     from workbench import LLM
     from workbench.engine.formats.gguf import open_gguf
     from workbench.engine.runtime.backend import CupyBackend
@@ -223,20 +227,40 @@ def test_batched_decode_copies_the_token_ids_once_per_step(tiny_path):
 
     xp = CountingNumPy()
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
+    prompts += [PROMPT[i % 7 :] + [i] for i in range(n_seq - len(prompts))]
     bias = {VOCAB.eos_id: -100.0, int(PROMPT[0]): 3.0}
     ups = []
-    with LLM(open_gguf(tiny_path), backend=CupyBackend(xp, ReferenceKernels())) as m:
+    with LLM(open_gguf(tiny_path), backend=CupyBackend(xp, ReferenceKernels()),
+             max_batch=n_seq) as m:
         alone = [m.generate(p, max_tokens=7, temperature=0, logit_bias=bias).token_ids
                  for p in prompts]
+        # its recording first (each new one is checked against the unfused step: two
+        # floats come down then)
+        m.generate_batch(prompts, max_tokens=2, temperature=0, logit_bias=bias)
         DeviceArray.traffic = xp.log
         try:
+            step_logits, steps = m.model.step_logits, []
+
+            def counted(tokens, *args):
+                steps.append(len(tokens))
+                return step_logits(tokens, *args)
+
+            m.model.step_logits = counted
             for n in (3, 7):
                 xp.log.clear()
+                steps.clear()
                 outs = m.generate_batch(prompts, max_tokens=n, temperature=0,
                                         logit_bias=bias)
                 assert [o.token_ids for o in outs] == [a[:n] for a in alone]
+                # the prompts are read in chunks between decode steps, so the first
+                # sequences may decode before the last join: one copy per step, of the
+                # ids of the sequences in it (the first token of each comes from its
+                # prompt's last chunk, also one copy)
                 down = [b for d, _, b in xp.log if d == "down"]
-                assert down == [3 * 8] * n, xp.log
+                assert sum(down) == n_seq * n * 8 and len(down) <= len(steps) + n_seq, xp.log
+                if n_seq <= 8:
+                    assert down == [n_seq * 8] * n, xp.log
+                assert max(steps) == n_seq  # every sequence in one step at last
                 ups.append(sum(d == "up" for d, _, _ in xp.log))
         finally:
             DeviceArray.traffic = None

@@ -35,15 +35,29 @@ def cuda_on_numpy(graphs: bool = True):
     return CupyBackend(np, ReferenceKernels(), name="cuda", graphs=graphs)
 
 
+def cuda_emulated():
+    """The CuPy backend running the real CUDA kernels on the CPU (tests/support/
+    cuda_emulator.py: g++ and coroutines), NumPy arrays for CuPy's; the decode step takes
+    the path that CUDA graphs record. Slow: for tiny models."""
+    from tests.support.cuda_emulator import emulated_cupy
+    from workbench.engine.runtime.backend import CupyBackend
+    from workbench.kernels.cuda import CudaKernels
+
+    cupy = emulated_cupy()
+    return CupyBackend(cupy, CudaKernels(cupy), name="cuda", graphs=True)
+
+
 def open_llm(source, device: str, **options):
-    """`LLM.load(source, device=...)`, with "cuda-on-numpy" for the stand-in backend."""
+    """`LLM.load(source, device=...)`, with "cuda-on-numpy" and "cuda-emulated" for the
+    stand-in backends."""
     from workbench import LLM
     from workbench.engine.formats import sources
     from workbench.engine.formats.gguf import open_gguf
 
     require_device(device)
-    if device == "cuda-on-numpy":
-        return LLM(open_gguf(sources.resolve(source)), backend=cuda_on_numpy(), **options)
+    stand_ins = {"cuda-on-numpy": cuda_on_numpy, "cuda-emulated": cuda_emulated}
+    if device in stand_ins:
+        return LLM(open_gguf(sources.resolve(source)), backend=stand_ins[device](), **options)
     return LLM.load(source, device=device, **options)
 
 

@@ -12,6 +12,10 @@ floats), for every format in `FORMATS`:
 - `dequantize_<fmt>`: chosen rows of W as float32 (the embedding lookup), and on the
   prefill path (T > `GEMV_MAX_T`) tiles of `TILE_WEIGHTS` weights that cuBLAS multiplies
   (`x @ tile.T`), so the float32 copy of W never exceeds one tile.
+- `step_<fmt>`: the recorded decode step's products, T <= `STEP_MAX_T` tokens, with the
+  layer's work on either side in the same launch: the RMSNorm before (each block finds
+  its tokens' scale), a bias, and after it the residual add or the gated activation
+  (gate and up rows paired in one warp) (`step_matmul`).
 
 The decoders round each product and sum as `workbench.kernels.quants` (the NumPy reference,
 bit-identical to gguf-py) does, so `dequantize` gives the same float32 values; `matmul`
@@ -51,6 +55,15 @@ SOURCE = Path(__file__).with_name("gguf.cu")
 GEMV_MAX_T = 8
 """Most tokens (rows of x) the gemv kernels take; `matmul` with more dequantizes tiles and
 uses cuBLAS. Must equal `GEMV_MAX_T` in gguf.cu."""
+
+STEP_MAX_T = 64
+"""Most tokens (sequences of a recorded decode step) `step_matmul` takes. Must equal
+`STEP_MAX_T` in gguf.cu."""
+
+EPILOGUES = {"store": 0, "add": 1, "silu": 2, "gelu": 3}
+"""What `step_matmul` does with each result (`Epilogue` in gguf.cu): store it, add it to
+the output (the residual stream), or, for W of gate rows then up rows, store act(gate) *
+up with SiLU or tanh GELU."""
 
 TILE_WEIGHTS = 1 << 24
 """Weights dequantized at once on the prefill path (64 MiB of float32)."""
@@ -212,6 +225,57 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
   }
 }
 
+// rope_store: the step's queries, keys and values from the QKV product qkv (B, (n_head +
+// 2 n_kv) hd), heads side by side: one block of ATT_THREADS per (head, row b), heads
+// [0, n_head) of q, then n_kv of k, then n_kv of v. A q or k head is RMS-normed over hd
+// and times q_norm / k_norm where those are not null (Qwen 3, Gemma 3), then turned by
+// RoPE (as `rope`) to position pos[b]; q heads go to q_out (B, n_head, hd), k and v heads
+// into slot slots[b] of keys and values (n_slots, n_kv, max_len, hd) at position pos[b].
+extern "C" __global__ void rope_store(const float* __restrict__ qkv,
+                                      const float* __restrict__ q_norm,
+                                      const float* __restrict__ k_norm, float eps,
+                                      const float* __restrict__ cos_t,
+                                      const float* __restrict__ sin_t, int dim, int neox,
+                                      float* __restrict__ q_out, float* __restrict__ keys,
+                                      float* __restrict__ values,
+                                      const int* __restrict__ slots,
+                                      const int* __restrict__ pos_at, int n_head, int n_kv,
+                                      int hd, int max_len) {
+  __shared__ float head[ATT_MAX_HD];
+  __shared__ float red[ATT_WARPS];
+  const int h = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
+  const float* src = qkv + ((long long)row * (n_head + 2 * n_kv) + h) * hd;
+  const int pos = pos_at[row];
+  const long long slot = (long long)slots[row] * n_kv;
+  if (h >= n_head + n_kv) {  // a value head: stored as it is
+    float* dst = values + ((slot + h - n_head - n_kv) * max_len + pos) * hd;
+    for (int d = t; d < hd; d += ATT_THREADS) dst[d] = src[d];
+    return;  // the whole block
+  }
+  const float* w = h < n_head ? q_norm : k_norm;
+  float inv = 1.0f;
+  if (w != nullptr) {
+    float squares = 0.0f;
+    for (int d = t; d < hd; d += ATT_THREADS) squares += src[d] * src[d];
+    inv = 1.0f / sqrtf(att_block_reduce(squares, red, false) / hd + eps);
+  }
+  for (int d = t; d < hd; d += ATT_THREADS) head[d] = w != nullptr ? src[d] * inv * w[d] : src[d];
+  __syncthreads();
+  float* dst = h < n_head ? q_out + ((long long)row * n_head + h) * hd
+                          : keys + ((slot + h - n_head) * max_len + pos) * hd;
+  const int half = dim / 2;
+  for (int j = t; j < hd; j += ATT_THREADS) {
+    if (j >= dim) {
+      dst[j] = head[j];
+      continue;
+    }
+    const int i = neox ? (j < half ? j : j - half) : j / 2;  // the pair's angle
+    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+    const float c = cos_t[(long long)pos * half + i], s = sin_t[(long long)pos * half + i];
+    dst[j] = j == ia ? head[ia] * c - head[ib] * s : head[ia] * s + head[ib] * c;
+  }
+}
+
 // rms_norm: each row r of x (rows, n) times 1 / sqrt(mean(row^2) + eps), times w (n,), into
 // out. With `a` (not null) the row is first the residual sum x[r] + a[r], which goes to
 // sum_out too. One block of ATT_THREADS per row.
@@ -289,13 +353,15 @@ extern "C" __global__ void glu(const float* __restrict__ gu, float* __restrict__
 """The CUDA C++ source of the decode step's kernels besides the weights' products
 (`store_kv`, `attend_step`, `rms_norm`, `rope`, `glu`), compiled apart from gguf.cu."""
 
-STEP_KERNELS = ("store_kv", "attend_step", "rms_norm", "rope", "glu")
+STEP_KERNELS = ("store_kv", "attend_step", "rope_store", "rms_norm", "rope", "glu")
 """The extern "C" kernels of `STEP_SOURCE`."""
 
 
 def kernel_names() -> list[str]:
-    """The extern "C" kernel names that gguf.cu defines: `dequantize_<fmt>`, `gemv_<fmt>`."""
-    return [f"{kind}_{suffix}" for suffix in FORMATS.values() for kind in ("dequantize", "gemv")]
+    """The extern "C" kernel names that gguf.cu defines: `dequantize_<fmt>`, `gemv_<fmt>`,
+    `step_<fmt>`."""
+    return [f"{kind}_{suffix}" for suffix in FORMATS.values()
+            for kind in ("dequantize", "gemv", "step")]
 
 
 def _supports(qtype: Any) -> bool:
@@ -331,10 +397,9 @@ def _layout(data: Any, qtype: Any, shape: tuple[int, int]) -> tuple[Q, int, int,
 
 
 @functools.cache
-def _module() -> Any:
-    """gguf.cu compiled and loaded (once per process; CuPy also caches it on disk)."""
-    import cupy
-
+def _module(cupy: Any) -> Any:
+    """gguf.cu compiled and loaded by the module `cupy` (once per process; CuPy also
+    caches it on disk)."""
     return cupy.RawModule(code=SOURCE.read_text(), options=("--std=c++17",))
 
 
@@ -345,10 +410,9 @@ def _blocks(total: int, threads: int) -> int:
 
 
 @functools.cache
-def _step_kernels() -> dict[str, Any]:
-    """The kernels of STEP_SOURCE by name, compiled and loaded (once per process)."""
-    import cupy
-
+def _step_kernels(cupy: Any) -> dict[str, Any]:
+    """The kernels of STEP_SOURCE by name, compiled and loaded by the module `cupy` (once
+    per process)."""
     module = cupy.RawModule(code=STEP_SOURCE, options=("--std=c++17",))
     return {name: module.get_function(name) for name in STEP_KERNELS}
 
@@ -363,7 +427,9 @@ def _attend_layout(q: Any, k: Any, v: Any, keys: Any, values: Any, slots: Any, p
     (b, n_head, hd), (_, n_kv, max_len, hd_kv) = q.shape, keys.shape
     if hd != hd_kv or n_kv < 1 or n_head % n_kv:
         raise ValueError(f"q {tuple(q.shape)} does not fit keys {tuple(keys.shape)}")
-    if tuple(k.shape) != (b, n_kv, hd) or tuple(v.shape) != (b, n_kv, hd):
+    if (k is None) != (v is None):
+        raise ValueError("give both k and v, or neither")
+    if k is not None and (tuple(k.shape) != (b, n_kv, hd) or tuple(v.shape) != (b, n_kv, hd)):
         raise ValueError(f"k and v must have shape ({b}, {n_kv}, {hd}), got "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if tuple(slots.shape) != (b,) or tuple(pos.shape) != (b,):
@@ -372,16 +438,37 @@ def _attend_layout(q: Any, k: Any, v: Any, keys: Any, values: Any, slots: Any, p
     return b, n_head, n_kv, hd, max_len
 
 
+def _step_layout(data: Any, qtype: Any, shape: tuple[int, int], x: Any, out: Any,
+                 epilogue: str) -> tuple[Q, int, int, int, int]:
+    """Check `step_matmul`'s arguments: (qtype, N, K, row_bytes, outputs per token), or a
+    ValueError naming the problem."""
+    qtype, n, k, row_bytes = _layout(data, qtype, shape)
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
+    gated = epilogue in ("silu", "gelu")
+    if gated and n % 2:
+        raise ValueError(f"a gated product needs gate and up rows, got {n} rows")
+    width = n // 2 if gated else n
+    if x.ndim != 2 or x.shape[1] != k or not 0 < x.shape[0] <= STEP_MAX_T:
+        raise ValueError(f"x must have shape (T, {k}) with 0 < T <= {STEP_MAX_T}, got "
+                         f"{tuple(x.shape)}")
+    if tuple(out.shape) != (x.shape[0], width) or out.strides[1] != out.itemsize:
+        raise ValueError(f"out must have shape ({x.shape[0]}, {width}) with adjacent "
+                         f"columns, got {tuple(out.shape)}")
+    return qtype, n, k, row_bytes, width
+
+
 class CudaKernels:
     """The RawKernels of gguf.cu for `workbench.engine.runtime.backend.CupyBackend`.
 
     All arrays are CuPy arrays on the current device; the module is compiled on the first
-    call that needs it.
+    call that needs it. `cupy`: the module to use, cupy itself by default (the tests pass
+    a stand-in that runs the kernels on the CPU).
     """
 
-    def __init__(self) -> None:
-        import cupy
-
+    def __init__(self, cupy: Any = None) -> None:
+        if cupy is None:
+            import cupy
         self.cp = cupy
 
     def supports(self, qtype: GGMLQuantizationType | int) -> bool:
@@ -389,7 +476,7 @@ class CudaKernels:
         return _supports(qtype)
 
     def _kernel(self, kind: str, qtype: Q) -> Any:
-        return _module().get_function(f"{kind}_{FORMATS[qtype]}")
+        return _module(self.cp).get_function(f"{kind}_{FORMATS[qtype]}")
 
     def _bytes(self, data: Any) -> Any:
         """The weight's bytes as a flat uint8 array (a view when `data` is contiguous)."""
@@ -458,11 +545,64 @@ class CudaKernels:
             raise ValueError(f"too many row ids ({ids.size}) for one call")
         return self._rows(w, qtype, ids, ids.size, n, k, row_bytes)
 
+    def step_matmul(self, data: Any, qtype: GGMLQuantizationType, shape: tuple[int, int],
+                    x: Any, out: Any, norm: Any = None, eps: float = 0.0, bias: Any = None,
+                    epilogue: str = "store") -> None:
+        """The recorded decode step's product, one launch: r = x' (T, K) @ W.T + bias for
+        T <= `STEP_MAX_T`, x' = RMSNorm(x) * norm when `norm` (K,) is given, else x; then
+        by `epilogue` (`EPILOGUES`) out = r, out += r (the residual add), or, for W of n_ff
+        gate rows then n_ff up rows, out = act(gate) * up (T, n_ff).
+
+        x: (T, K) float32 device array; out: float32 (T, N or n_ff), its columns adjacent
+        (a block of columns of a wider C-contiguous array will do); norm and bias float32
+        vectors or None. Nothing is allocated, so that a recording replays it as it is."""
+        cp = self.cp
+        qtype, n, k, row_bytes, width = _step_layout(data, qtype, shape, x, out, epilogue)
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        if x.data.ptr % 16 or (norm is not None and norm.data.ptr % 16):
+            raise ValueError("x and norm must be 16-byte aligned (read as float4)")
+        if out.dtype != cp.float32:
+            raise ValueError(f"out must be float32, got {out.dtype}")
+        null = np.uint64(0)  # 8 zero bytes: a null pointer
+        rows_per_block = _GEMV_THREADS // 32
+        self._kernel("step", qtype)(
+            ((width + rows_per_block - 1) // rows_per_block,), (_GEMV_THREADS,),
+            (self._bytes(data), x, out, np.int32(n), np.int32(k), np.int32(row_bytes),
+             np.int32(x.shape[0]), np.int32(out.strides[0] // out.itemsize),
+             null if norm is None else norm, np.float32(eps),
+             null if bias is None else cp.ascontiguousarray(bias, dtype=cp.float32),
+             np.int32(EPILOGUES[epilogue])))
+
+    def rope_store(self, qkv: Any, q_norm: Any, k_norm: Any, eps: float, cos: Any, sin: Any,
+                   dim: int, neox: bool, keys: Any, values: Any, slots: Any, pos: Any,
+                   n_head: int) -> Any:
+        """The step's queries, keys and values from its QKV product qkv (B, (n_head + 2
+        n_kv) hd) float32, one launch: each q and k head RMS-normed times q_norm / k_norm
+        where those are given (per head), then rotated by RoPE to position pos[b] (as
+        `rope`); row b's keys and values go into slot slots[b] of keys and values
+        (n_slots, n_kv, max_len, hd) at pos[b]. Returns the queries (B, n_head, hd)."""
+        cp = self.cp
+        _, n_kv, max_len, hd = keys.shape
+        b = qkv.shape[0]
+        if tuple(qkv.shape) != (b, (n_head + 2 * n_kv) * hd) or hd > ATTEND_MAX_HEAD_DIM:
+            raise ValueError(f"qkv {tuple(qkv.shape)} does not fit {n_head} query heads and "
+                             f"keys {tuple(keys.shape)}")
+        q = cp.empty((b, n_head, hd), dtype=cp.float32)
+        null = np.uint64(0)
+        self._step("rope_store")(
+            (n_head + 2 * n_kv, b), (_STEP_THREADS,),
+            (cp.ascontiguousarray(qkv, dtype=cp.float32), null if q_norm is None else q_norm,
+             null if k_norm is None else k_norm, np.float32(eps), cos, sin, np.int32(dim),
+             np.int32(neox), q, keys, values, slots, pos, np.int32(n_head), np.int32(n_kv),
+             np.int32(hd), np.int32(max_len)))
+        return q
+
     def attend_step(self, q: Any, k: Any, v: Any, keys: Any, values: Any, slots: Any,
                     pos: Any, window: int, scale: float) -> Any:
         """The attention of B decode tokens: row b's new key and value k[b], v[b]
         (n_kv, hd) go into slot slots[b] of keys and values (n_slots, n_kv, max_len, hd)
-        float32, C-contiguous (one layer of a `DeviceKVPool`) at position pos[b]; then
+        float32, C-contiguous (one layer of a `DeviceKVPool`) at position pos[b] (k and v
+        None: they are there already, `rope_store`); then
         q[b] (n_head, hd) attends over that slot's positions up to pos[b] (with `window`
         > 0, those after pos[b] - window). slots and pos: (B,) int32 device arrays, read
         by the kernels, never by the host; each pos[b] must lie in [0, max_len). Rows
@@ -483,11 +623,13 @@ class CudaKernels:
         if slots.dtype != cp.int32 or pos.dtype != cp.int32:
             raise ValueError("slots and pos must be int32 device arrays")
         store, attend = self._step("store_kv"), self._step("attend_step")
-        q, k, v = (cp.ascontiguousarray(a, dtype=cp.float32) for a in (q, k, v))
+        q = cp.ascontiguousarray(q, dtype=cp.float32)
         slots, pos = cp.ascontiguousarray(slots), cp.ascontiguousarray(pos)
-        store((n_kv, b), (_STORE_THREADS,),
-              (k, v, keys, values, slots, pos, np.int32(n_kv), np.int32(hd),
-               np.int32(max_len)))
+        if k is not None:
+            k, v = (cp.ascontiguousarray(a, dtype=cp.float32) for a in (k, v))
+            store((n_kv, b), (_STORE_THREADS,),
+                  (k, v, keys, values, slots, pos, np.int32(n_kv), np.int32(hd),
+                   np.int32(max_len)))
         out = cp.empty((b, n_head * hd), dtype=cp.float32)
         attend((n_head, b), (_STEP_THREADS,),
                (q, keys, values, slots, pos, out, np.int32(n_head), np.int32(n_kv),
@@ -539,10 +681,9 @@ class CudaKernels:
                                np.int64(out.size)))
         return out
 
-    @staticmethod
-    def _step(name: str) -> Any:
+    def _step(self, name: str) -> Any:
         try:
-            return _step_kernels()[name]
+            return _step_kernels(self.cp)[name]
         except Exception as e:  # NVRTC's CompileException, said plainly
             raise RuntimeError(f"the decode step's kernels did not compile: {e}") from e
 
@@ -603,8 +744,9 @@ class ReferenceKernels:
         b, n_head, n_kv, hd, _ = _attend_layout(q, k, v, keys, values, slots, pos)
         # plain arrays: what the kernels read on the device, read here
         slots, pos = np.asarray(slots), np.asarray(pos)
-        keys[slots, :, pos] = k  # row b's (n_kv, hd) into slot slots[b], position pos[b]
-        values[slots, :, pos] = v
+        if k is not None:
+            keys[slots, :, pos] = k  # row b's (n_kv, hd) into slot slots[b], position pos[b]
+            values[slots, :, pos] = v
         q = np.asarray(q, dtype=np.float32).reshape(b, n_kv, n_head // n_kv, hd)
         out = np.empty((b, n_head * hd), dtype=np.float32)
         for row, (slot, p) in enumerate(zip(slots.tolist(), pos.tolist())):
@@ -614,6 +756,38 @@ class ReferenceKernels:
             e = np.exp(scores - scores.max(axis=-1, keepdims=True))
             out[row] = ((e / e.sum(axis=-1, keepdims=True)) @ vv).reshape(-1)  # (n_kv, group, hd)
         return out
+
+    def step_matmul(self, data: np.ndarray, qtype: GGMLQuantizationType,
+                    shape: tuple[int, int], x: np.ndarray, out: np.ndarray, norm: Any = None,
+                    eps: float = 0.0, bias: Any = None, epilogue: str = "store") -> None:
+        """`CudaKernels.step_matmul` in NumPy: the norm, the product, the bias, then the
+        epilogue, each as written."""
+        _step_layout(data, qtype, shape, x, out, epilogue)
+        x = np.asarray(x, dtype=np.float32)
+        r = self.matmul(data, qtype, shape, x if norm is None else self.rms_norm(x, norm, eps))
+        if bias is not None:
+            r = r + bias
+        if epilogue == "store":
+            out[...] = r
+        elif epilogue == "add":
+            out += r
+        else:
+            out[...] = self.glu(r, epilogue == "gelu")
+
+    def rope_store(self, qkv: np.ndarray, q_norm: Any, k_norm: Any, eps: float,
+                   cos: np.ndarray, sin: np.ndarray, dim: int, neox: bool, keys: np.ndarray,
+                   values: np.ndarray, slots: Any, pos: Any, n_head: int) -> np.ndarray:
+        """`CudaKernels.rope_store` in NumPy: the per-head norms, RoPE and the stores."""
+        _, n_kv, _, hd = keys.shape
+        heads = np.asarray(qkv, dtype=np.float32).reshape(qkv.shape[0], -1, hd)  # (B, heads, hd)
+        q, k, v = np.split(heads, [n_head, n_head + n_kv], axis=1)
+        if q_norm is not None:
+            q, k = self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)
+        q, k = self.rope(q, cos, sin, pos, dim, neox), self.rope(k, cos, sin, pos, dim, neox)
+        slots, pos = np.asarray(slots), np.asarray(pos)
+        keys[slots, :, pos] = k  # row b's (n_kv, hd) into slot slots[b], position pos[b]
+        values[slots, :, pos] = v
+        return q
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float,
                  add: np.ndarray | None = None) -> Any:

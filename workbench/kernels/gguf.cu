@@ -13,6 +13,10 @@
 //   gemv_<fmt>(w, x, y, N, K, row_bytes, T)
 //       y (T, N) = x (T, K) @ W.T for T <= GEMV_MAX_T: one warp per row of W, its lanes
 //       striding over the row's groups, each decoded once and used for all T tokens.
+//   step_<fmt>(w, x, y, N, K, row_bytes, T, ldy, norm_w, eps, bias, epilogue)
+//       The recorded decode step's product for T <= STEP_MAX_T tokens, with the layer's
+//       work on either side of it in the same launch: the RMSNorm before it, a bias, and
+//       the residual add or the gated activation after it (see step_rows).
 //
 // The decoders give the same float32 values as `workbench/kernels/quants.py` (and so as
 // gguf-py): products and sums are rounded one at a time with __fmul_rn / __fadd_rn /
@@ -29,6 +33,7 @@ typedef long long i64;
 
 constexpr int GROUP = 32;      // weights decoded at once
 constexpr int GEMV_MAX_T = 8;  // most tokens one gemv call handles (workbench.kernels.cuda)
+constexpr int STEP_MAX_T = 64;  // most tokens one step_<fmt> call handles (the same)
 
 // -- bits -> numbers -----------------------------------------------------------------------
 
@@ -348,7 +353,117 @@ __device__ void gemv_rows(const u8* __restrict__ w, const float* __restrict__ x,
   }
 }
 
-// extern "C" names, one pair per format: dequantize_<name> and gemv_<name>.
+// The epilogues of step_rows: what becomes of row n's result r for token t.
+enum Epilogue {
+  STORE = 0,  // y[t, n] = r
+  ADD = 1,    // y[t, n] += r (the residual stream)
+  SILU = 2,   // W is gate rows then up rows (N = 2 n_ff): y[t, n] = silu(gate) * up, n < n_ff
+  GELU = 3,   // the same with tanh GELU (GeGLU)
+};
+
+// The recorded decode step's products: y = x (T, K) @ W.T for T <= STEP_MAX_T tokens,
+// y's rows `ldy` floats apart (a block of columns of a wider array). One warp per output
+// row (SILU, GELU: per pair of rows, gate n and up n + n_ff), its lanes striding over the
+// row's groups as in gemv_rows; tokens go by in chunks of GEMV_MAX_T, each group decoded
+// again per chunk, so that the sums stay in registers.
+// - norm_w not null: x's rows are first RMS-normed and times norm_w: the block finds each
+//   token's 1 / sqrt(mean(x^2) + eps) (in shared memory), the products run over x * norm_w
+//   and each sum is scaled by it.
+// - bias not null: + bias[n] (gate and up: bias[n], bias[n + n_ff]).
+// x and norm_w must be 16-byte aligned.
+template <class F>
+__device__ void step_rows(const u8* __restrict__ w, const float* __restrict__ x,
+                          float* __restrict__ y, int N, int K, int row_bytes, int T, int ldy,
+                          const float* __restrict__ norm_w, float eps,
+                          const float* __restrict__ bias, int epilogue) {
+  __shared__ float inv[STEP_MAX_T];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (norm_w != nullptr) {  // every thread takes part, before any leaves
+    for (int t = warp; t < T; t += warps) {
+      const float* xt = x + (i64)t * K;
+      float s = 0.0f;
+      for (int k = lane; k < K; k += 32) s += xt[k] * xt[k];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
+      if (lane == 0) inv[t] = 1.0f / sqrtf(s / K + eps);
+    }
+    __syncthreads();
+  }
+  const bool gated = epilogue == SILU || epilogue == GELU;
+  const int rows = gated ? N / 2 : N;  // outputs per token
+  const i64 n = (i64)blockIdx.x * warps + warp;
+  if (n >= rows) return;  // the same on every lane of a warp: the warp leaves whole
+  const u8* row = w + n * row_bytes;
+  const u8* up_row = w + (n + rows) * row_bytes;  // read when gated
+  const int groups = K / GROUP;
+  for (int t0 = 0; t0 < T; t0 += GEMV_MAX_T) {
+    float acc[GEMV_MAX_T], up[GEMV_MAX_T];
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_T; ++t) acc[t] = up[t] = 0.0f;
+    for (int g = lane; g < groups; g += 32) {
+      float v[GROUP], u[GROUP];
+      F::decode(row, g, v);
+      if (gated) F::decode(up_row, g, u);
+      const float4* nw =
+          norm_w != nullptr ? reinterpret_cast<const float4*>(norm_w + (i64)g * GROUP) : nullptr;
+#pragma unroll
+      for (int t = 0; t < GEMV_MAX_T; ++t) {
+        if (t0 + t < T) {
+          const float4* xt =
+              reinterpret_cast<const float4*>(x + (i64)(t0 + t) * K + (i64)g * GROUP);
+          float s = 0.0f, su = 0.0f;
+#pragma unroll
+          for (int j = 0; j < GROUP / 4; ++j) {
+            float4 q = xt[j];
+            if (norm_w != nullptr) {
+              const float4 m = nw[j];
+              q.x *= m.x;
+              q.y *= m.y;
+              q.z *= m.z;
+              q.w *= m.w;
+            }
+            s += v[4 * j] * q.x + v[4 * j + 1] * q.y + v[4 * j + 2] * q.z + v[4 * j + 3] * q.w;
+            if (gated)
+              su += u[4 * j] * q.x + u[4 * j + 1] * q.y + u[4 * j + 2] * q.z + u[4 * j + 3] * q.w;
+          }
+          acc[t] += s;
+          up[t] += su;
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_T; ++t) {
+      if (t0 + t >= T) continue;  // T is the same on every lane: all 32 shuffle
+      float s = acc[t], su = up[t];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, offset);
+        if (gated) su += __shfl_xor_sync(0xffffffffu, su, offset);
+      }
+      if (lane != 0) continue;
+      if (norm_w != nullptr) {
+        s *= inv[t0 + t];
+        su *= inv[t0 + t];
+      }
+      if (bias != nullptr) {
+        s += bias[n];
+        if (gated) su += bias[n + rows];
+      }
+      float* out = y + (i64)(t0 + t) * ldy + n;
+      if (epilogue == STORE) {
+        *out = s;
+      } else if (epilogue == ADD) {
+        *out += s;
+      } else if (epilogue == SILU) {
+        *out = s / (1.0f + expf(-s)) * su;
+      } else {
+        *out = 0.5f * s * (1.0f + tanhf(0.7978845608028654f * (s + 0.044715f * s * s * s))) * su;
+      }
+    }
+  }
+}
+
+// extern "C" names, one triple per format: dequantize_<name>, gemv_<name>, step_<name>.
 #define GGUF_KERNELS(name, Format)                                                        \
   extern "C" __global__ void dequantize_##name(const u8* w, const i64* ids, float* out,   \
                                                int n_rows, int N, int K, int row_bytes) { \
@@ -357,6 +472,12 @@ __device__ void gemv_rows(const u8* __restrict__ w, const float* __restrict__ x,
   extern "C" __global__ void gemv_##name(const u8* w, const float* x, float* y, int N,    \
                                          int K, int row_bytes, int T) {                   \
     gemv_rows<Format>(w, x, y, N, K, row_bytes, T);                                       \
+  }                                                                                       \
+  extern "C" __global__ void step_##name(const u8* w, const float* x, float* y, int N,    \
+                                         int K, int row_bytes, int T, int ldy,            \
+                                         const float* norm_w, float eps, const float* bias, \
+                                         int epilogue) {                                  \
+    step_rows<Format>(w, x, y, N, K, row_bytes, T, ldy, norm_w, eps, bias, epilogue);     \
   }
 
 GGUF_KERNELS(f32, F32)

@@ -68,6 +68,16 @@ class DeviceLlamaModel:
         # recorded decode steps: where the backend records, for models without experts
         # (their routing goes through the host), until a recording fails
         self._recording = backend.records and all(layer.moe is None for layer in self.layers)
+        # the fused step (six launches a layer) where the backend has its kernels and every
+        # layer is llama's plain one (no post-norms); else the layers' kernels one by one
+        self._fused = (self._recording and backend.fused_rows > 0
+                       and hasattr(self.output, "step_matmul") and hasattr(self.embed, "rows")
+                       and all(layer.fusable for layer in self.layers))
+
+    @property
+    def step_rows(self) -> int:
+        """How many sequences one recorded decode step takes."""
+        return self.backend.fused_rows if self._fused else self.backend.step_rows
 
     # -- caches -----------------------------------------------------------------------------
     def new_pool(self, n_slots: int, max_len: int | None = None):
@@ -164,9 +174,11 @@ class DeviceLlamaModel:
 
         Where the backend records (`Backend.capture`: CUDA graphs), the step runs from
         recordings of its kernels that read the tokens, slots and positions from device
-        buffers: one recording per number of rows (1, 2, 4, ... `Backend.step_rows`), so
-        one launch decodes up to `step_rows` sequences at any positions
-        (`_StepRecordings`). Else, and for mixture-of-experts models, it is `decode` then
+        buffers: one recording per number of rows (1, 2, 4, ... `step_rows`), so one
+        launch decodes up to `step_rows` sequences at any positions (`_StepRecordings`).
+        The fused step (`_fused_step`: 64 rows on CUDA) is checked against the layers'
+        kernels run one by one when each recording is made, and left for them if it
+        disagrees. Else, and for mixture-of-experts models, it is `decode` then
         `device_logits`."""
         tokens = check_batch(tokens, caches, self.config.n_vocab)
         if not self._recording:
@@ -176,11 +188,17 @@ class DeviceLlamaModel:
         pool = caches[0].pool
         if pool.recordings is None:
             pool.recordings = _StepRecordings(self, pool)
-        rows, per = [], self.backend.step_rows
+        rows, per = [], self.step_rows
         try:
             for i in range(0, len(caches), per):
                 rows += pool.recordings.run(tokens[i : i + per], device_tokens[i : i + per],
                                             caches[i : i + per])
+        except _FusedStepMismatch as e:  # record the layers' kernels one by one instead
+            warnings.warn(f"{e}; recording the unfused decode step", RuntimeWarning,
+                          stacklevel=2)
+            self._fused = False
+            pool.recordings = None
+            return self.step_logits(tokens, caches, device_tokens)
         except _RECORDING_ERRORS as e:  # the backend could not record it: run unrecorded
             warnings.warn(f"recording the decode step failed ({e}); decoding without it",
                           RuntimeWarning, stacklevel=2)
@@ -202,12 +220,43 @@ class DeviceLlamaModel:
         """The decode step as `Backend.capture` records it: B tokens, each of the sequence
         in pool slot slots[b] at position pos[b] ((B,) int32 device buffers), over the
         pool's keys and values per layer ((n_slots, n_kv, max_len, hd)) -> (B, n_vocab).
-        Nothing here depends on a slot or a position as a Python value."""
+        Nothing here depends on a slot or a position as a Python value. The fused step
+        where this model has it (`_fused_step`), else the layers' kernels one by one."""
+        if self._fused:
+            return self._fused_step(tokens, slots, pos, keys, values)
+        return self._unfused_step(tokens, slots, pos, keys, values)
+
+    def _unfused_step(self, tokens, slots, pos, keys: list, values: list):
+        """`_recorded_step` with each norm, product, RoPE and activation its own kernel."""
         cfg, be = self.config, self.backend
         x = self._embed(tokens)  # (B, D)
         h = self._stack(x, lambda i, layer, h: layer.attend_rows(
             be, cfg, h, keys[i], values[i], slots, pos))
         return self.device_logits(h)  # (B, n_vocab)
+
+    def _fused_step(self, tokens, slots, pos, keys: list, values: list):
+        """`_recorded_step` in six launches a layer (`Backend.fused_rows`): the QKV product
+        with the norm before it and the bias; the per-head norms, RoPE and the KV writes
+        (`rope_store`); the attention; the output product added to the residual stream;
+        gate and up with the norm before them and the activation after; down, added to the
+        residual stream. Then the final norm with the output product."""
+        cfg, be, xp = self.config, self.backend, self.xp
+        eps, b = cfg.norm_eps, tokens.shape[0]
+        scale = 1.0 / float(np.sqrt(cfg.head_dim))
+        x = self._embed(tokens)  # (B, D): the residual stream, added to in place
+        for i, layer in enumerate(self.layers):
+            qkv = xp.empty((b, layer.wqkv.shape[0]), dtype=xp.float32)
+            layer.wqkv.step_matmul(x, qkv, layer.attn_norm, eps, layer.bqkv)
+            q = be.rope_store(qkv, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin,
+                              layer.rope_dim, layer.neox, keys[i], values[i], slots, pos,
+                              cfg.n_head)  # (B, n_head, hd)
+            a = be.attend_step(q, None, None, keys[i], values[i], slots, pos, layer.window,
+                               scale)  # (B, n_head * hd)
+            layer.wo.step_matmul(a, x, epilogue="add")
+            layer.down.step_matmul(layer.gated_step(be, x, eps, self.gelu), x, epilogue="add")
+        logits = xp.empty((b, self.output.shape[0]), dtype=xp.float32)
+        self.output.step_matmul(x, logits, self.norm, eps)
+        return logits
 
     def device_logits(self, hidden):
         """(T, n_embd) device hidden states -> (T, n_vocab) device logits."""
@@ -248,7 +297,7 @@ class _StepRecordings:
     place: they write what it writes)."""
 
     def __init__(self, model: DeviceLlamaModel, pool):
-        xp, n = model.xp, model.backend.step_rows
+        xp, n = model.xp, model.step_rows
         self.model, self.keys, self.values = model, pool.keys, pool.values
         self.tokens = xp.zeros((n,), dtype=xp.int32)
         self.slots = xp.zeros((n,), dtype=xp.int32)
@@ -306,23 +355,39 @@ class _StepRecordings:
         def unrecorded():
             return self.model._recorded_step(tokens, slots, pos, self.keys, self.values)
 
+        # the layers' kernels one by one first (they write the same keys and values at
+        # the same places, which the fused step then overwrites)
+        unfused = self.model._unfused_step(tokens, slots, pos, self.keys, self.values) \
+            if self.model._fused else None
         direct = unrecorded()
+        if unfused is not None:
+            err, scale = self._difference(direct, unfused)
+            if not err <= 1e-3 * scale:  # summation orders differ; NaN fails too
+                raise _FusedStepMismatch(
+                    f"the fused decode step disagrees with the layers' kernels (max "
+                    f"|difference| {err:.3g}, logits up to {scale:.3g})")
         recorded = self.model.backend.capture(unrecorded) or unrecorded
         if recorded is not unrecorded:
-            self._check(recorded(), direct)
+            err, scale = self._difference(recorded(), direct)
+            if not err <= 1e-4 * scale:  # also catches NaN
+                raise RuntimeError(f"the recorded decode step disagrees with the direct one "
+                                   f"(max |difference| {err:.3g}, logits up to {scale:.3g})")
         self.steps[rows] = recorded
         return recorded
 
-    def _check(self, replayed, direct) -> None:
-        """A new recording replayed once (the same tokens at the same positions: it writes
-        what the direct run wrote) must give the direct run's logits; else RuntimeError
-        (`step_logits` then stops recording). One float comes to the host per recording."""
+    def _difference(self, logits, reference) -> tuple[float, float]:
+        """(max |logits - reference|, max |reference|): one copy of two floats to the
+        host, once per recording (a recording replayed once must give the direct run's
+        logits, the fused step the unfused one's; else `step_logits` stops recording, or
+        fusing)."""
         xp = self.model.xp
-        err = float(xp.abs(replayed - direct).max())
-        scale = float(xp.abs(direct).max())
-        if not err <= 1e-4 * scale:  # also catches NaN
-            raise RuntimeError(f"the recorded decode step disagrees with the direct one "
-                               f"(max |difference| {err:.3g}, logits up to {scale:.3g})")
+        both = xp.stack([xp.abs(logits - reference).max(), xp.abs(reference).max()])
+        err, scale = self.model.backend.to_host(both).tolist()
+        return err, scale
+
+
+class _FusedStepMismatch(RuntimeError):
+    """The fused decode step's logits are not the unfused step's."""
 
 
 class _DeviceLayer:
@@ -347,6 +412,26 @@ class _DeviceLayer:
         self.window = attn.window
         self.cos, self.sin = cos, sin  # (max_len, rope_dim / 2)
         self.rope_dim, self.neox = attn.rope.dim, attn.rope.neox
+        # what the fused decode step needs: every product a step kernel, no post-norms
+        products = [self.wqkv, self.wo] + ([] if self.moe else [self.gate_up, self.down])
+        self.fusable = (self.moe is None and self.post_attn_norm is None
+                        and self.post_ffn_norm is None
+                        and all(hasattr(p, "step_matmul") for w in products
+                                for p in getattr(w, "parts", [w])))
+
+    def gated_step(self, be, x, eps: float, gelu: bool):
+        """The fused step's gate and up products of x (B, D) with the FFN norm before them
+        -> act(gate) * up (B, n_ff): one launch where gate and up are one matrix, else
+        both products then `Backend.glu`."""
+        xp, b, n_ff = be.xp, x.shape[0], self.gate_up.shape[0] // 2
+        if not hasattr(self.gate_up, "parts"):
+            out = xp.empty((b, n_ff), dtype=xp.float32)
+            self.gate_up.step_matmul(x, out, self.ffn_norm, eps,
+                                     epilogue="gelu" if gelu else "silu")
+            return out
+        gu = xp.empty((b, 2 * n_ff), dtype=xp.float32)
+        self.gate_up.step_matmul(x, gu, self.ffn_norm, eps)
+        return be.glu(gu, gelu)
 
     def _rope(self, be, x, pos):
         """x (T, heads, head_dim), token t rotated to position pos[t] ((T,) int32)."""

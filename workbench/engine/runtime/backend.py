@@ -39,7 +39,7 @@ from gguf import GGMLQuantizationType
 
 from workbench.engine.runtime.formulas import glu_activation, rms_norm, rotate
 from workbench.kernels import quants
-from workbench.kernels.cuda import GEMV_MAX_T
+from workbench.kernels.cuda import GEMV_MAX_T, STEP_MAX_T
 from workbench.kernels.linear import QuantizedWeight
 
 DEVICES = ("metal", "cuda", "mlx", "cpu")
@@ -257,6 +257,21 @@ class Backend:
 
     # how many sequences one recorded decode step takes (`attend_step` and the products)
     step_rows = 1
+    # how many one fused recorded step takes (`rope_store` and the weights' `step_matmul`,
+    # each product with the norm before it and the residual add or activation after it);
+    # 0 where the backend has no such kernels
+    fused_rows = 0
+
+    def rope_store(self, qkv: Any, q_norm: Any, k_norm: Any, eps: float, cos: Any, sin: Any,
+                   dim: int, neox: bool, keys: Any, values: Any, slots: Any, pos: Any,
+                   n_head: int) -> Any:
+        """The fused step's queries, keys and values from its QKV product qkv (B, (n_head
+        + 2 n_kv) hd): q and k heads normed per head (where q_norm, k_norm are given) and
+        turned by RoPE to position pos[b] ((B,) int32 on the device, with the (max_len,
+        dim / 2) tables cos, sin), row b's keys and values written into slot slots[b] of
+        one layer's keys and values (n_slots, n_kv, max_len, hd) at pos[b] -> the queries
+        (B, n_head, hd). Where `fused_rows` > 0; NotImplementedError elsewhere."""
+        raise NotImplementedError(f"the {self.name} backend has no rope_store kernel")
 
     def attend_step(self, q: Any, k: Any, v: Any, keys: Any, values: Any, slots: Any,
                     pos: Any, window: int, scale: float) -> Any:
@@ -287,6 +302,20 @@ class StackedWeight:
     def matmul(self, x: Any) -> Any:
         return self.xp.concatenate([p.matmul(x) for p in self.parts], axis=-1)
 
+    def step_matmul(self, x: Any, out: Any, norm: Any = None, eps: float = 0.0,
+                    bias: Any = None, epilogue: str = "store") -> None:
+        """Each part's `step_matmul` into its block of out's columns ("store" and "add":
+        a gated product needs gate and up in one matrix)."""
+        if epilogue not in ("store", "add"):
+            raise ValueError(f"stacked matrices take the store and add epilogues, not "
+                             f"{epilogue!r}")
+        start = 0
+        for p in self.parts:
+            end = start + p.shape[0]
+            p.step_matmul(x, out[:, start:end], norm, eps,
+                          None if bias is None else bias[start:end], epilogue)
+            start = end
+
 
 # -- CuPy -----------------------------------------------------------------------------------
 
@@ -298,6 +327,7 @@ class CupyBackend(Backend):
     """
 
     step_rows = GEMV_MAX_T  # the gemv kernels take up to this many rows; more go to cuBLAS
+    fused_rows = STEP_MAX_T  # the step kernels' (`CudaKernels.step_matmul`, `rope_store`)
 
     def __init__(self, xp: Any, kernels: Any, name: str = "cuda", graphs: bool | None = None):
         """graphs: whether `capture` records CUDA graphs. None (the default): on CuPy
@@ -340,6 +370,12 @@ class CupyBackend(Backend):
 
     def glu(self, gu: Any, gelu: bool) -> Any:
         return self.kernels.glu(gu, gelu)
+
+    def rope_store(self, qkv: Any, q_norm: Any, k_norm: Any, eps: float, cos: Any, sin: Any,
+                   dim: int, neox: bool, keys: Any, values: Any, slots: Any, pos: Any,
+                   n_head: int) -> Any:
+        return self.kernels.rope_store(qkv, q_norm, k_norm, eps, cos, sin, dim, neox, keys,
+                                       values, slots, pos, n_head)
 
     def _weight(self, w: QuantizedWeight) -> DeviceWeight:
         # float rows that are not whole groups of 32, which the kernels cannot decode (a
@@ -410,6 +446,14 @@ class CupyWeight:
 
     def matmul(self, x: Any) -> Any:
         return self.kernels.matmul(self.data, self.qtype, self.shape, x)
+
+    def step_matmul(self, x: Any, out: Any, norm: Any = None, eps: float = 0.0,
+                    bias: Any = None, epilogue: str = "store") -> None:
+        """The fused decode step's product into out (`CudaKernels.step_matmul`): x
+        RMS-normed times `norm` first where given, + bias, then stored, added (the
+        residual), or gate and up rows paired into act(gate) * up ("silu", "gelu")."""
+        self.kernels.step_matmul(self.data, self.qtype, self.shape, x, out, norm, eps, bias,
+                                 epilogue)
 
     def rows(self, ids: Any) -> Any:
         return self.kernels.dequantize(self.data, self.qtype, self.shape, ids)

@@ -1,0 +1,135 @@
+"""The CUDA decode path with the real kernels, run on the CPU (tests/support/cuda_emulator.py:
+gguf.cu and `cuda.STEP_SOURCE` compiled by g++, NumPy arrays for CuPy's).
+
+- The fused decode step (`DeviceLlamaModel._fused_step`: six launches a layer) gives
+  transformers' greedy tokens on the tiny llama, qwen2 (biases; Q8_0), qwen3 (per-head Q/K
+  norms; head size 32; tied output) and F16 models, with every recording kept (each new
+  one is checked against the layers' kernels run one by one, and would be dropped with a
+  warning if it disagreed); a batch gives each sequence the tokens it gets alone.
+- Gemma 3 (post-norms: the unfused recorded step) gives the CPU engine's greedy tokens.
+- What a CUDA graph of the step would hold: at most 6 nodes a layer plus 4, and every
+  kernel of a decode step runs inside its recording (nothing per layer from Python).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from tests import goldens
+from tests.goldens.make_tiny_llama import BRANCH_GEMMA3, GREEDY_STEPS
+from tests.support import cuda_emulator
+from tests.support.devices import cuda_emulated, open_llm
+from tests.support.tiny_llama import PROMPT, VOCAB, Built
+
+FUSED = ["llama", "qwen2-q8_0", "qwen3", "llama-f16"]
+
+
+@pytest.fixture(scope="module", params=FUSED)
+def built(request, tmp_path_factory):
+    return Built(request.param, tmp_path_factory.mktemp("tiny"))
+
+
+def _greedy(m, prompt, n):
+    return m.generate(prompt, max_tokens=n, temperature=0,
+                      logit_bias={VOCAB.eos_id: -100.0}).token_ids
+
+
+def test_fused_step_gives_transformers_greedy_tokens(built):
+    want = list(built.golden.outputs["greedy_ids"])  # transformers' greedy generate
+    if want and want[-1] == VOCAB.eos_id:  # ours stops at EOS without reporting it
+        want = want[:-1]
+    with open_llm(built.path, "cuda-emulated") as m, warnings.catch_warnings():
+        warnings.simplefilter("error")  # a recording dropped for a disagreement warns
+        assert m.model._fused
+        assert m.generate(PROMPT, max_tokens=GREEDY_STEPS, temperature=0).token_ids == want
+        assert m.model._fused and len(m._cache.pool.recordings) == 1
+
+
+def test_fused_step_batches_sequences_as_alone(built):
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:]]
+    with open_llm(built.path, "cuda-emulated") as m, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        alone = [_greedy(m, p, 5) for p in prompts]
+        outs = m.generate_batch(prompts, max_tokens=5, temperature=0,
+                                logit_bias={VOCAB.eos_id: -100.0})
+        assert [o.token_ids for o in outs] == alone
+        assert m.model._fused
+
+
+def test_unfused_recorded_step_on_gemma3():
+    """Gemma 3's post-norms keep it on the recorded step of one kernel per operation."""
+    path = goldens.load(BRANCH_GEMMA3).file("model.gguf")
+    with open_llm(path, "cuda-emulated") as m, open_llm(path, "cpu") as ref:
+        assert m.model._recording and not m.model._fused
+        assert _greedy(m, PROMPT, 6) == _greedy(ref, PROMPT, 6)
+        assert m._cache.pool.recordings
+
+
+def _prompted(m):
+    """A cache with a 5-token prompt in it, and its step recording of one row made."""
+    cache = m.new_cache()
+    m.model.hidden(np.asarray(PROMPT[:5]), cache)
+    m.model.step_logits([7], [cache], [None])
+    assert set(cache.pool.recordings.steps) == {1}
+    return cache
+
+
+def test_a_decode_step_is_six_launches_a_layer_plus_four(tmp_path):
+    """Every launch the fused step makes, kernels and CuPy operations alike (each one
+    node of its CUDA graph), counted for one and for 64 sequences."""
+    built = Built("qwen2-q8_0", tmp_path)  # biases: the most a llama layer does
+    with open_llm(built.path, "cuda-emulated") as m:
+        recordings = _prompted(m).pool.recordings
+        layers = m.model.config.n_layer
+        for rows in (1, 64):
+            tokens, slots, pos = (b[:rows] for b in (recordings.tokens, recordings.slots,
+                                                     recordings.pos))
+            cuda_emulator.LAUNCHES.clear()
+            logits = m.model._recorded_step(tokens, slots, pos, recordings.keys,
+                                            recordings.values)
+            launches = list(cuda_emulator.LAUNCHES)
+            assert logits.shape == (rows, m.model.config.n_vocab)
+            assert len(launches) <= 6 * layers + 4, launches
+            assert sum(n.startswith("step_") for n in launches) == 4 * layers + 1, launches
+
+
+def test_every_kernel_of_a_step_runs_inside_its_recording(tmp_path):
+    """With a recording made, a decode step launches no kernel of its own outside the
+    replay: the per-step work from Python is writing the buffers and the replay."""
+    built = Built("llama", tmp_path)
+    backend = cuda_emulated()
+    replaying = []
+
+    def capture(step):
+        def replay():
+            replaying.append(True)
+            try:
+                return step()
+            finally:
+                replaying.pop()
+        return replay
+
+    backend.capture = capture
+    outside = []
+    from workbench import LLM
+    from workbench.engine.formats.gguf import open_gguf
+
+    with LLM(open_gguf(built.path), backend=backend) as m:
+        cache = _prompted(m)
+        real = cuda_emulator.EmulatedKernel.__call__
+
+        def launch(self, *args, **kwargs):
+            if not replaying:
+                outside.append(self.name)
+            return real(self, *args, **kwargs)
+
+        cuda_emulator.EmulatedKernel.__call__ = launch
+        try:
+            for token in (9, 11, 13):
+                m.model.step_logits([token], [cache], [None])
+        finally:
+            cuda_emulator.EmulatedKernel.__call__ = real
+    assert outside == []
