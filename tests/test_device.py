@@ -322,6 +322,63 @@ def test_device_sampling_draws_from_the_host_distribution(device, params):
     assert 0.5 * np.abs(a - b).sum() < 0.05, (a, b)
 
 
+@pytest.mark.parametrize("device", GPU_DEVICES)
+def test_rows_picked_together_draw_as_each_alone(device):
+    """`DeviceSampler.pick_rows` (the scheduler's pick of a batch's plain sequences) over
+    a greedy row with a bias and sampled rows with different top-k / top-p / min-p /
+    temperature: the greedy row is its argmax; each sampled row's tokens follow the host
+    sampler's distribution (total variation < 0.05 over 2000 draws), drawn from its own
+    generator; the ids come down in one copy."""
+    from workbench.engine.decoding.sampling import DeviceSampler, Sampler, SamplingParams
+
+    be = _backend(device)
+    rng = np.random.default_rng(1)
+    logits = [(rng.standard_normal(64) * 2).astype(np.float32) for _ in range(3)]
+    params = [SamplingParams(temperature=0, logit_bias={5: 4.0}),
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=11),
+              SamplingParams(temperature=1.5, top_k=0, top_p=0.7, seed=12)]
+    samplers = [DeviceSampler(p, 64, be) for p in params]
+    rows = [be.asarray(x) for x in logits]
+    n = 2000
+    picks = np.array([DeviceSampler.pick_rows(samplers, rows)[0] for _ in range(n)])  # (n, 3)
+    assert (picks[:, 0] == np.argmax(logits[0] + np.eye(64, dtype=np.float32)[5] * 4)).all()
+    for j in (1, 2):
+        host = Sampler(params[j], 64)
+        a = np.bincount([host.sample(logits[j]) for _ in range(n)], minlength=64) / n
+        b = np.bincount(picks[:, j], minlength=64) / n
+        assert set(np.flatnonzero(b)) <= set(np.flatnonzero(a))
+        assert 0.5 * np.abs(a - b).sum() < 0.05, (j, a, b)
+    ids, on_device = DeviceSampler.pick_rows(samplers[:1] * 2, rows[:2])
+    assert ids == [int(np.argmax(logits[0] + np.eye(64, dtype=np.float32)[5] * 4)),
+                   int(np.argmax(logits[1] + np.eye(64, dtype=np.float32)[5] * 4))]
+    assert [int(t) for t in be.to_host(on_device)] == ids
+
+
+def test_sampled_batches_copy_the_token_ids_once_per_step(tiny_path):
+    """`generate_batch` sampling on the device: one copy of the sequences' ids per step,
+    as greedy batches; the tokens are each seed's own (a rerun gives the same)."""
+    from workbench import LLM
+    from workbench.engine.formats.gguf import open_gguf
+    from workbench.engine.runtime.backend import CupyBackend
+    from workbench.kernels.cuda import ReferenceKernels
+
+    xp = CountingNumPy()
+    prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
+    opts = dict(max_tokens=6, temperature=0.9, top_p=0.9, seed=5,
+                logit_bias={VOCAB.eos_id: -100.0})
+    with LLM(open_gguf(tiny_path), backend=CupyBackend(xp, ReferenceKernels())) as m:
+        first = [o.token_ids for o in m.generate_batch(prompts, **opts)]
+        DeviceArray.traffic = xp.log
+        try:
+            xp.log.clear()
+            again = [o.token_ids for o in m.generate_batch(prompts, **opts)]
+        finally:
+            DeviceArray.traffic = None
+    assert again == first and all(len(t) == 6 for t in first)
+    down = [b for d, _, b in xp.log if d == "down"]
+    assert down == [3 * 8] * 6, xp.log
+
+
 # -- branches and prefix caches on a device cache -------------------------------------------
 
 @pytest.mark.parametrize("device", GPU_DEVICES)

@@ -34,12 +34,11 @@ class Sampler:
         self._bias = bias if params.logit_bias else None
 
     @property
-    def argmax_only(self) -> bool:
-        """Whether the pick is the argmax of the logits plus the bias alone (greedy, no
-        penalties): then several sequences' picks can be taken together."""
+    def plain(self) -> bool:
+        """Whether the pick depends on the logits plus the bias alone (no penalties, which
+        read the history): then several sequences' picks can be taken together."""
         p = self.params
-        return p.temperature == 0 and p.repeat_penalty == 1.0 and not (
-            p.presence_penalty or p.frequency_penalty)
+        return p.repeat_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty)
 
     def reseed(self, seed: int) -> None:
         """Start a fresh random state from `seed`, as a sampler made with
@@ -196,17 +195,53 @@ class DeviceSampler(Sampler):
         return int(be.to_host(token)[0]), token
 
     @staticmethod
-    def argmax_rows(samplers: Sequence[DeviceSampler], rows: Sequence) -> tuple[list[int], Any]:
-        """The picks of several `argmax_only` samplers on one backend, from their device
-        logits `rows` (each (n_vocab,)), with one argmax and one copy to the host for all
-        of them instead of one each. Returns the token ids, and the same ids on the
-        device, (len(rows),)."""
+    def pick_rows(samplers: Sequence[DeviceSampler], rows: Sequence) -> tuple[list[int], Any]:
+        """The picks of several `plain` samplers on one backend, greedy or sampled, from
+        their device logits `rows` (each (n_vocab,)), with one copy to the host for all of
+        them instead of one each (and, where any samples, one copy up of the rows'
+        parameters and random numbers). Each sampler draws from its own generator as
+        `sample_device` does. Returns the token ids, and the same ids on the device,
+        (len(rows),)."""
         be = samplers[0].backend
         xp = be.xp
-        x = xp.stack([row if s._dev_bias is None else row + s._dev_bias
+        x = xp.stack([row.astype(xp.float32) if s._dev_bias is None else row + s._dev_bias
                       for s, row in zip(samplers, rows)])  # (k, n_vocab)
         ids = xp.argmax(x, axis=1)  # (k,): ties go to the lowest id, as in sample_device
+        if any(s.params.temperature != 0 for s in samplers):
+            ids = DeviceSampler._draw_rows(samplers, x, ids)
         return [int(t) for t in be.to_host(ids)], ids
+
+    @staticmethod
+    def _draw_rows(samplers: Sequence[DeviceSampler], x, greedy_ids):
+        """`_draw` for every row of x (k, n_vocab) at once, each row with its sampler's
+        top-k, top-p, min-p and temperature; the greedy rows keep `greedy_ids` (k,)."""
+        be = samplers[0].backend
+        xp = be.xp
+        n_vocab = x.shape[1]
+        top_k = [s.params.top_k if 0 < s.params.top_k < n_vocab else n_vocab for s in samplers]
+        width = max(top_k)
+        # per row: top-k, top-p, min-p, temperature (1 where greedy), the uniform draw,
+        # whether greedy; the greedy rows draw nothing from their generators
+        table = be.asarray(np.array([
+            (k, s.params.top_p, s.params.min_p, s.params.temperature or 1.0,
+             s.rng.random() if s.params.temperature else 0.0, s.params.temperature == 0)
+            for k, s in zip(top_k, samplers)], dtype=np.float32))  # (k, 6)
+        top_k, top_p, min_p, temperature, u, greedy = (table[:, i : i + 1] for i in range(6))
+        order = xp.argsort(-x, axis=1)[:, :width]  # (k, width): descending logits
+        vals = xp.take_along_axis(x, order, axis=1)
+        place = xp.arange(width)[None, :]  # (1, width)
+        vals = xp.where(place < top_k, vals, -np.inf)
+        probs = be.softmax(vals, axis=-1)  # -inf (masked, past top-k) entries get 0
+        keep = xp.isfinite(vals)
+        before = xp.cumsum(probs, axis=1) - probs
+        keep = keep & ((before < top_p) | (top_p >= 1.0))  # the prefix reaching top_p
+        keep = keep & (probs >= min_p * probs[:, :1])
+        keep = keep | (place == 0)  # the best token always stays
+        w = be.softmax(xp.where(keep, vals / temperature, -np.inf), axis=-1)
+        cdf = xp.cumsum(w, axis=1)  # (k, width)
+        i = xp.minimum((cdf <= u * cdf[:, -1:]).astype(xp.int32).sum(axis=1), width - 1)
+        drawn = xp.take_along_axis(order, i[:, None], axis=1)[:, 0]  # (k,)
+        return xp.where(greedy[:, 0] > 0, greedy_ids, drawn.astype(greedy_ids.dtype))
 
     def _draw(self, x):
         """top-k -> top-p -> min-p -> temperature -> draw, on the device."""

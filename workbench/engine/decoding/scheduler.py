@@ -309,20 +309,20 @@ class Scheduler:
         self.steps += 1
 
     def _pick_together(self) -> dict[Request, tuple[int, Any]]:
-        """On a GPU, the next tokens of the sequences whose pick is a plain argmax
-        (`Decoding.argmax_only`), taken in one argmax with one copy to the host: each
-        sequence's own pick would wait for the device once per sequence. {request:
-        (token id, the id on the device)}."""
+        """On a GPU, the next tokens of the sequences whose pick reads the logits alone
+        (`Decoding.plain`: greedy or sampled, no grammar, penalties or logprobs), taken
+        together with one copy to the host: each sequence's own pick would wait for the
+        device once per sequence. {request: (token id, the id on the device)}."""
         if self.model.backend is None:
             return {}
         ready = [r for r in self._running if r.row is not None
-                 and not (r.stepwise and r.pending) and r.seq.argmax_only]
+                 and not (r.stepwise and r.pending) and r.seq.plain]
         if len(ready) < 2:
             return {}
         try:
             with span("sample", sequences=len(ready)):
-                ids, on_device = DeviceSampler.argmax_rows([r.seq.sampler for r in ready],
-                                                           [r.row for r in ready])
+                ids, on_device = DeviceSampler.pick_rows([r.seq.sampler for r in ready],
+                                                         [r.row for r in ready])
         except Exception:  # noqa: BLE001 - each sequence's own pick then reports it
             return {}
         return {r: (t, on_device[i : i + 1]) for i, (r, t) in enumerate(zip(ready, ids))}

@@ -130,17 +130,17 @@ class Decoding:
         return self._emit(token, room, logp, ent, mask_ms, closed, closing_ms)
 
     @property
-    def argmax_only(self) -> bool:
-        """Whether the next token is the argmax of the (biased) logits alone: no grammar,
+    def plain(self) -> bool:
+        """Whether the next token depends on the (biased) logits alone: no grammar,
         penalties, logits processors or logprobs. The scheduler picks such sequences'
-        tokens on a GPU together (`DeviceSampler.argmax_rows`) and hands each its own
-        with `take`."""
+        tokens on a GPU together (`DeviceSampler.pick_rows`) and hands each its own with
+        `take`."""
         return (self.matcher is None and not self.processors and self.logprobs is None
-                and self.sampler.argmax_only)
+                and self.sampler.plain)
 
     def take(self, token: int, device_token: Any, room: int
              ) -> tuple[int | None, list[TokenEvent]]:
-        """Record `token`, picked for this `argmax_only` sequence outside `step`
+        """Record `token`, picked for this `plain` sequence outside `step`
         (`device_token`: the same id on the device, shape (1,)); returns what `step`
         does."""
         self.device_token = device_token
