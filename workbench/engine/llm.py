@@ -557,7 +557,7 @@ class LLM(Prompting, LocalEngine):
     def decode_step(self, tokens: np.ndarray, caches: Sequence[KVCache],
                     device_tokens: Sequence[Any]) -> Any:
         """Logits rows (N, n_vocab) after one token of each of N sequences: NumPy on the
-        CPU, on the device on a GPU, one recorded launch per `Backend.step_rows`
+        CPU, on the device on a GPU, one recorded launch per `DeviceLlamaModel.step_rows`
         sequences where it records (the caller holds `forward_lock`)."""
         model = self._require_model()
         if self.backend is None:

@@ -43,7 +43,7 @@ class DeviceLlamaModel:
     and caches, and `hidden` / `device_logits` return device arrays. `step_logits`,
     the scheduler's step, reads the sequences' tokens, slots and positions from device
     buffers instead, so that the backend can record it once and replay it (CUDA graphs:
-    one launch per step of up to 8 sequences instead of a few hundred). `logits`
+    one launch per step of up to `step_rows` sequences instead of a few hundred). `logits`
     returns NumPy, for the callers that read every logit (branches, speculative
     decoding, `LLM.forward`).
     Mixture-of-experts layers copy their routing to the host (`DeviceMoEFeedForward`),
