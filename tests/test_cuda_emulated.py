@@ -48,7 +48,10 @@ def test_fused_step_gives_transformers_greedy_tokens(built):
         assert m.model._fused and len(m._cache.pool.recordings) == 1
 
 
-def test_fused_step_batches_sequences_as_alone(built):
+@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3"])
+def test_fused_step_batches_sequences_as_alone(name, tmp_path):
+    """Biases and per-head norms, three sequences in a recording of four rows."""
+    built = Built(name, tmp_path)
     prompts = [PROMPT, PROMPT[:7], PROMPT[5:]]
     with open_llm(built.path, "cuda-emulated") as m, warnings.catch_warnings():
         warnings.simplefilter("error")
