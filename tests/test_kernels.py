@@ -519,3 +519,49 @@ def test_importing_workbench_first_sets_the_thread_pools_waits_before_numpy_load
         ["False", "24", "active", "300000", "0"]
     # a wait policy of the user's own: the OpenMP runtimes' waits are left to it
     assert imported(OMP_WAIT_POLICY="passive") == ["False", "16", "passive", "None", "None"]
+
+
+_BLAS_DURING_A_PROMPT = """
+import sys
+if sys.argv[1] == "numpy-first":
+    import numpy
+from workbench import LLM
+from workbench.engine.models import llama
+from threadpoolctl import threadpool_info
+
+def blas_threads():
+    return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+
+seen, attend = [], llama.causal_attention
+def watched(*args, **kwargs):
+    seen.append(blas_threads())
+    return attend(*args, **kwargs)
+llama.causal_attention = watched
+m = LLM.load(sys.argv[2])
+model = m._require_model()
+before = blas_threads()
+model.hidden(list(range(3, 23)), model.new_cache(64))  # a 20-token prompt
+short = seen[:]
+seen.clear()
+model.hidden(list(range(3, 103)), model.new_cache(128))  # past the Numba kernels' rows
+print(before, short[0], len(set(map(tuple, short))), seen[0], blas_threads())
+"""
+
+
+@pytest.mark.parametrize("order", ["numpy-first", "workbench-first"])
+def test_a_short_prompt_keeps_openblas_quiet_where_numpy_came_first(order):
+    """Where NumPy (OpenBLAS) was imported before workbench, OpenBLAS's workers spin
+    ~0.1 s after each call (OPENBLAS_THREAD_TIMEOUT came too late) and hold the cores
+    the Numba kernels' parallel regions need: a short prompt's forward pass then runs
+    with OpenBLAS at one thread, and the limit is lifted after it; a long prompt's keeps
+    every thread. Imported first, workbench leaves OpenBLAS's threads alone."""
+    from tests import goldens
+    from tests.goldens.make_tiny_llama import SPECULATIVE
+
+    path = goldens.load(SPECULATIVE).file("target.gguf")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    out = subprocess.run([sys.executable, "-c", _BLAS_DURING_A_PROMPT, order, str(path)],
+                         env={**env, "OPENBLAS_NUM_THREADS": "2"}, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    quiet = "[1]" if order == "numpy-first" else "[2]"
+    assert out == f"[2] {quiet} 1 [2] [2]", out

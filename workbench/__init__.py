@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from workbench.version import __version__
@@ -38,6 +39,12 @@ from workbench.version import __version__
 #   spinning teams share 2 cores), which is rarer and lasts only while both run.
 #   LLVM's and Intel's OpenMP (MKL builds of NumPy) would read "active" as "spin
 #   forever": KMP_BLOCKTIME keeps their default of 200 ms.
+# (Where NumPy came first, the timeout comes too late: `cores.quiet_blas` then keeps
+# OpenBLAS to one thread while the Numba kernels run parallel regions on few rows.)
+if "numpy" in sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in os.environ:
+    from workbench.engine.runtime import cores as _cores
+
+    _cores.blas_loaded_first()
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ.update(OMP_WAIT_POLICY="active", GOMP_SPINCOUNT="300000")

@@ -56,6 +56,7 @@ from workbench.engine.models.llama_config import (  # noqa: F401  (importable fr
 from workbench.engine.models.moe import MoEFeedForward
 from workbench.engine.models.rope import Rope, rope_factors
 from workbench.engine.models.weights import fused, linear, vector
+from workbench.engine.runtime.cores import quiet_blas
 from workbench.engine.runtime.formulas import rms_norm
 from workbench.engine.runtime.kv_cache import KVCache, KVPool, LayerKVCache
 from workbench.engine.runtime.warmup import KernelTask
@@ -355,9 +356,10 @@ class LlamaModel:
         if ids.size == 1:
             return self.decode(ids, [cache])
         cache.check_room(ids.size)  # ContextFullError before any write if T won't fit
-        x = self._embed(ids)  # (T, n_embd)
-        for block, layer_cache in zip(self.blocks, cache.layers):
-            x = block(x, [layer_cache], [ids.size])
+        with quiet_blas(ids.size, cpu.GEMV_MAX_T):
+            x = self._embed(ids)  # (T, n_embd)
+            for block, layer_cache in zip(self.blocks, cache.layers):
+                x = block(x, [layer_cache], [ids.size])
         cache.advance(ids)
         return norm_rows(x, self.norm, self.config.norm_eps)
 
@@ -372,9 +374,10 @@ class LlamaModel:
         if not chunks:
             return []
         ids, caches, counts = check_chunks(chunks, self.config.n_vocab)
-        x = self._embed(np.concatenate(ids))  # (sum T_i, n_embd)
-        for i, block in enumerate(self.blocks):
-            x = block(x, [c.layers[i] for c in caches], counts)
+        with quiet_blas(sum(counts), cpu.GEMV_MAX_T):
+            x = self._embed(np.concatenate(ids))  # (sum T_i, n_embd)
+            for i, block in enumerate(self.blocks):
+                x = block(x, [c.layers[i] for c in caches], counts)
         for c, t in zip(caches, ids):
             c.advance(t)
         h = norm_rows(x, self.norm, self.config.norm_eps)

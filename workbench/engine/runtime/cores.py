@@ -14,12 +14,25 @@ readings in a row see the cores taken and back up after `UP_READINGS` see them f
 so a moment's spike does not flap it. Elsewhere (no /proc/stat) it keeps every thread.
 The kernels' results do not depend on how many threads run them, so neither does the
 output: only its speed changes.
+
+NumPy's OpenBLAS has a pool of its own, whose workers spin after each call for as long
+as OPENBLAS_THREAD_TIMEOUT says. workbench/__init__.py shortens that, but OpenBLAS reads
+it when NumPy loads: in a program that imported NumPy first, the workers spin ~0.1 s
+after every product, and the Numba kernels' parallel regions wait behind them for a
+core. The small products of a short prompt's attention then keep them awake through the
+whole prompt: a 40-token Qwen2.5-Coder-0.5B prompt read in 800 ms instead of 210 (2-core
+AVX-512 host). There, `quiet_blas` keeps OpenBLAS to one thread (its workers asleep) for
+the forward passes that run parallel kernels on few rows (decode steps, short prompts),
+whose BLAS products are small; long prompts keep every BLAS thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 READ_EVERY_S = 0.1  # seconds between readings of /proc/stat while steps run
 DOWN_READINGS = 2  # readings in a row that see fewer free cores before using fewer
@@ -95,3 +108,44 @@ class CoreShare:
         else:
             self._streak = 0
         return self.threads
+
+
+# -- NumPy's OpenBLAS pool ------------------------------------------------------------------
+
+_blas_spins = False  # OpenBLAS loaded before workbench could shorten its workers' spin
+_blas_lock = threading.Lock()
+_blas_quiet = 0  # forward passes inside `quiet_blas` now, in any thread
+_blas_limit = None  # threadpoolctl's limit while they run
+
+
+def blas_loaded_first() -> None:
+    """Note that NumPy (and its OpenBLAS) was imported before workbench set
+    OPENBLAS_THREAD_TIMEOUT (workbench/__init__.py calls this), so `quiet_blas` acts."""
+    global _blas_spins
+    _blas_spins = True
+
+
+@contextlib.contextmanager
+def quiet_blas(rows: int, most: int) -> Iterator[None]:
+    """A forward pass over `rows` rows: where OpenBLAS's workers spin long
+    (`blas_loaded_first`) and rows <= `most` (the Numba kernels' share of the pass), with
+    OpenBLAS at one thread for its duration; else nothing. Passes in several threads at
+    once share one limit, lifted when the last ends."""
+    global _blas_quiet, _blas_limit
+    if not _blas_spins or rows > most:
+        yield
+        return
+    with _blas_lock:
+        if _blas_quiet == 0:
+            from threadpoolctl import threadpool_limits
+
+            _blas_limit = threadpool_limits(limits=1, user_api="blas")
+        _blas_quiet += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_quiet -= 1
+            if _blas_quiet == 0 and _blas_limit is not None:
+                _blas_limit.restore_original_limits()
+                _blas_limit = None
