@@ -180,6 +180,15 @@ class Ours:
         self.vocab = self.m.config.n_vocab
         self.seed = 0
 
+    def step_kind(self) -> str:
+        """How the decode step ran: fused (six launches a llama layer) or one kernel per
+        operation, recorded or not, and how many sequences one launch takes."""
+        model = self.m.model
+        if not getattr(model, "_recording", False):
+            return "not recorded (each kernel launched from Python)"
+        kind = "fused" if model._fused else "unfused"
+        return f"{kind}, recorded, up to {model.step_rows} sequences a launch"
+
     def _prompts(self, n: int, length: int) -> list[list[int]]:
         self.seed += 1  # fresh prompts each round: nothing reused from the slots
         return random_prompts(n, length, self.vocab, self.seed)
@@ -438,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         o = ours_by_file[name] = speed_rows(ours, tokens, args.rounds, budget, end, 8)
         print("  " + "; ".join(f"{k} {v}" for k, v in o.items()), flush=True)
+        step = ours.step_kind()
+        print(f"  decode step: {step}", flush=True)
         conc = (ours.concurrent(CONCURRENT, tokens // 2, max(10.0, end - time.monotonic()))
                 if budget.left() > 30 else {"note": "skipped (budget)"})
         if "ratio" in conc:
@@ -451,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         checks[name] = (path, prompt, ours.greedy(prompt, CHECK_TOKENS))
         ours.close()
         results["files"][name] = {"shape": shape_name, "format": qtype,
-                                  "bytes": path.stat().st_size, "scheduler": conc}
+                                  "bytes": path.stat().st_size, "scheduler": conc,
+                                  "decode_step": step}
         save()
 
     # 2. PyTorch once per shape (its speed does not depend on the values), eager first
