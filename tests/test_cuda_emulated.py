@@ -9,6 +9,8 @@ gguf.cu and `cuda.STEP_SOURCE` compiled by g++, NumPy arrays for CuPy's).
 - Gemma 3 (post-norms: the unfused recorded step) gives the CPU engine's greedy tokens.
 - What a CUDA graph of the step would hold: at most 6 nodes a layer plus 4, and every
   kernel of a decode step runs inside its recording (nothing per layer from Python).
+- The products of matrices stored in several formats (a Q4_K_M file's Q, K, V; gate and
+  up of different formats) give what the unfused norm, products and GLU give.
 """
 
 from __future__ import annotations
@@ -136,3 +138,66 @@ def test_every_kernel_of_a_step_runs_inside_its_recording(tmp_path):
         finally:
             cuda_emulator.EmulatedKernel.__call__ = real
     assert outside == []
+
+
+def test_a_stacked_matrix_steps_each_part_into_its_columns():
+    """Q, K and V of different formats (a Q4_K_M file's): `StackedWeight.step_matmul`
+    runs each part's kernel into its block of columns, with the norm before and its
+    slice of the bias, as the unfused products and norm do; "add" adds; a gated
+    epilogue, which needs gate and up in one matrix, is refused."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.test_cuda_kernels import random_weight
+    from workbench.engine.models.weights import Stacked
+    from workbench.kernels.linear import QuantizedWeight
+
+    backend = cuda_emulated()
+    cp = backend.xp
+    rng = np.random.default_rng(3)
+    k, parts = 256, [(Q.Q5_0, 64), (Q.Q5_0, 32), (Q.Q8_0, 32)]
+    stacked = backend.weight(Stacked([QuantizedWeight(random_weight(q, n, k, rng), q, (n, k))
+                                      for q, n in parts]))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    norm = rng.standard_normal(k).astype(np.float32)
+    bias = rng.standard_normal(128).astype(np.float32)
+    normed = backend.rms_norm(cp.asarray(x), cp.asarray(norm), 1e-6)
+    want = np.asarray(stacked.matmul(normed)) + bias
+    out = cp.empty((3, 128), dtype=np.float32)
+    stacked.step_matmul(cp.asarray(x), out, cp.asarray(norm), 1e-6, cp.asarray(bias))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4)
+    stacked.step_matmul(cp.asarray(x), out, cp.asarray(norm), 1e-6, cp.asarray(bias), "add")
+    np.testing.assert_allclose(np.asarray(out), 2 * want, rtol=1e-4, atol=2e-4)
+    with pytest.raises(ValueError, match="store and add"):
+        stacked.step_matmul(cp.asarray(x), out[:, :64], epilogue="silu")
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-matrix", "two-formats"])
+def test_gated_step_pairs_gate_and_up(mixed):
+    """The fused step's gate/up product: one launch where gate and up are one matrix,
+    both products then the activation kernel where they have different formats; both as
+    the unfused norm, product and GLU."""
+    import types
+
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.test_cuda_kernels import random_weight
+    from workbench.engine.models.llama_device import _DeviceLayer
+    from workbench.engine.models.weights import Stacked
+    from workbench.kernels.linear import QuantizedWeight
+
+    backend = cuda_emulated()
+    cp = backend.xp
+    rng = np.random.default_rng(4)
+    k, n_ff = 256, 96
+    gate, up = (random_weight(q, n_ff, k, rng) for q in (Q.Q4_K, Q.Q6_K if mixed else Q.Q4_K))
+    if mixed:
+        w = Stacked([QuantizedWeight(gate, Q.Q4_K, (n_ff, k)),
+                     QuantizedWeight(up, Q.Q6_K, (n_ff, k))])
+    else:
+        w = QuantizedWeight(np.concatenate([gate, up]), Q.Q4_K, (2 * n_ff, k))
+    layer = types.SimpleNamespace(gate_up=backend.weight(w),
+                                  ffn_norm=cp.asarray(rng.standard_normal(k).astype(np.float32)))
+    x = cp.asarray(rng.standard_normal((2, k)).astype(np.float32))
+    got = _DeviceLayer.gated_step(layer, backend, x, 1e-6, gelu=False)
+    want = backend.glu(layer.gate_up.matmul(backend.rms_norm(x, layer.ffn_norm, 1e-6)), False)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)

@@ -204,7 +204,7 @@ class DeviceSampler(Sampler):
         (len(rows),)."""
         be = samplers[0].backend
         xp = be.xp
-        x = xp.stack([row.astype(xp.float32) if s._dev_bias is None else row + s._dev_bias
+        x = xp.stack([row if s._dev_bias is None else row + s._dev_bias
                       for s, row in zip(samplers, rows)])  # (k, n_vocab)
         ids = xp.argmax(x, axis=1)  # (k,): ties go to the lowest id, as in sample_device
         if any(s.params.temperature != 0 for s in samplers):
