@@ -239,11 +239,14 @@ def test_batched_decode_copies_the_token_ids_once_per_step(tiny_path, n_seq):
         m.generate_batch(prompts, max_tokens=2, temperature=0, logit_bias=bias)
         DeviceArray.traffic = xp.log
         try:
-            step_logits, steps = m.model.step_logits, []
+            step_logits, steps, step_ups = m.model.step_logits, [], []
 
             def counted(tokens, *args):
                 steps.append(len(tokens))
-                return step_logits(tokens, *args)
+                before = len(xp.log)
+                out = step_logits(tokens, *args)
+                step_ups.extend(e for e in xp.log[before:] if e[0] == "up")
+                return out
 
             m.model.step_logits = counted
             for n in (3, 7):
@@ -260,11 +263,15 @@ def test_batched_decode_copies_the_token_ids_once_per_step(tiny_path, n_seq):
                 assert sum(down) == n_seq * n * 8 and len(down) <= len(steps) + n_seq, xp.log
                 if n_seq <= 8:
                     assert down == [n_seq * 8] * n, xp.log
-                assert max(steps) == n_seq  # every sequence in one step at last
+                # the last prompts may join after the first sequences finished: many
+                # sequences in one step, past the unfused step's 8, not always all 40
+                assert max(steps) == n_seq if n_seq <= 8 else max(steps) > 8, steps
                 ups.append(sum(d == "up" for d, _, _ in xp.log))
+                assert step_ups == []  # a decode step sends nothing up
         finally:
             DeviceArray.traffic = None
-    assert ups[0] == ups[1]
+    if n_seq <= 8:  # (more join in passes that depend on the scheduler thread's timing)
+        assert ups[0] == ups[1]
 
 
 # -- sampling on the device ---------------------------------------------------------------------
