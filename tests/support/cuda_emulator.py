@@ -90,7 +90,6 @@ class EmulatedKernel:
 
     def __init__(self, function: Any, name: str):
         self.function, self.name = function, name
-        self.launches = 0
 
     def __call__(self, grid: Any, block: Any, args: tuple, **unused: Any) -> None:
         values = []
@@ -106,7 +105,6 @@ class EmulatedKernel:
                                 "NumPy scalars of the parameter's type")
         pointers = (ctypes.c_void_p * max(1, len(values)))(
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-        self.launches += 1
         LAUNCHES.append(self.name)
         status = self.function(*_dims(grid), *_dims(block), pointers)
         if status:
@@ -207,8 +205,7 @@ class _EmulatedCupy(types.ModuleType):
 def _upload(a: Any, dtype: Any = None) -> EmulatedArray:
     """`cupy.asarray`: a host array is copied (device memory is not the host's)."""
     if isinstance(a, EmulatedArray):
-        out = a if dtype is None or a.dtype == dtype else a.astype(dtype)
-        return out
+        return a if dtype is None or a.dtype == dtype else a.astype(dtype)
     return np.array(a, dtype=dtype).view(EmulatedArray)
 
 

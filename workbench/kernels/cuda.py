@@ -85,9 +85,10 @@ _STEP_THREADS = 256  # ATT_THREADS in STEP_SOURCE: attend_step, rms_norm (their 
 _STORE_THREADS = 64  # store_kv's threads stride over a head's dimensions
 
 STEP_SOURCE = r"""
-// The decode step's kernels besides the weights' products. store_kv writes each row's new
-// key and value into its slot, then attend_step reads them; rms_norm, rope and glu are the
-// layers' elementwise work, one launch each. No header, so that NVRTC compiles it as it is.
+// The decode step's kernels besides the weights' products. store_kv (or, in the fused
+// step, rope_store) writes each row's new key and value into its slot, then attend_step
+// reads them; rms_norm, rope and glu are the layers' elementwise work, one launch each. No
+// header, so that NVRTC compiles it as it is.
 //
 // attend_step: the attention of B decode tokens, row b at position pos[b] of the KV-cache
 // slot slots[b] (the sequences of one recorded step).
@@ -225,6 +226,15 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
   }
 }
 
+// RoPE's pair of entry j < dim of a head (half = dim / 2): the pair's angle i, and where
+// its two entries lie in the head, ia and ib. neox: (i, i + half); else (2i, 2i + 1).
+__device__ __forceinline__ void rope_pair(int j, int half, int neox, int& i, int& ia,
+                                          int& ib) {
+  i = neox ? (j < half ? j : j - half) : j / 2;
+  ia = neox ? i : 2 * i;
+  ib = neox ? i + half : 2 * i + 1;
+}
+
 // rope_store: the step's queries, keys and values from the QKV product qkv (B, (n_head +
 // 2 n_kv) hd), heads side by side: one block of ATT_THREADS per (head, row b), heads
 // [0, n_head) of q, then n_kv of k, then n_kv of v. A q or k head is RMS-normed over hd
@@ -269,8 +279,8 @@ extern "C" __global__ void rope_store(const float* __restrict__ qkv,
       dst[j] = head[j];
       continue;
     }
-    const int i = neox ? (j < half ? j : j - half) : j / 2;  // the pair's angle
-    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+    int i, ia, ib;
+    rope_pair(j, half, neox, i, ia, ib);
     const float c = cos_t[(long long)pos * half + i], s = sin_t[(long long)pos * half + i];
     dst[j] = j == ia ? head[ia] * c - head[ib] * s : head[ia] * s + head[ib] * c;
   }
@@ -318,16 +328,8 @@ extern "C" __global__ void rope(const float* __restrict__ x, const float* __rest
     }
     const long long head = e - j;  // the head's first entry
     const long long t = e / ((long long)heads * hd);
-    int i, ia, ib;  // the pair's angle, and where its two entries lie in the head
-    if (neox) {
-      i = j < half ? j : j - half;
-      ia = i;
-      ib = i + half;
-    } else {
-      i = j / 2;
-      ia = 2 * i;
-      ib = 2 * i + 1;
-    }
+    int i, ia, ib;
+    rope_pair(j, half, neox, i, ia, ib);
     const long long at = (long long)pos[t] * half + i;
     const float c = cos_t[at], s = sin_t[at], xa = x[head + ia], xb = x[head + ib];
     out[e] = j == ia ? xa * c - xb * s : xa * s + xb * c;
@@ -351,7 +353,8 @@ extern "C" __global__ void glu(const float* __restrict__ gu, float* __restrict__
 }
 """
 """The CUDA C++ source of the decode step's kernels besides the weights' products
-(`store_kv`, `attend_step`, `rms_norm`, `rope`, `glu`), compiled apart from gguf.cu."""
+(`store_kv`, `attend_step`, `rope_store`, `rms_norm`, `rope`, `glu`), compiled apart from
+gguf.cu."""
 
 STEP_KERNELS = ("store_kv", "attend_step", "rope_store", "rms_norm", "rope", "glu")
 """The extern "C" kernels of `STEP_SOURCE`."""
