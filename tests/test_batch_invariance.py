@@ -198,23 +198,28 @@ def test_decode_kernels_give_a_row_the_same_bits_whatever_the_batch(qtype):
 
 @pytest.mark.parametrize("qtype", list(cpu.KERNEL_TYPES), ids=lambda t: t.name)
 def test_chunked_matmul_gives_each_chunk_its_own_bits(qtype, monkeypatch):
-    """`matmul_chunks` over chunks of 1, 2, 3, 8, 9, 64 and 65 rows in one x (every kernel
-    `matmul` picks): each chunk's rows have the bits of `matmul` of that chunk alone; and
-    the two-stage kernel gives a row the same bits wherever it sits among 9 to 64."""
+    """`matmul_chunks` over chunks of 1, 2, 3, 8, 9, 30, 64 and 65 rows in one x (every
+    kernel `matmul` picks): each chunk's rows have the bits of `matmul` of that chunk
+    alone; and the two-stage kernel (in either form) gives a row the same bits wherever
+    it sits among 9 to 64 rows, the outer-product form among any number."""
     monkeypatch.setattr(cpu, "TILE_WEIGHTS", 16 * 768)  # several tiles, the last partial
     rng = np.random.default_rng(int(qtype) + 11)
     n, k = 37, 768
     raw = random_weight(qtype, n, k, rng)
-    counts = [3, 65, 1, 9, 2, 64, 8, 1]
+    counts = [3, 65, 1, 9, 2, 64, 30, 8, 1]
     x = rng.standard_normal((sum(counts), k)).astype(np.float32)
     y = cpu.matmul_chunks(x, raw, qtype, counts)
     start = 0
     for c in counts:
         assert np.array_equal(y[start : start + c], cpu.matmul(x[start : start + c], raw, qtype)), c
         start += c
-    z = cpu.gemv_dequant_rows(x[:64], raw, qtype)
-    for a, b in ((0, 9), (5, 18), (30, 63)):
-        assert np.array_equal(cpu.gemv_dequant_rows(x[a:b].copy(), raw, qtype), z[a:b])
+    for kernel in (cpu.gemv_dequant_rows, cpu.gemv_outer):
+        z = kernel(x[:64], raw, qtype)
+        for a, b in ((0, 9), (5, 18), (30, 63)):
+            assert np.array_equal(kernel(x[a:b].copy(), raw, qtype), z[a:b])
+    z = cpu.gemv_outer(x, raw, qtype)  # 183 rows: passes of 64, 64 and 55
+    for a, b in ((0, 1), (60, 70), (100, 183)):
+        assert np.array_equal(cpu.gemv_outer(x[a:b].copy(), raw, qtype), z[a:b])
 
 
 def test_fp32_weights_run_one_row_chunks_alone():

@@ -72,7 +72,8 @@ def test_the_format_table_decides_every_dispatch():
 
     table = formats.FORMATS
     cpu_types = [f.qtype for f in table if f.cpu]
-    assert list(cpu.GEMV_KERNELS) == list(cpu.GEMV2_KERNELS) == list(cpu.DEQUANT_KERNELS)
+    assert (list(cpu.GEMV_KERNELS) == list(cpu.GEMV2_KERNELS) == list(cpu.OUTER_KERNELS)
+            == list(cpu.DEQUANT_KERNELS))
     assert list(cpu.GEMV_KERNELS) == cpu_types
     assert list(cpu.ROWS_KERNELS) == [f.qtype for f in table if f.rows]
     assert list(cuda.FORMATS) == [f.qtype for f in table if f.cuda]
@@ -89,13 +90,14 @@ def test_the_format_table_decides_every_dispatch():
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("T", [1, 3, 8, 17, 65])
+@pytest.mark.parametrize("T", [1, 3, 8, 17, 40, 65])
 def test_matmul_matches_dequantized(qtype, T, monkeypatch):
     """N=37 (not a multiple of 4), K=768 (3 super-blocks); every kernel, whatever T.
 
     `matmul` picks `gemv` for T=1, `gemv_rows` (or `gemv_dequant_rows` for the
-    formats without it) for T=3 and 8, `gemv_dequant_rows` for T=17 and the
-    tiled dequantize + BLAS path for T=65 (> GEMV_MAX_T).
+    formats without it) for T=3 and 8, `gemv_dequant_rows` for T=17, on CPUs with 32
+    vector registers `gemv_outer` for T=40 (else `gemv_dequant_rows`), and the tiled
+    dequantize + BLAS path for T=65 (> GEMV_MAX_T).
     """
     assert cpu.ROWS_MAX_T == 8 and cpu.GEMV_MAX_T < 65
     monkeypatch.setattr(cpu, "TILE_WEIGHTS", 16 * 768)  # 16-row tiles: 3 tiles, the last partial
@@ -106,6 +108,7 @@ def test_matmul_matches_dequantized(qtype, T, monkeypatch):
     ref = reference(x, dequantize(raw, qtype))
     assert_close(cpu.gemv(x, raw, qtype), ref)
     assert_close(cpu.gemv_dequant_rows(x, raw, qtype), ref)
+    assert_close(cpu.gemv_outer(x, raw, qtype), ref)
     if qtype in cpu.ROWS_KERNELS:
         assert_close(cpu.gemv_rows(x, raw, qtype), ref)
     assert_close(cpu.matmul(x, raw, qtype), ref)
@@ -113,8 +116,9 @@ def test_matmul_matches_dequantized(qtype, T, monkeypatch):
 
 
 # T values around every switch of `matmul` (gemv, 4-row blocks of the two-stage
-# kernel, its remainder rows, the tiled BLAS path).
-AWKWARD_T = [1, 2, 3, 4, 5, 7, 8, 16, 17, 63, 64, 65]
+# kernel, its remainder rows, the outer-product kernel's 2, 3 and 4 vectors of rows,
+# the tiled BLAS path).
+AWKWARD_T = [1, 2, 3, 4, 5, 7, 8, 16, 17, 24, 25, 33, 63, 64, 65]
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -135,7 +139,8 @@ def test_every_output_is_written(qtype, monkeypatch):
             for T in AWKWARD_T:
                 x = rng.standard_normal((T, k)).astype(np.float32)
                 ref = reference(x, full)
-                kernels = [cpu.matmul, cpu.gemv_dequant_rows] + ([cpu.gemv] if T <= 4 else [])
+                kernels = [cpu.matmul, cpu.gemv_dequant_rows, cpu.gemv_outer]
+                kernels += [cpu.gemv] if T <= 4 else []
                 kernels += [cpu.gemv_rows] if qtype in cpu.ROWS_KERNELS else []
                 for fn in kernels:
                     out = np.full((T, n), np.nan, np.float32)

@@ -23,6 +23,11 @@ rows of x. Each is generated below from a template, the format's block math
   multiply-adds) on CPUs with 32 vector registers, 4 x 2 blocks on those with
   16 (`loops.dots_block`), x padded to a multiple of four rows. Q4_0 and Q4_1
   rows are dequantized 32 weights per vector step (`simd.deq16`).
+- `_outer_<name>`, `OUTER_MIN_T` <= T <= `GEMV_MAX_T` on CPUs with 32 vector
+  registers: the two-stage kernel in outer-product form (`loops.outer_rows`): 6
+  to 12 rows of W dequantized at a time, multiplied with x transposed (16 rows
+  of x to a vector), each weight broadcast against up to 4 vectors of x into
+  24 accumulators, no horizontal sums.
 - `_dequant_<name>`, T > `GEMV_MAX_T` (prefill) and `dequantize_rows`: rows of
   W to float32, bit-identical to `gguf.quants.dequantize` (same float32 ops in
   the same order, no fastmath). `matmul` dequantizes one tile of rows at a
@@ -62,8 +67,9 @@ rows are, so a sequence's results do not depend on what else is in its batch
 (tests/test_batch_invariance.py). The gemv and multi-row kernels share their steps, whose
 arithmetic is written out without reassociation (`simd`); the two-stage kernels take
 the rows of x four at a time, zero rows added, so no row falls to a remainder loop
-that sums in another order; OpenBLAS's sgemm gives a row the same bits for two rows or
-more. The kernel still depends on T: `matmul_chunks` picks it per sequence. Decode
+that sums in another order; the outer-product kernels sum each output in one chain of
+fused multiply-adds, the same in every lane; OpenBLAS's sgemm gives a row the same bits
+for two rows or more. The kernel still depends on T: `matmul_chunks` picks it per sequence. Decode
 steps of more than `ROWS_MAX_T` sequences go through the two-stage kernels, whose sums
 run in another order than the gemv's: the multi-row kernels there were 1.2-1.4x slower
 than them on Q4_1 at T = 9 to 16 (1 thread), more than the 5% of batched decode speed
@@ -152,6 +158,20 @@ def _gemv2_{name}(x, w, f16, scratch, y, n):
         loops.dots_block(buf, xp, y, r, N)
 """
 
+# Two-stage gemv in outer-product form (`loops.outer_rows`; CPUs with 32 vector registers):
+# the tile for T rows of x, each a literal. No fastmath: its sums are explicit FMA chains.
+_OUTER = """
+@njit(parallel=True, cache=True)
+def _outer_{name}(x, w, f16, xt, scratch, y, n):
+    V = (x.shape[0] + 15) // 16
+    if V <= 2:
+        loops.outer_rows(blocks.{row}, x, w, f16, xt, scratch, y, n, 12, 2)
+    elif V == 3:
+        loops.outer_rows(blocks.{row}, x, w, f16, xt, scratch, y, n, 8, 3)
+    else:
+        loops.outer_rows(blocks.{row}, x, w, f16, xt, scratch, y, n, 6, 4)
+"""
+
 # Bit-exact dequantization of rows r0 .. r0 + len(out) (fastmath off).
 _DEQUANT = """
 @njit(cache=True)
@@ -182,7 +202,8 @@ def _kernels_source(fmt: Format) -> str:
                  _ROWS.format(name=fmt.name, size=fmt.sums)]
     else:
         parts = [_GEMV.format(name=fmt.name, sums=sums, xs_t=xs_t)]
-    parts += [_GEMV2.format(name=fmt.name, row=row), _DEQUANT.format(name=fmt.name)]
+    parts += [_GEMV2.format(name=fmt.name, row=row), _OUTER.format(name=fmt.name, row=row),
+              _DEQUANT.format(name=fmt.name)]
     return "".join(parts)
 
 
@@ -200,6 +221,7 @@ _define_kernels(_CPU_FORMATS)
 
 GEMV_KERNELS = {f.qtype: globals()[f"_gemv_{f.name}"] for f in _CPU_FORMATS}
 GEMV2_KERNELS = {f.qtype: globals()[f"_gemv2_{f.name}"] for f in _CPU_FORMATS}
+OUTER_KERNELS = {f.qtype: globals()[f"_outer_{f.name}"] for f in _CPU_FORMATS}
 DEQUANT_KERNELS = {f.qtype: globals()[f"_dequant_{f.name}"] for f in _CPU_FORMATS}
 ROWS_KERNELS = {f.qtype: globals()[f"_rows_{f.name}"] for f in _CPU_FORMATS if f.rows}
 KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = tuple(GEMV_KERNELS)
@@ -210,6 +232,14 @@ _BF16_TABLE = frozenset(f.qtype for f in _CPU_FORMATS if f.bf16)
 # (4 x 4 blocked dots) / tile+BLAS: Q4_1 49152x576 T=8 4.1 / 9.5, T=16 6.4 / 13.0;
 # Q4_1 4864x896 T=32 1.9 / 2.6, T=64 3.2 / 4.9, T=128 6.8 / 7.6, T=512 28.6 / 23.2.
 GEMV_MAX_T = 64
+# The two-stage kernels take the outer-product form (`loops.outer_rows`) on CPUs with 32
+# vector registers for OUTER_MIN_T <= T <= GEMV_MAX_T (two to four vectors of 16 rows of
+# x). Below, its zero rows cost more than it saves (2 threads, AVX-512 host, one run,
+# against `loops.dots_block`: Qwen2.5's Q5_0 4864 x 896 T=12 0.92x, T=17 0.92x, T=21
+# 1.06x, T=24 0.98x, T=33 1.10x, T=40 1.38x, T=64 1.44x; Q6_K 896 x 4864 T=12 0.82x,
+# T=24 1.16x, T=40 1.26x, T=64 1.39x).
+OUTER = loops.WIDE_REGISTERS
+OUTER_MIN_T = 25
 # Weights dequantized per tile on the BLAS path (8M floats = 32 MiB of fp32: a whole
 # matrix of the models we run, so one BLAS call each). Against 1M (bench/bench_kernels.py,
 # one run, AVX-512 host, 2 threads): Qwen2.5's 896x4864 Q5_0 at T=512 17.9 -> 14.4 ms and
@@ -276,6 +306,17 @@ def gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
     return _gemv_dequant_rows(x, w, qtype, _check(x, w, qtype, out))
 
 
+def gemv_outer(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """`x @ dequantize(w).T`, the two-stage kernel in outer-product form (`loops.outer_rows`).
+
+    Same contract as `gemv`; any T (passes of up to `GEMV_MAX_T` rows), on any CPU.
+    `matmul` picks it for `OUTER_MIN_T` <= T <= `GEMV_MAX_T` on CPUs with 32 vector
+    registers (`OUTER`). A row of x gets the same bits whatever the other rows are.
+    """
+    return _outer(x, w, qtype, _check(x, w, qtype, out))
+
+
 def gemv_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
               out: np.ndarray | None = None) -> np.ndarray:
     """`x @ dequantize(w).T`, unpacking each block once for 8 (or 4) rows of x at a time.
@@ -302,9 +343,24 @@ def _gemv(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType, y: np.ndarr
 
 def _gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
                        y: np.ndarray) -> np.ndarray:
-    # (threads, 4, K): four dequantized rows per thread
-    scratch = np.empty((numba.config.NUMBA_NUM_THREADS, 4, x.shape[1]), np.float32)
+    threads, K = numba.config.NUMBA_NUM_THREADS, x.shape[1]
+    scratch = _scratch(threads * 4 * K).reshape(threads, 4, K)  # four dequantized rows each
     GEMV2_KERNELS[qtype](_writeable(x), _frozen(w), _table(qtype), scratch, y, _INNER)
+    return y
+
+
+def _outer(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType, y: np.ndarray
+           ) -> np.ndarray:
+    T, K = x.shape
+    threads = numba.config.NUMBA_NUM_THREADS
+    per_thread = 12 * K + 12 * 32  # R rows of W and the R x 16 V tile: at most 12 x 32
+    buf = _scratch(GEMV_MAX_T * K + threads * per_thread)
+    xt = buf[: GEMV_MAX_T * K]  # x transposed
+    scratch = buf[GEMV_MAX_T * K :].reshape(threads, per_thread)
+    x, w, table = _writeable(x), _frozen(w), _table(qtype)
+    for t0 in range(0, T, GEMV_MAX_T):  # passes of at most 64 rows (views: no copies)
+        OUTER_KERNELS[qtype](x[t0 : t0 + GEMV_MAX_T], w, table, xt, scratch,
+                             y[t0 : t0 + GEMV_MAX_T], _INNER)
     return y
 
 
@@ -353,7 +409,8 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
     - T = 1 (decode): `gemv`, dot products on the packed blocks;
     - 2 <= T <= `ROWS_MAX_T` (batched decoding): `gemv_rows` for the formats
       it has (T = 2 for the others: `gemv`), else `gemv_dequant_rows`;
-    - larger T up to `GEMV_MAX_T`: `gemv_dequant_rows`;
+    - larger T up to `GEMV_MAX_T`: `gemv_dequant_rows`, or from `OUTER_MIN_T` on
+      CPUs with 32 vector registers `gemv_outer`;
     - larger T (prefill): W is dequantized one tile of `TILE_WEIGHTS` floats
       at a time (serial Numba) and each tile is multiplied with BLAS
       (`np.dot`, multithreaded), so the fp32 copy never exceeds one tile.
@@ -379,7 +436,7 @@ def kernel_for(T: int, qtype: GGMLQuantizationType):
     if T <= 2:
         return _gemv
     if T <= GEMV_MAX_T:
-        return _gemv_dequant_rows
+        return _outer if OUTER and T >= OUTER_MIN_T else _gemv_dequant_rows
     return _tiled
 
 
@@ -407,17 +464,23 @@ def matmul_chunks(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType,
     return y
 
 
-_TILES = threading.local()  # .buf: the calling thread's buffer for tiles of W
+_SCRATCH = threading.local()  # .buf: the calling thread's float32 buffer for the kernels
+
+
+def _scratch(size: int) -> np.ndarray:
+    """`size` float32 of the calling thread's, kept between calls (the tiles of W on the
+    BLAS path, the two-stage kernels' rows of W): a fresh buffer each call would be fresh
+    pages (glibc maps blocks this large anew every time), which the kernel faults in and
+    zeroes on first touch."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.buf = np.empty(size, np.float32)
+    return buf[:size]
 
 
 def _tile(rows: int, K: int) -> np.ndarray:
-    """A (rows, K) float32 buffer of the calling thread's, kept between calls: a fresh one
-    each call would be fresh pages (glibc maps blocks this large anew every time), which
-    the kernel faults in and zeroes on first touch."""
-    buf = getattr(_TILES, "buf", None)
-    if buf is None or buf.size < rows * K:
-        buf = _TILES.buf = np.empty(rows * K, np.float32)
-    return buf[: rows * K].reshape(rows, K)
+    """A (rows, K) float32 buffer of the calling thread's (`_scratch`)."""
+    return _scratch(rows * K).reshape(rows, K)
 
 
 def _tiled(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType, y: np.ndarray

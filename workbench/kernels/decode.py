@@ -150,9 +150,10 @@ class StackWeights:
 
 
 # `_project` and `_stack` are compiled in the module that `stack_module` generates, beside
-# a `_matmul(code, x, w, f16, bf16, scratch, y, n)`: y = x @ W.T by the packed-block kernel
-# of GGML type `code`, as `cpu.matmul` picks it (T <= 2: gemv; T <= `cpu.ROWS_MAX_T`: the
-# multi-row kernel where the format has one; else the two-stage kernel with `scratch`);
+# a `_matmul(code, x, w, f16, bf16, scratch, xt, rows, y, n)`: y = x @ W.T by the
+# packed-block kernel of GGML type `code`, as `cpu.matmul` picks it (T <= 2: gemv; T <=
+# `cpu.ROWS_MAX_T`: the multi-row kernel where the format has one; else the two-stage
+# kernel with `scratch`, or its outer-product form with `xt` and `rows`);
 # `n` is the run-time 16 of `cpu`.
 
 
@@ -161,16 +162,21 @@ def _project(mats, parts, lo, hi, width, x, f16, bf16, n_threads, n):
     parts[lo:hi]. lo, hi and width are read from arrays by the caller, so they are run-time
     integers: as literals (the constant QKV ...) each projection would be a specialization
     of its own, compiled four times."""
-    T = x.shape[0]
+    T, K = x.shape
     y = np.empty((T, width), np.float32)
     # (threads, 4, K): the two-stage kernel's four dequantized rows per thread
-    scratch = np.empty((n_threads if T > 2 else 0, 4, x.shape[1]), np.float32)
+    scratch = np.empty((n_threads if T > 2 else 0, 4, K), np.float32)
+    # the outer-product kernel's x transposed, and its rows of W and tile per thread
+    outer = T >= cpu.OUTER_MIN_T and cpu.OUTER
+    xt = np.empty(cpu.GEMV_MAX_T * K if outer else 0, np.float32)
+    rows = np.empty((n_threads if outer else 0, 12 * K + 12 * 32), np.float32)
     if hi - lo == 1:
-        _matmul(parts[lo, 1], x, mats[parts[lo, 0]], f16, bf16, scratch, y, n)  # noqa: F821
+        _matmul(parts[lo, 1], x, mats[parts[lo, 0]], f16, bf16, scratch, xt, rows, y, n)  # noqa: F821
         return y
     for i in range(lo, hi):  # parts of different formats, side by side in y
         part = np.empty((T, parts[i, 3]), np.float32)
-        _matmul(parts[i, 1], x, mats[parts[i, 0]], f16, bf16, scratch, part, n)  # noqa: F821
+        _matmul(parts[i, 1], x, mats[parts[i, 0]], f16, bf16, scratch, xt, rows,  # noqa: F821
+                part, n)
         c0 = parts[i, 2]
         for t in range(T):  # element loops: a slice copy brings Numba's shape checks
             for j in range(parts[i, 3]):
@@ -233,7 +239,7 @@ def _matmul_source(formats: tuple[int, ...]) -> str:
     lines = [f"{f.qtype.name} = {int(f.qtype)}  # GGMLQuantizationType.{f.qtype.name}"
              for f in fmts]
     lines += ["", "", "@njit(cache=True)",
-              "def _matmul(code, x, w, f16, bf16, scratch, y, n):",
+              "def _matmul(code, x, w, f16, bf16, scratch, xt, rows, y, n):",
               "    T = x.shape[0]"]
     for i, f in enumerate(fmts):
         table = "bf16" if f.bf16 else "f16"
@@ -243,6 +249,8 @@ def _matmul_source(formats: tuple[int, ...]) -> str:
         if f.rows:
             lines.append("        elif T <= cpu.ROWS_MAX_T:")
             lines.append(f"            cpu._rows_{f.name}(x, w, {table}, y, n)")
+        lines.append("        elif T >= cpu.OUTER_MIN_T and cpu.OUTER:")
+        lines.append(f"            cpu._outer_{f.name}(x, w, {table}, xt, rows, y, n)")
         lines.append("        else:")
         lines.append(f"            cpu._gemv2_{f.name}(x, w, {table}, scratch, y, n)")
     return "\n".join(lines) + "\n"

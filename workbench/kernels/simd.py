@@ -78,6 +78,16 @@ Other steps:
 - `f32_from_bits(i)`: the float32 whose bit pattern is the int32 `i` (for
   building powers of two in `layers.exp_neg`).
 
+Short-prompt products (`loops.outer_rows`), outer-product form, the loop over K inside
+the step so the accumulators stay in registers:
+
+- `outer_tile(tile, a, lda, xt, xo, ldx, K, rows, vecs)`: for the `rows` (literal, 1 to
+  16) rows i of a (float32, row i at a[i * lda:]) and the `vecs` (literal, 1 to 4) runs
+  of 16 columns v of xt (x transposed: column t of x at xt[xo + k * ldx + t]),
+  tile[(i * vecs + v) * 16 + l] = sum over k < K of a[i * lda + k] * xt[xo + k * ldx +
+  16 v + l]: each sum one chain of fused multiply-adds in ascending k, the same for every
+  lane, so an output's bits depend on neither its place in the tile nor the tile's size.
+
 Attention steps (decoding, `layers._attend_group`), eight 8-lane accumulators in a
 `stack_f32x64()` as above; k, v are C-contiguous float32 arrays of any shape, indexed
 flat:
@@ -578,6 +588,61 @@ def stack_f32x128():
     """Eight zeroed 16-lane accumulators, (128,) float32 on the stack, one per row of x
     for the dot-product steps (only inside @njit code)."""
     return carray(_stack128(), (128,))
+
+
+# -- short-prompt products ------------------------------------------------------------------
+
+
+@intrinsic
+def outer_tile(typingctx, tile, a, lda, xt, xo, ldx, K, rows, vecs):
+    if not (isinstance(rows, types.IntegerLiteral) and 1 <= rows.literal_value <= 16
+            and isinstance(vecs, types.IntegerLiteral) and 1 <= vecs.literal_value <= 4):
+        raise errors.TypingError("rows must be a literal 1..16 and vecs a literal 1..4")
+    R, V = rows.literal_value, vecs.literal_value
+    sig = types.void(tile, a, lda, xt, xo, ldx, K, rows, vecs)
+
+    def codegen(context, builder, signature, args):
+        tile_, a_, lda_, xt_, xo_, ldx_, K_, _, _ = args
+        t_data, a_data, x_data = (_data(context, builder, signature.args[i], v)
+                                  for i, v in ((0, tile_), (1, a_), (3, xt_)))
+        idx = K_.type
+        zero = ir.Constant(_V16F, [0.0] * 16)
+        entry = builder.block
+        loop = builder.append_basic_block("outer.k")
+        done = builder.append_basic_block("outer.done")
+        builder.cbranch(builder.icmp_signed(">", K_, ir.Constant(idx, 0)), loop, done)
+        # loop: k and the R x V accumulators as phi nodes (registers, never memory)
+        builder.position_at_end(loop)
+        k = builder.phi(idx)
+        acc = [[builder.phi(_V16F) for _ in range(V)] for _ in range(R)]
+        xk = builder.add(xo_, builder.mul(k, ldx_))
+        xv = [builder.load(builder.bitcast(builder.gep(x_data, [builder.add(
+            xk, ir.Constant(idx, 16 * v))]), _V16F.as_pointer()), align=4) for v in range(V)]
+        new = []
+        for i in range(R):
+            at = builder.add(builder.mul(lda_, ir.Constant(idx, i)), k)
+            ai = _splat(builder, builder.load(builder.gep(a_data, [at])))
+            new.append([_fma(builder, ai, xv[v], acc[i][v]) for v in range(V)])
+        k_next = builder.add(k, ir.Constant(idx, 1))
+        latch = builder.block
+        k.add_incoming(ir.Constant(idx, 0), entry)
+        k.add_incoming(k_next, latch)
+        for i in range(R):
+            for v in range(V):
+                acc[i][v].add_incoming(zero, entry)
+                acc[i][v].add_incoming(new[i][v], latch)
+        builder.cbranch(builder.icmp_signed("<", k_next, K_), loop, done)
+        # done: store the sums (zero where K is 0)
+        builder.position_at_end(done)
+        totals = [builder.phi(_V16F) for _ in range(R * V)]  # phis first in their block
+        for j, total in enumerate(totals):
+            total.add_incoming(zero, entry)
+            total.add_incoming(new[j // V][j % V], latch)
+            ptr = builder.gep(t_data, [ir.Constant(ir.IntType(64), 16 * j)])
+            builder.store(total, builder.bitcast(ptr, _V16F.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # -- attention steps -------------------------------------------------------------------------
