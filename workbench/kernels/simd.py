@@ -29,10 +29,12 @@ did: the one-row and the multi-row Q4_K kernels differed in the last bits). With
 
 - `nib16(acc, w, off, x, xlo, xhi, stride, dlo, dhi, rows)`: for j in 0..15, with
   v = w[off + j], lo = v & 15, hi = v >> 4:
-  acc += fma(lo * x_lo, dlo, (hi * x_hi) * dhi).
-- `nib16_1(acc, w, off, x, xlo, xhi, stride, d, rows)`: `nib16` with dlo = dhi = d,
-  the scale applied once to the sum (Q4_0, Q4_1): acc = fma(fma(lo, x_lo, hi * x_hi),
-  d, acc).
+  acc = fma(hi * dhi, x_hi, fma(lo * dlo, x_lo, acc)). The weights times their
+  scales (lo * dlo, hi * dhi) are worked out once for all the rows, so each row costs
+  two multiply-adds (at 8 rows the Q4_K and Q6_K kernels 1.3x faster than with the
+  scales applied per row, Q5_0 1.25x; one row as fast).
+- `nib16_1(acc, w, off, x, xlo, xhi, stride, d, rows)`: `nib16` with dlo = dhi = d
+  (Q4_0, Q4_1).
 - `nib16_hb(acc, w, off, x, xlo, xhi, stride, d, qh, rows)`: the same with 5-bit
   weights (Q5_0/Q5_1) and dlo = dhi = d: bit j of `qh` adds 16 to the low nibble of
   byte j, bit 16 + j to its high nibble.
@@ -45,8 +47,8 @@ did: the one-row and the multi-row Q4_K kernels differed in the last bits). With
   (a & 15 | (h & 3) << 4), (c & 15 | (h >> 2 & 3) << 4),
   (a >> 4 | (h >> 4 & 3) << 4), (c >> 4 | (h >> 6) << 4) times
   x[x0 + j], x[x0 + 32 + j], x[x0 + 64 + j], x[x0 + 96 + j], scaled by d0..d3:
-  p_i = q_i * x_i, acc += fma(p3, d3, fma(p2, d2, fma(p1, d1, p0 * d0))). (The -32
-  offset is the caller's, through sums of x.)
+  acc = fma(q3 * d3, x3, fma(q2 * d2, x2, fma(q1 * d1, x1, fma(q0 * d0, x0, acc)))),
+  the q_i * d_i once for all rows. (The -32 offset is the caller's, through sums of x.)
 - `madd_lanes(s, a, xs, xo, rows)`: s[t] = fma(a, xs[xo + t], s[t]) for t < rows: the
   blocks' scalar parts (an offset or min times the block's sum of x), the rows'
   sums of x side by side in xs.
@@ -199,12 +201,14 @@ def _fma(builder, a, b, c):
 
 
 def _one_scale(builder, lo, hi, xlo, xhi, d):
-    """acc + (lo * x[xlo:] + hi * x[xhi:]) * d for one row (lo, hi: <16 x float>), as
-    fma(fma(lo, x[xlo:], hi * x[xhi:]), d, acc)."""
+    """acc + lo * d * x[xlo:] + hi * d * x[xhi:] for one row (lo, hi: <16 x float>), as
+    fma(hi * d, x[xhi:], fma(lo * d, x[xlo:], acc)): the weights times the scale once for
+    all rows."""
     dv = _splat(builder, d)
+    lo_d, hi_d = builder.fmul(lo, dv), builder.fmul(hi, dv)
 
     def step(load, acc):
-        return _fma(builder, _fma(builder, lo, load(xlo), builder.fmul(hi, load(xhi))), dv, acc)
+        return _fma(builder, hi_d, load(xhi), _fma(builder, lo_d, load(xlo), acc))
 
     return step
 
@@ -231,11 +235,12 @@ def nib16(typingctx, acc, w, off, x, xlo, xhi, stride, dlo, dhi, rows):
     def codegen(context, builder, signature, args):
         acc_, w_, off_, x_, xlo_, xhi_, stride_, dlo_, dhi_, _ = args
         lo, hi = _float_nibbles(builder, context, signature.args[1], w_, off_)
-        dlo_v, dhi_v = _splat(builder, dlo_), _splat(builder, dhi_)
+        # the weights times their scales, once for all rows
+        lo_d = builder.fmul(lo, _splat(builder, dlo_))
+        hi_d = builder.fmul(hi, _splat(builder, dhi_))
 
         def step(load, acc):
-            t = builder.fmul(builder.fmul(hi, load(xhi_)), dhi_v)
-            return builder.fadd(acc, _fma(builder, builder.fmul(lo, load(xlo_)), dlo_v, t))
+            return _fma(builder, hi_d, load(xhi_), _fma(builder, lo_d, load(xlo_), acc))
 
         _each_row(context, builder, signature, acc_, x_, stride_, n, step)
         return context.get_dummy_value()
@@ -349,15 +354,14 @@ def q6k16(typingctx, acc, w, lo, ho, x, x0, stride, d0, d1, d2, d3, rows):
         acc_, w_, lo_, ho_, x_, x0_, stride_ = args[:7]
         quads = [builder.uitofp(q, _V16F)
                  for q in _q6k_values(builder, context, signature.args[1], w_, lo_, ho_)]
-        scales = [_splat(builder, d) for d in args[7:11]]
+        # the weights times their scales, once for all rows
+        scaled = [builder.fmul(q, _splat(builder, d)) for q, d in zip(quads, args[7:11])]
         offsets = [builder.add(x0_, ir.Constant(x0_.type, 32 * i)) for i in range(4)]
 
         def step(load, acc):
-            total = None
-            for q, d, xo in zip(quads, scales, offsets):
-                p = builder.fmul(q, load(xo))
-                total = builder.fmul(p, d) if total is None else _fma(builder, p, d, total)
-            return builder.fadd(acc, total)
+            for q, xo in zip(scaled, offsets):
+                acc = _fma(builder, q, load(xo), acc)
+            return acc
 
         _each_row(context, builder, signature, acc_, x_, stride_, n, step, x_arg=4)
         return context.get_dummy_value()
