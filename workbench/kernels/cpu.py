@@ -17,7 +17,8 @@ rows of x. Each is generated below from a template, the format's block math
   up to 8 rows of x (see `loops`). A row of x gets the very bits it gets from
   `_gemv_<name>`.
 - `_gemv2_<name>`, `ROWS_MAX_T` < T <= `GEMV_MAX_T` (short prompts; from
-  T = 3 for Q5_K, F16 and BF16): four rows of W at a time are dequantized
+  T = 3 for Q5_K, F16 and BF16; below `OUTER_MIN_T` where `_outer_<name>`
+  runs): four rows of W at a time are dequantized
   into a per-thread fp32 buffer, then multiplied with the T rows of x in 4 x 4
   blocks of outputs (16 accumulators: each load of W or x feeds four
   multiply-adds) on CPUs with 32 vector registers, 4 x 2 blocks on those with
@@ -69,11 +70,11 @@ arithmetic is written out without reassociation (`simd`); the two-stage kernels 
 the rows of x four at a time, zero rows added, so no row falls to a remainder loop
 that sums in another order; the outer-product kernels sum each output in one chain of
 fused multiply-adds, the same in every lane; OpenBLAS's sgemm gives a row the same bits
-for two rows or more. The kernel still depends on T: `matmul_chunks` picks it per sequence. Decode
-steps of more than `ROWS_MAX_T` sequences go through the two-stage kernels, whose sums
-run in another order than the gemv's: the multi-row kernels there were 1.2-1.4x slower
-than them on Q4_1 at T = 9 to 16 (1 thread), more than the 5% of batched decode speed
-that bit-identical steps may cost; `max_batch` is 8 by default.
+for two rows or more. The kernel still depends on T: `matmul_chunks` picks it per
+sequence. Decode steps of more than `ROWS_MAX_T` sequences go through the two-stage
+kernels, whose sums run in another order than the gemv's: the multi-row kernels there
+were 1.2-1.4x slower than them on Q4_1 at T = 9 to 16 (1 thread), more than the 5% of
+batched decode speed that bit-identical steps may cost; `max_batch` is 8 by default.
 """
 
 from __future__ import annotations
@@ -240,6 +241,15 @@ GEMV_MAX_T = 64
 # T=24 1.16x, T=40 1.26x, T=64 1.39x).
 OUTER = loops.WIDE_REGISTERS
 OUTER_MIN_T = 25
+
+
+@njit(cache=True)
+def outer_floats(K):
+    """The float32 scratch each thread needs for the outer-product kernels on rows of K
+    weights: R rows of W and the R x 16 V tile, at most 12 rows and 12 x 32 (V = 2)."""
+    return 12 * K + 12 * 32
+
+
 # Weights dequantized per tile on the BLAS path (8M floats = 32 MiB of fp32: a whole
 # matrix of the models we run, so one BLAS call each). Against 1M (bench/bench_kernels.py,
 # one run, AVX-512 host, 2 threads): Qwen2.5's 896x4864 Q5_0 at T=512 17.9 -> 14.4 ms and
@@ -352,8 +362,7 @@ def _gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType
 def _outer(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType, y: np.ndarray
            ) -> np.ndarray:
     T, K = x.shape
-    threads = numba.config.NUMBA_NUM_THREADS
-    per_thread = 12 * K + 12 * 32  # R rows of W and the R x 16 V tile: at most 12 x 32
+    threads, per_thread = numba.config.NUMBA_NUM_THREADS, outer_floats(K)
     buf = _scratch(GEMV_MAX_T * K + threads * per_thread)
     xt = buf[: GEMV_MAX_T * K]  # x transposed
     scratch = buf[GEMV_MAX_T * K :].reshape(threads, per_thread)
