@@ -26,8 +26,8 @@ rows of x. Each is generated below from a template, the format's block math
   rows are dequantized 32 weights per vector step (`simd.deq16`).
 - `_outer_<name>`, `OUTER_MIN_T` <= T <= `GEMV_MAX_T` on CPUs with 32 vector
   registers: the two-stage kernel in outer-product form (`loops.outer_rows`): 6
-  to 12 rows of W dequantized at a time, multiplied with x transposed (16 rows
-  of x to a vector), each weight broadcast against up to 4 vectors of x into
+  rows of W dequantized at a time, multiplied with x transposed (16 rows of x
+  to a vector), each weight broadcast against up to 4 vectors of x into up to
   24 accumulators, no horizontal sums.
 - `_dequant_<name>`, T > `GEMV_MAX_T` (prefill) and `dequantize_rows`: rows of
   W to float32, bit-identical to `gguf.quants.dequantize` (same float32 ops in
@@ -159,18 +159,12 @@ def _gemv2_{name}(x, w, f16, scratch, y, n):
         loops.dots_block(buf, xp, y, r, N)
 """
 
-# Two-stage gemv in outer-product form (`loops.outer_rows`; CPUs with 32 vector registers):
-# the tile for T rows of x, each a literal. No fastmath: its sums are explicit FMA chains.
+# Two-stage gemv in outer-product form (`loops.outer_rows`; CPUs with 32 vector registers).
+# No fastmath: its sums are explicit FMA chains.
 _OUTER = """
 @njit(parallel=True, cache=True)
 def _outer_{name}(x, w, f16, xt, scratch, y, n):
-    V = (x.shape[0] + 15) // 16
-    if V <= 2:
-        loops.outer_rows(blocks.{row}, x, w, f16, xt, scratch, y, n, 12, 2)
-    elif V == 3:
-        loops.outer_rows(blocks.{row}, x, w, f16, xt, scratch, y, n, 8, 3)
-    else:
-        loops.outer_rows(blocks.{row}, x, w, f16, xt, scratch, y, n, 6, 4)
+    loops.outer_rows(blocks.{row}, x, w, f16, xt, scratch, y, n)
 """
 
 # Bit-exact dequantization of rows r0 .. r0 + len(out) (fastmath off).
@@ -236,18 +230,11 @@ GEMV_MAX_T = 64
 # The two-stage kernels take the outer-product form (`loops.outer_rows`) on CPUs with 32
 # vector registers for OUTER_MIN_T <= T <= GEMV_MAX_T (two to four vectors of 16 rows of
 # x). Below, its zero rows cost more than it saves (2 threads, AVX-512 host, one run,
-# against `loops.dots_block`: Qwen2.5's Q5_0 4864 x 896 T=12 0.92x, T=17 0.92x, T=21
-# 1.06x, T=24 0.98x, T=33 1.10x, T=40 1.38x, T=64 1.44x; Q6_K 896 x 4864 T=12 0.82x,
-# T=24 1.16x, T=40 1.26x, T=64 1.39x).
+# against `loops.dots_block`, Qwen2.5's Q5_0 4864 x 896, 896 x 896 and Q6_K 896 x 4864:
+# T=17 0.90-0.94x, T=20 0.89-0.93x, T=24 1.03-1.12x, T=25 1.02-1.46x, T=40 1.11-1.28x,
+# T=64 1.11-1.24x).
 OUTER = loops.WIDE_REGISTERS
 OUTER_MIN_T = 25
-
-
-@njit(cache=True)
-def outer_floats(K):
-    """The float32 scratch each thread needs for the outer-product kernels on rows of K
-    weights: R rows of W and the R x 16 V tile, at most 12 rows and 12 x 32 (V = 2)."""
-    return 12 * K + 12 * 32
 
 
 # Weights dequantized per tile on the BLAS path (8M floats = 32 MiB of fp32: a whole
@@ -362,7 +349,7 @@ def _gemv_dequant_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType
 def _outer(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType, y: np.ndarray
            ) -> np.ndarray:
     T, K = x.shape
-    threads, per_thread = numba.config.NUMBA_NUM_THREADS, outer_floats(K)
+    threads, per_thread = numba.config.NUMBA_NUM_THREADS, loops.outer_floats(K)
     buf = _scratch(GEMV_MAX_T * K + threads * per_thread)
     xt = buf[: GEMV_MAX_T * K]  # x transposed
     scratch = buf[GEMV_MAX_T * K :].reshape(threads, per_thread)

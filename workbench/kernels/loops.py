@@ -188,24 +188,28 @@ def dots_block(buf, x, y, r, N):
 # it with V vectors of x into R x V accumulators (no horizontal sums; each weight loaded
 # once per pass, each x vector once per R rows). Each output is one fused multiply-add
 # chain in ascending k, whatever T, R and V are, so a row of x gets the same bits
-# wherever it sits. R x V = 24 accumulators, V = T / 16 rounded up (rows of x past T are
-# zeros): R = 12, 8, 6 for V = 2, 3, 4 (`cpu._outer_<name>`). With 2 threads on an AVX-512
-# host it runs Qwen2.5's Q5_0 4864 x 896 at 235 GFLOP/s for T = 40 and 253 for T = 64
-# (`dots_block`: 170, 176; NumPy's sgemm on 2048 x 2048 matrices: ~300).
+# wherever it sits. R = 8 rows of W and V = 3 vectors of x (24 accumulators) for 33 to 48
+# rows of x, else passes of V = 2 (16 accumulators; rows of x past T are zeros): two tile
+# shapes and one loop over W, so the kernel compiles in ~2 s (~4.5 s when V = 2, 3 and 4
+# had a loop each, R = 12, 8, 6). With 2 threads on an AVX-512 host it runs Qwen2.5's
+# Q5_0 4864 x 896 at 237 GFLOP/s for T = 40, 254 for 48 and 239 for 64 (`dots_block`:
+# 178-180; NumPy's sgemm on 2048 x 2048 matrices: ~300).
+OUTER_R = 8
 
 
 @njit(inline="always")
-def outer_rows(row, x, w, f16, xt, scratch, y, n, R, V):
-    """y (T, N) = x @ W.T for T <= 16 V, R rows of W at a time (R, V literals): `row` a
+def outer_rows(row, x, w, f16, xt, scratch, y, n):
+    """y (T, N) = x @ W.T for T <= 64, `OUTER_R` rows of W at a time: `row` a
     `blocks.row_<name>` dequantizing one row of W; xt a float32 buffer of at least
-    K * 16 V floats, scratch (threads, at least R * K + 16 R V) float32."""
+    K * 64 floats, scratch (threads, at least `outer_floats(K)`) float32."""
     T, K = x.shape
     N = w.shape[0]
-    tp = 16 * V  # rows of x in a pass, the ones past T zero
+    tp = 48 if 32 < T <= 48 else 32 * ((T + 31) // 32)  # rows of x with the zero ones
     for k in prange(K):  # xt[k * tp + t] = x[t, k]: (K, tp), flat
         for t in range(tp):
             xt[k * tp + t] = x[t, k] if t < T else np.float32(0.0)
     wi = w.view(np.int8)
+    R = OUTER_R
     for p in prange((N + R - 1) // R):
         buf = scratch[get_thread_id()]
         a = buf[: R * K]  # (R, K) flat: rows r0 .. r0 + R of W (past N: stale, unused)
@@ -214,10 +218,21 @@ def outer_rows(row, x, w, f16, xt, scratch, y, n, R, V):
         m = min(R, N - r0)
         for i in range(m):
             row(w, wi, r0 + i, f16, a[i * K : (i + 1) * K], n)
-        outer_tile(tile, a, K, xt, 0, tp, K, R, V)
+        if tp == 48:  # three vectors of rows of x in one pass
+            outer_tile(tile, 0, 48, a, K, xt, 0, 48, K, OUTER_R, 3)
+        else:  # passes of two vectors over the same rows of W
+            for t0 in range(0, tp, 32):
+                outer_tile(tile, t0, tp, a, K, xt, t0, tp, K, OUTER_R, 2)
         for i in range(m):
             for t in range(T):
                 y[t, r0 + i] = tile[i * tp + t]
+
+
+@njit(cache=True)
+def outer_floats(K):
+    """The float32 scratch each thread needs in `outer_rows` for rows of K weights: R rows
+    of W and the (R, 64) tile."""
+    return OUTER_R * K + OUTER_R * 64
 
 
 # --------------------------------------------------------------------------- multi-row kernels

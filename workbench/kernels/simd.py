@@ -83,12 +83,13 @@ Other steps:
 Short-prompt products (`loops.outer_rows`), outer-product form, the loop over K inside
 the step so the accumulators stay in registers:
 
-- `outer_tile(tile, a, lda, xt, xo, ldx, K, rows, vecs)`: for the `rows` (literal, 1 to
-  16) rows i of a (float32, row i at a[i * lda:]) and the `vecs` (literal, 1 to 4) runs
-  of 16 columns v of xt (x transposed: column t of x at xt[xo + k * ldx + t]),
-  tile[(i * vecs + v) * 16 + l] = sum over k < K of a[i * lda + k] * xt[xo + k * ldx +
-  16 v + l]: each sum one chain of fused multiply-adds in ascending k, the same for every
-  lane, so an output's bits depend on neither its place in the tile nor the tile's size.
+- `outer_tile(tile, to, ldt, a, lda, xt, xo, ldx, K, rows, vecs)`: for the `rows`
+  (literal, 1 to 16) rows i of a (float32, row i at a[i * lda:]) and the `vecs` (literal,
+  1 to 4) runs of 16 columns v of xt (x transposed: column t of x at xt[xo + k * ldx +
+  t]), tile[to + i * ldt + 16 v + l] = sum over k < K of a[i * lda + k] * xt[xo + k * ldx
+  + 16 v + l]: each sum one chain of fused multiply-adds in ascending k, the same for
+  every lane, so an output's bits depend on neither its place in the tile nor the
+  tile's size.
 
 Attention steps (decoding, `layers._attend_group`), eight 8-lane accumulators in a
 `stack_f32x64()` as above; k, v are C-contiguous float32 arrays of any shape, indexed
@@ -598,17 +599,17 @@ def stack_f32x128():
 
 
 @intrinsic
-def outer_tile(typingctx, tile, a, lda, xt, xo, ldx, K, rows, vecs):
+def outer_tile(typingctx, tile, to, ldt, a, lda, xt, xo, ldx, K, rows, vecs):
     if not (isinstance(rows, types.IntegerLiteral) and 1 <= rows.literal_value <= 16
             and isinstance(vecs, types.IntegerLiteral) and 1 <= vecs.literal_value <= 4):
         raise errors.TypingError("rows must be a literal 1..16 and vecs a literal 1..4")
     R, V = rows.literal_value, vecs.literal_value
-    sig = types.void(tile, a, lda, xt, xo, ldx, K, rows, vecs)
+    sig = types.void(tile, to, ldt, a, lda, xt, xo, ldx, K, rows, vecs)
 
     def codegen(context, builder, signature, args):
-        tile_, a_, lda_, xt_, xo_, ldx_, K_, _, _ = args
+        tile_, to_, ldt_, a_, lda_, xt_, xo_, ldx_, K_, _, _ = args
         t_data, a_data, x_data = (_data(context, builder, signature.args[i], v)
-                                  for i, v in ((0, tile_), (1, a_), (3, xt_)))
+                                  for i, v in ((0, tile_), (3, a_), (5, xt_)))
         idx = K_.type
         zero = ir.Constant(_V16F, [0.0] * 16)
         entry = builder.block
@@ -642,7 +643,10 @@ def outer_tile(typingctx, tile, a, lda, xt, xo, ldx, K, rows, vecs):
         for j, total in enumerate(totals):
             total.add_incoming(zero, entry)
             total.add_incoming(new[j // V][j % V], latch)
-            ptr = builder.gep(t_data, [ir.Constant(ir.IntType(64), 16 * j)])
+            i, v = divmod(j, V)
+            at = builder.add(builder.add(to_, builder.mul(ldt_, ir.Constant(ldt_.type, i))),
+                             ir.Constant(ldt_.type, 16 * v))
+            ptr = builder.gep(t_data, [at])
             builder.store(total, builder.bitcast(ptr, _V16F.as_pointer()), align=4)
         return context.get_dummy_value()
 

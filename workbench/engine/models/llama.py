@@ -495,8 +495,11 @@ class LlamaModel:
         if not self.fused_decode:
             return [*tasks, KernelTask("decode", self._warm_decode)]
         helper = not decode_stack_cached(self._stack)
+        # the multi-row kernels, and the short prompts' outer-product ones where they run
+        # (the stack links both; a chat prompt of 25 to 64 tokens runs the second)
+        batch_rows = (4, cpu.OUTER_MIN_T) if cpu.OUTER else (4,)
         tasks += [KernelTask(f"{Q(qtype).name} batch kernels",
-                             partial(_run_matmuls, runs[qtype][0], (4,)), helper)
+                             partial(_run_matmuls, runs[qtype][0], batch_rows), helper)
                   for qtype in layer_formats if qtype in cpu.ROWS_KERNELS]
         tasks.append(KernelTask("attention", self._warm_layers, helper))
         tasks.append(KernelTask(f"decode stack ({self.config.n_layer} layers)",
