@@ -25,10 +25,10 @@ rows of x. Each is generated below from a template, the format's block math
   16 (`loops.dots_block`), x padded to a multiple of four rows. Q4_0 and Q4_1
   rows are dequantized 32 weights per vector step (`simd.deq16`).
 - `_outer_<name>`, `OUTER_MIN_T` <= T <= `GEMV_MAX_T` on CPUs with 32 vector
-  registers: the two-stage kernel in outer-product form (`loops.outer_rows`): 6
+  registers: the two-stage kernel in outer-product form (`loops.outer_rows`): 8
   rows of W dequantized at a time, multiplied with x transposed (16 rows of x
-  to a vector), each weight broadcast against up to 4 vectors of x into up to
-  24 accumulators, no horizontal sums.
+  to a vector), each weight broadcast against 2 or 3 vectors of x into 16 or 24
+  accumulators, no horizontal sums.
 - `_dequant_<name>`, T > `GEMV_MAX_T` (prefill) and `dequantize_rows`: rows of
   W to float32, bit-identical to `gguf.quants.dequantize` (same float32 ops in
   the same order, no fastmath). `matmul` dequantizes one tile of rows at a
@@ -229,10 +229,10 @@ _BF16_TABLE = frozenset(f.qtype for f in _CPU_FORMATS if f.bf16)
 GEMV_MAX_T = 64
 # The two-stage kernels take the outer-product form (`loops.outer_rows`) on CPUs with 32
 # vector registers for OUTER_MIN_T <= T <= GEMV_MAX_T (two to four vectors of 16 rows of
-# x). Below, its zero rows cost more than it saves (2 threads, AVX-512 host, one run,
-# against `loops.dots_block`, Qwen2.5's Q5_0 4864 x 896, 896 x 896 and Q6_K 896 x 4864:
-# T=17 0.90-0.94x, T=20 0.89-0.93x, T=24 1.03-1.12x, T=25 1.02-1.46x, T=40 1.11-1.28x,
-# T=64 1.11-1.24x).
+# x, in one or two passes). Below, its zero rows cost more than it saves (2 threads,
+# AVX-512 host, one run, against `loops.dots_block`, Qwen2.5's Q5_0 4864 x 896, 896 x 896
+# and Q6_K 896 x 4864: T=17 0.90-0.94x, T=20 0.89-0.93x, T=24 1.03-1.12x, T=25
+# 1.02-1.46x, T=40 1.11-1.28x, T=64 1.11-1.24x).
 OUTER = loops.WIDE_REGISTERS
 OUTER_MIN_T = 25
 
