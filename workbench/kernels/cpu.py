@@ -350,9 +350,10 @@ def _outer(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType, y: np.ndar
            ) -> np.ndarray:
     T, K = x.shape
     threads, per_thread = numba.config.NUMBA_NUM_THREADS, loops.outer_floats(K)
-    buf = _scratch(GEMV_MAX_T * K + threads * per_thread)
-    xt = buf[: GEMV_MAX_T * K]  # x transposed
-    scratch = buf[GEMV_MAX_T * K :].reshape(threads, per_thread)
+    shared = loops.outer_shared_floats(K, w.shape[0])
+    buf = _scratch(shared + threads * per_thread)
+    xt = buf[:shared]  # x transposed, then y transposed
+    scratch = buf[shared:].reshape(threads, per_thread)
     x, w, table = _writeable(x), _frozen(w), _table(qtype)
     for t0 in range(0, T, GEMV_MAX_T):  # passes of at most 64 rows (views: no copies)
         OUTER_KERNELS[qtype](x[t0 : t0 + GEMV_MAX_T], w, table, xt, scratch,

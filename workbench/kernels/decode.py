@@ -166,9 +166,9 @@ def _project(mats, parts, lo, hi, width, x, f16, bf16, n_threads, n):
     y = np.empty((T, width), np.float32)
     # (threads, 4, K): the two-stage kernel's four dequantized rows per thread
     scratch = np.empty((n_threads if T > 2 else 0, 4, K), np.float32)
-    # the outer-product kernel's x transposed, and its rows of W and tile per thread
+    # the outer-product kernel's x and y transposed, and its rows of W per thread
     outer = T >= cpu.OUTER_MIN_T and cpu.OUTER
-    xt = np.empty(cpu.GEMV_MAX_T * K if outer else 0, np.float32)
+    xt = np.empty(cpu.loops.outer_shared_floats(K, width) if outer else 0, np.float32)
     rows = np.empty((n_threads if outer else 0, cpu.loops.outer_floats(K)), np.float32)
     if hi - lo == 1:
         _matmul(parts[lo, 1], x, mats[parts[lo, 0]], f16, bf16, scratch, xt, rows, y, n)  # noqa: F821

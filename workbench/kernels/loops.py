@@ -201,38 +201,49 @@ OUTER_R = 8
 def outer_rows(row, x, w, f16, xt, scratch, y, n):
     """y (T, N) = x @ W.T for T <= 64, `OUTER_R` rows of W at a time: `row` a
     `blocks.row_<name>` dequantizing one row of W; xt a float32 buffer of at least
-    K * 64 floats, scratch (threads, at least `outer_floats(K)`) float32."""
+    `outer_shared_floats(K, N)` floats, scratch (threads, at least `outer_floats(K)`)
+    float32. The tiles go to y transposed in xt, (N, tp), which is copied into y at the
+    end: stored straight into y, each tile's outputs were columns of y, every row of y
+    its own cache line at a stride of N floats (a multiple of 4 KiB for most matrices,
+    so all in one set of the L1 cache); Qwen2.5's Q5_0 9728 x 896 at T = 40 3.26 -> 2.92
+    ms, Gemma 3's 4096 x 640 1.13 -> 0.92 ms (2 threads, AVX-512 host)."""
     T, K = x.shape
     N = w.shape[0]
     tp = 48 if 32 < T <= 48 else 32 * ((T + 31) // 32)  # rows of x with the zero ones
     for k in prange(K):  # xt[k * tp + t] = x[t, k]: (K, tp), flat
         for t in range(tp):
             xt[k * tp + t] = x[t, k] if t < T else np.float32(0.0)
+    yt = xt[64 * K :]  # yt[r * tp + t] = y[t, r]: (N rounded up to R, tp), flat
     wi = w.view(np.int8)
     R = OUTER_R
     for p in prange((N + R - 1) // R):
-        buf = scratch[get_thread_id()]
-        a = buf[: R * K]  # (R, K) flat: rows r0 .. r0 + R of W (past N: stale, unused)
-        tile = buf[R * K : R * K + R * tp]  # (R, tp) flat: tile[i * tp + t] = y[t, r0 + i]
-        r0 = R * p
-        m = min(R, N - r0)
-        for i in range(m):
+        a = scratch[get_thread_id()][: R * K]  # (R, K) flat: rows r0 .. r0 + R of W
+        r0 = R * p  # (rows past N: stale, their outputs unused)
+        for i in range(min(R, N - r0)):
             row(w, wi, r0 + i, f16, a[i * K : (i + 1) * K], n)
         if tp == 48:  # three vectors of rows of x in one pass
-            outer_tile(tile, 0, 48, a, K, xt, 0, 48, K, OUTER_R, 3)
+            outer_tile(yt, r0 * tp, tp, a, K, xt, 0, tp, K, OUTER_R, 3)
         else:  # passes of two vectors over the same rows of W
             for t0 in range(0, tp, 32):
-                outer_tile(tile, t0, tp, a, K, xt, t0, tp, K, OUTER_R, 2)
-        for i in range(m):
-            for t in range(T):
-                y[t, r0 + i] = tile[i * tp + t]
+                outer_tile(yt, r0 * tp + t0, tp, a, K, xt, t0, tp, K, OUTER_R, 2)
+    for b in prange((N + 63) // 64):  # y's rows in runs of 64 columns
+        for t in range(T):
+            for r in range(64 * b, min(N, 64 * b + 64)):
+                y[t, r] = yt[r * tp + t]
 
 
 @njit(cache=True)
 def outer_floats(K):
     """The float32 scratch each thread needs in `outer_rows` for rows of K weights: R rows
-    of W and the (R, 64) tile."""
-    return OUTER_R * K + OUTER_R * 64
+    of W."""
+    return OUTER_R * K
+
+
+@njit(cache=True)
+def outer_shared_floats(K, N):
+    """The float32 buffer `outer_rows` shares among its threads for an N x K matrix: x
+    transposed (at most 64 rows) and y transposed."""
+    return 64 * K + 64 * ((N + OUTER_R - 1) // OUTER_R * OUTER_R)
 
 
 # --------------------------------------------------------------------------- multi-row kernels
