@@ -185,6 +185,34 @@ class _Stat:
         return self.now
 
 
+def test_quiet_blas_holds_openblas_at_one_thread_across_nested_passes(monkeypatch):
+    """Where NumPy came first (OpenBLAS's workers spin), short passes run with OpenBLAS at
+    one thread, nested or in several threads under one limit, lifted when the last ends;
+    long passes leave it alone."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from workbench.engine.runtime import cores
+
+    def blas_threads() -> list[int]:
+        return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+
+    monkeypatch.setattr(cores, "_blas_spins", True)
+    with threadpool_limits(limits=2, user_api="blas"):  # two, whatever the gate set
+        before = blas_threads()
+        assert before and set(before) == {2}, f"NumPy's BLAS pools: {before}"
+        with cores.quiet_blas(40, 64):
+            assert blas_threads() == [1] * len(before)
+            with cores.quiet_blas(8, 64):
+                assert blas_threads() == [1] * len(before)
+            assert blas_threads() == [1] * len(before)  # the outer pass still runs
+        assert blas_threads() == before
+        with cores.quiet_blas(40, 64):  # a second time: the same controller, same effect
+            assert blas_threads() == [1] * len(before)
+        assert blas_threads() == before
+        with cores.quiet_blas(512, 64):
+            assert blas_threads() == before
+
+
 def test_core_share_uses_the_cores_other_work_leaves(tmp_path):
     from workbench.engine.runtime.cores import DOWN_READINGS, READ_EVERY_S, UP_READINGS, CoreShare
 

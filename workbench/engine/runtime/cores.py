@@ -116,6 +116,8 @@ _blas_spins = False  # OpenBLAS loaded before workbench could shorten its worker
 _blas_lock = threading.Lock()
 _blas_quiet = 0  # forward passes inside `quiet_blas` now, in any thread
 _blas_limit = None  # threadpoolctl's limit while they run
+_blas_pools = None  # threadpoolctl's controller, made once: making one looks through every
+#                     library the process has loaded (~2 ms in a process with a model)
 
 
 def blas_loaded_first() -> None:
@@ -131,15 +133,17 @@ def quiet_blas(rows: int, most: int) -> Iterator[None]:
     (`blas_loaded_first`) and rows <= `most` (the Numba kernels' share of the pass), with
     OpenBLAS at one thread for its duration; else nothing. Passes in several threads at
     once share one limit, lifted when the last ends."""
-    global _blas_quiet, _blas_limit
+    global _blas_quiet, _blas_limit, _blas_pools
     if not _blas_spins or rows > most:
         yield
         return
     with _blas_lock:
         if _blas_quiet == 0:
-            from threadpoolctl import threadpool_limits
+            if _blas_pools is None:
+                from threadpoolctl import ThreadpoolController
 
-            _blas_limit = threadpool_limits(limits=1, user_api="blas")
+                _blas_pools = ThreadpoolController()
+            _blas_limit = _blas_pools.limit(limits=1, user_api="blas")
         _blas_quiet += 1
     try:
         yield
