@@ -355,9 +355,10 @@ def _outer(x: np.ndarray, w: np.ndarray, qtype: GGMLQuantizationType, y: np.ndar
     xt = buf[:shared]  # x transposed, then y transposed
     scratch = buf[shared:].reshape(threads, per_thread)
     x, w, table = _writeable(x), _frozen(w), _table(qtype)
-    for t0 in range(0, T, GEMV_MAX_T):  # passes of at most 64 rows (views: no copies)
-        OUTER_KERNELS[qtype](x[t0 : t0 + GEMV_MAX_T], w, table, xt, scratch,
-                             y[t0 : t0 + GEMV_MAX_T], _INNER)
+    step = loops.OUTER_MAX_T  # passes of at most 64 rows (views: no copies)
+    for t0 in range(0, T, step):
+        OUTER_KERNELS[qtype](x[t0 : t0 + step], w, table, xt, scratch, y[t0 : t0 + step],
+                             _INNER)
     return y
 
 

@@ -195,11 +195,12 @@ def dots_block(buf, x, y, r, N):
 # Q5_0 4864 x 896 at 237 GFLOP/s for T = 40, 254 for 48 and 239 for 64 (`dots_block`:
 # 178-180; NumPy's sgemm on 2048 x 2048 matrices: ~300).
 OUTER_R = 8
+OUTER_MAX_T = 64  # rows of x `outer_rows` takes at most (`cpu.GEMV_MAX_T`, a pass of `cpu._outer`)
 
 
 @njit(inline="always")
 def outer_rows(row, x, w, f16, xt, scratch, y, n):
-    """y (T, N) = x @ W.T for T <= 64, `OUTER_R` rows of W at a time: `row` a
+    """y (T, N) = x @ W.T for T <= `OUTER_MAX_T`, `OUTER_R` rows of W at a time: `row` a
     `blocks.row_<name>` dequantizing one row of W; xt a float32 buffer of at least
     `outer_shared_floats(K, N)` floats, scratch (threads, at least `outer_floats(K)`)
     float32. The tiles go to y transposed in xt, (N, tp), which is copied into y at the
@@ -213,7 +214,7 @@ def outer_rows(row, x, w, f16, xt, scratch, y, n):
     for k in prange(K):  # xt[k * tp + t] = x[t, k]: (K, tp), flat
         for t in range(tp):
             xt[k * tp + t] = x[t, k] if t < T else np.float32(0.0)
-    yt = xt[64 * K :]  # yt[r * tp + t] = y[t, r]: (N rounded up to R, tp), flat
+    yt = xt[OUTER_MAX_T * K :]  # yt[r * tp + t] = y[t, r]: (N rounded up to R, tp), flat
     wi = w.view(np.int8)
     R = OUTER_R
     for p in prange((N + R - 1) // R):
@@ -242,8 +243,8 @@ def outer_floats(K):
 @njit(cache=True)
 def outer_shared_floats(K, N):
     """The float32 buffer `outer_rows` shares among its threads for an N x K matrix: x
-    transposed (at most 64 rows) and y transposed."""
-    return 64 * K + 64 * ((N + OUTER_R - 1) // OUTER_R * OUTER_R)
+    transposed and y transposed, `OUTER_MAX_T` rows each at most."""
+    return OUTER_MAX_T * (K + (N + OUTER_R - 1) // OUTER_R * OUTER_R)
 
 
 # --------------------------------------------------------------------------- multi-row kernels
