@@ -152,6 +152,27 @@ def test_cancelled_and_abandoned_requests_free_their_places(smollm2):
     assert not m.busy.get()
 
 
+def test_reset_forgets_a_prompt_whose_generation_still_runs(smollm2):
+    """`reset` while a generation runs (its caller has read one token): when it ends, its
+    slot keeps nothing, so the next call reads the whole prompt again."""
+    m = smollm2
+    messages = _chat(QUESTIONS[3])
+    m.reset()
+    alone = m.chat(messages, temperature=0, max_tokens=40).token_ids
+    m.reset()
+    running = m.chat(messages, temperature=0, max_tokens=40)
+    events = running.iter_events()
+    next(events)
+    m.reset()
+    for _ in events:  # the running one ends after the reset, untouched by it
+        pass
+    assert running.token_ids == alone
+    prompt = len(m.tokenize(m.apply_chat_template(messages)))
+    read_before = m.prefilled_tokens
+    assert m.chat(messages, temperature=0, max_tokens=4).token_ids == alone[:4]
+    assert m.prefilled_tokens - read_before == prompt
+
+
 def test_a_failing_request_leaves_the_others_running(smollm2):
     def explode(ids, logits):
         if len(ids) > 40:

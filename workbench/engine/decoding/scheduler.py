@@ -83,6 +83,7 @@ class Request:
     row: Any = None  # logits after the last token read: the next sample is due
     drafting: Drafting | None = None  # speculative: each token fed comes with proposals
     gone: bool = False  # the caller stopped reading: free the slot
+    forgotten: bool = False  # `forget` ran while it ran: its slot keeps nothing
     events: list[TokenEvent] = field(default_factory=list)  # collected by `run_all`
 
     @property
@@ -218,10 +219,14 @@ class Scheduler:
             return len(self._caches), running, cached
 
     def forget(self) -> None:
-        """Forget what the idle slots cached (call while `paused`)."""
+        """Forget what the idle slots cached, and what the running requests' slots hold
+        when they end (call while `paused`): a request still running, one whose caller
+        stopped reading included, would otherwise leave its prompt behind for the next."""
         for cache, owner in zip(self._caches, self._owner):
             if owner is None:
                 cache.reset()
+        for r in self._running:
+            r.forgotten = True
 
     def close(self) -> None:
         """End the thread; queued and running requests get `RuntimeError`."""
@@ -527,6 +532,8 @@ class Scheduler:
         if r in self._running:
             self._running.remove(r)
         slot = r.cache.slot
+        if r.forgotten:
+            r.cache.reset()
         self._owner[slot] = None
         self._clock += 1
         self._last_used[slot] = self._clock
