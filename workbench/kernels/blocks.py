@@ -36,6 +36,7 @@ import numpy as np
 from workbench.kernels.cache import njit
 from workbench.kernels.simd import (
     FASTMATH,
+    deq8x32,
     deq16,
     deq16_hb,
     half16,
@@ -318,11 +319,10 @@ def dot_q6_k(w, wi, r, x, K, xs, tp, t0, f16, y, T, rows):
 
 @njit(inline="always")
 def row_q8_0(w, wi, r, f16, out, n):
+    wr = w[r]
     for b in range(out.shape[0] // 32):
         o = b * 34
-        d = _h(w, r, o, f16)
-        for j in range(2 * n):
-            out[b * 32 + j] = np.float32(wi[r, o + 2 + j]) * d
+        deq8x32(out, b * 32, wr, o + 2, _h(w, r, o, f16))
 
 
 @njit(inline="always")

@@ -63,6 +63,8 @@ Other steps:
   (hi_j - offset) * d + m, rounded step by step (no fused multiply-add), so
   bit-identical to the scalar reference (Q4_0: offset 8, m = -0.0; Q4_1:
   offset 0 and its min m).
+- `deq8x32(out, oo, w, off, d)`: out[oo + j] = float(int8 w[off + j]) * d for j in
+  0..31 (Q8_0), one rounding each, bit-identical to the scalar reference.
 - `deq16_hb(out, oo, w, off, offset, d, m, qh)`: `deq16` of 5-bit weights (Q5_0: offset
   16, m = -0.0; Q5_1: offset 0 and its min), the fifth bits from `qh` as in `nib16_hb`.
 - `half16(acc, h, off, x, xo)`: acc[j] += float(h[off + j]) * x[xo + j] for
@@ -449,6 +451,26 @@ def deq16(typingctx, out, oo, w, off, offset, d, m):
         out_, oo_, w_, off_, offset_, d_, m_ = args
         lo, hi = _nibbles(builder, context, signature.args[2], w_, off_)
         _store_dequantized(context, builder, signature, out_, oo_, lo, hi, offset_, d_, m_)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def deq8x32(typingctx, out, oo, w, off, d):
+    sig = types.void(out, oo, w, off, types.float32)
+
+    def codegen(context, builder, signature, args):
+        out_, oo_, w_, off_, d_ = args
+        dv = _splat(builder, d_)
+        for half in (0, 16):
+            at = builder.add(off_, ir.Constant(off_.type, half))
+            q = builder.load(_element_ptr(context, builder, signature.args[2], w_, at, _V16I8),
+                             align=1)
+            v = builder.fmul(builder.sitofp(q, _V16F), dv)  # no flags: one rounding, as scalar
+            o = builder.add(oo_, ir.Constant(oo_.type, half))
+            builder.store(v, _element_ptr(context, builder, signature.args[0], out_, o, _V16F),
+                          align=4)
         return context.get_dummy_value()
 
     return sig, codegen
