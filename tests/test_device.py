@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import types
 import warnings
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -277,6 +278,89 @@ def test_batched_decode_copies_the_token_ids_once_per_step(tiny_path, n_seq):
             DeviceArray.traffic = None
     if n_seq <= 8:  # (more join in passes that depend on the scheduler thread's timing)
         assert ups[0] == ups[1]
+
+
+def _host_calls_per_step(tiny_path, n_seq: int, monkeypatch) -> list[int]:
+    """generate_batch of n_seq greedy sequences on the CuPy stand-in: for each step that
+    decodes, the array calls the scheduler's pick and feed make outside the recorded step
+    (each call of the array module, plus each array in a list it is given, and each
+    slice or index of a device array)."""
+    from workbench import LLM
+    from workbench.engine.decoding.scheduler import Scheduler
+    from workbench.engine.formats.gguf import open_gguf
+    from workbench.engine.runtime.backend import CupyBackend
+    from workbench.kernels.cuda import ReferenceKernels
+
+    class CallCountingNumPy(CountingNumPy):
+        def __getattr__(self, name):
+            value = super().__getattr__(name)
+            if not callable(value) or name in ("float32", "int32", "int64"):
+                return value
+
+            def call(*args, **kwargs):
+                if counting:
+                    counted[-1] += 1 + sum(len(a) for a in args if isinstance(a, (list, tuple)))
+                return value(*args, **kwargs)
+            return call
+
+    counting, counted, decoded = [], [], []
+    real_getitem = DeviceArray.__getitem__
+
+    def getitem(self, key):
+        if counting:
+            counted[-1] += 1
+        return real_getitem(self, key)
+
+    backend = CupyBackend(CallCountingNumPy(), ReferenceKernels(), graphs=True)
+
+    def capture(step):
+        def replay():  # the recorded step: one launch on a GPU, not counted
+            held = counting.copy()
+            counting.clear()
+            try:
+                return step()
+            finally:
+                counting.extend(held)
+        return replay
+
+    backend.capture = capture
+    prompts = [PROMPT[i % 7 :] + [i] for i in range(n_seq)]
+    with monkeypatch.context() as patch:
+        patch.setattr(DeviceArray, "__getitem__", getitem)
+        for method in ("_pick_together", "_decode"):
+            real = getattr(Scheduler, method)
+
+            def counted_method(self, *args, _real=real, _name=method):
+                if _name == "_pick_together":
+                    counted.append(0)
+                    decoded.append(False)
+                else:
+                    decoded[-1] = True
+                counting.append(True)
+                try:
+                    return _real(self, *args)
+                finally:
+                    counting.pop()
+            patch.setattr(Scheduler, method, counted_method)
+        with LLM(open_gguf(tiny_path), backend=backend, max_batch=n_seq) as m:
+            outs = m.generate_batch(prompts, max_tokens=8, temperature=0, stop_tokens=[])
+    assert all(len(o.token_ids) == 8 for o in outs)
+    return [c for c, d in zip(counted, decoded) if d]
+
+
+def test_a_running_batch_steps_with_as_many_host_calls_for_40_sequences_as_for_5(
+        tiny_path, monkeypatch):
+    """Once a batch runs (each step's rows picked and fed back in order), a step's host
+    work outside the recording does not grow with the batch: the picks come from the
+    step's logits as they are and the ids go back whole (`BatchRow`, `stack_rows`), not
+    sliced, stacked and concatenated per sequence (on CuPy each slice is a few
+    microseconds of Python: at 64 sequences those were ~0.5 ms a step). The steps where
+    the batch changes (sequences joining from their prompts, or leaving at different
+    steps, as the scheduler thread's timing has it) stack their rows."""
+    five = _host_calls_per_step(tiny_path, 5, monkeypatch)  # on the recording of 8 rows
+    forty = _host_calls_per_step(tiny_path, 40, monkeypatch)  # of 64
+    steady = Counter(forty).most_common(1)[0][0]  # the running batch's steps
+    assert steady < 10 and forty.count(steady) >= 3 and five.count(steady) >= 3, (five, forty)
 
 
 # -- sampling on the device ---------------------------------------------------------------------

@@ -61,8 +61,9 @@ class GenerationModel(Protocol):
     def decode_step(self, tokens: np.ndarray, caches: Sequence[KVCache],
                     device_tokens: Sequence[Any]) -> Any:
         """One token of each sequence (`tokens` (N,), one per cache): the logits rows
-        (N, n_vocab) after them, on the device where there is a backend
-        (`device_tokens`: the same ids as device arrays, where the sampler left them)."""
+        (N, n_vocab) after them, one array, on the device where there is a backend
+        (`device_tokens`: the same ids where the sampler left them on the device, each a
+        (1,) array or a `BatchRow` of one; None where only the host has it)."""
         ...
 
     def logits_out(self, hidden: Any, on_device: bool) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from workbench.engine.options import SamplingParams  # noqa: F401  (its home; kept importable here)
+from workbench.engine.runtime.backend import BatchRow, stack_rows
 
 
 class Sampler:
@@ -197,15 +198,20 @@ class DeviceSampler(Sampler):
     @staticmethod
     def pick_rows(samplers: Sequence[DeviceSampler], rows: Sequence) -> tuple[list[int], Any]:
         """The picks of several `plain` samplers on one backend, greedy or sampled, from
-        their device logits `rows` (each (n_vocab,)), with one copy to the host for all of
-        them instead of one each (and, where any samples, one copy up of the rows'
-        parameters and random numbers). Each sampler draws from its own generator as
-        `sample_device` does. Returns the token ids, and the same ids on the device,
-        (len(rows),)."""
+        their device logits `rows` (each (n_vocab,), or a `BatchRow` of a step's logits),
+        with one copy to the host for all of them instead of one each (and, where any
+        samples, one copy up of the rows' parameters and random numbers). Each sampler
+        draws from its own generator as `sample_device` does. Rows 0 .. k-1 of one step,
+        in order and without a logit bias, are picked from the step's logits as they are
+        (no stack). Returns the token ids, and the same ids on the device, (len(rows),)."""
         be = samplers[0].backend
         xp = be.xp
-        x = xp.stack([row if s._dev_bias is None else row + s._dev_bias
-                      for s, row in zip(samplers, rows)])  # (k, n_vocab)
+        if all(s._dev_bias is None for s in samplers):
+            x = stack_rows(xp, list(rows))  # (k, n_vocab)
+        else:
+            arrays = [row.get() if isinstance(row, BatchRow) else row for row in rows]
+            x = xp.stack([row if s._dev_bias is None else row + s._dev_bias
+                          for s, row in zip(samplers, arrays)])
         ids = xp.argmax(x, axis=1)  # (k,): ties go to the lowest id, as in sample_device
         if any(s.params.temperature != 0 for s in samplers):
             ids = DeviceSampler._draw_rows(samplers, x, ids)

@@ -46,6 +46,7 @@ from workbench.engine.decoding.sampling import DeviceSampler
 from workbench.engine.decoding.sequence import Decoding
 from workbench.engine.decoding.speculative import Drafting
 from workbench.engine.results import TokenEvent
+from workbench.engine.runtime.backend import BatchRow
 from workbench.engine.runtime.cores import CoreShare
 from workbench.engine.runtime.kv_cache import ContextFullError, KVCache
 from workbench.engine.runtime.prefix_cache import PrefixCache, common_prefix
@@ -80,7 +81,7 @@ class Request:
     cache: KVCache | None = None
     pending: list[int] = field(default_factory=list)  # prompt tokens still to read
     stepwise: bool = False  # read `pending` one token per decode step
-    row: Any = None  # logits after the last token read: the next sample is due
+    row: BatchRow | None = None  # logits after the last token read: the next sample is due
     drafting: Drafting | None = None  # speculative: each token fed comes with proposals
     gone: bool = False  # the caller stopped reading: free the slot
     forgotten: bool = False  # `forget` ran while it ran: its slot keeps nothing
@@ -291,7 +292,7 @@ class Scheduler:
                         if r in picked:
                             token, evs = r.seq.take(*picked[r], room=room)
                         else:
-                            token, evs = r.seq.step(r.row, room=room,
+                            token, evs = r.seq.step(r.row.get(), room=room,
                                                     on_device=self.model.backend is not None)
                         args["id"] = next((e.id for e in evs if e.id is not None), None)
                 except Exception as exc:  # noqa: BLE001 - the caller's to see
@@ -330,7 +331,8 @@ class Scheduler:
                                                          [r.row for r in ready])
         except Exception:  # noqa: BLE001 - each sequence's own pick then reports it
             return {}
-        return {r: (t, on_device[i : i + 1]) for i, (r, t) in enumerate(zip(ready, ids))}
+        column = on_device[:, None]  # (k, 1): each sequence's id as a (1,) row
+        return {r: (t, BatchRow(column, i)) for i, (r, t) in enumerate(zip(ready, ids))}
 
     def _guarded(self, requests: list[Request], run) -> None:
         """Run a forward pass; if it fails, every request in it gets the error."""
@@ -349,9 +351,9 @@ class Scheduler:
         caches = [r.cache for r, _ in feed]
         with model.forward_lock, span("decode", tokens=len(feed)):
             rows = model.decode_step(tokens, caches, [r.seq.device_token for r, _ in feed])
-        for (r, _), row in zip(feed, rows):
+        for i, (r, _) in enumerate(feed):
             if not r.pending:
-                r.row = row
+                r.row = BatchRow(rows, i)
 
     def _propose(self, r: Request, drafted: list) -> bool:
         """Draft what follows `r`'s newest token (the last of its history, about to be
@@ -420,7 +422,7 @@ class Scheduler:
             hidden = model.hidden_batch([(np.asarray(ids), r.cache) for r, ids in chunks])
             for (r, _), h in zip(chunks, hidden):
                 if not r.pending:
-                    r.row = model.logits_out(h[-1:], on_device=True)[0]
+                    r.row = BatchRow(model.logits_out(h[-1:], on_device=True), 0)
 
     # -- slots -------------------------------------------------------------------------------
     def _ensure_pool(self) -> None:

@@ -29,6 +29,7 @@ from workbench.engine.models.llama import (
 )
 from workbench.engine.models.llama_config import LlamaConfig
 from workbench.engine.models.moe import DeviceMoEFeedForward, MoEFeedForward
+from workbench.engine.runtime.backend import BatchRow, stack_rows
 
 _RECORDING_ERRORS = (RuntimeError,)  # what CuPy raises when a CUDA graph cannot be made
 
@@ -167,10 +168,11 @@ class DeviceLlamaModel:
         return h
 
     # -- the decode step, recorded -----------------------------------------------------------
-    def step_logits(self, tokens: Sequence[int], caches: list, device_tokens: list) -> list:
+    def step_logits(self, tokens: Sequence[int], caches: list, device_tokens: list) -> Any:
         """Feed one sampled token to each of N caches (of one pool) at its next position:
         `tokens` (N,) on the host, `device_tokens` the same ids still on the device (each
-        of shape (1,)). Returns each sequence's logits (n_vocab,) on the device.
+        a (1,) array or a `BatchRow` of one; None where only the host has it). Returns the
+        logits (N, n_vocab) on the device.
 
         Where the backend records (`Backend.capture`: CUDA graphs), the step runs from
         recordings of its kernels that read the tokens, slots and positions from device
@@ -188,11 +190,12 @@ class DeviceLlamaModel:
         pool = caches[0].pool
         if pool.recordings is None:
             pool.recordings = _StepRecordings(self, pool)
-        rows, per = [], self.step_rows
+        parts, per = [], self.step_rows
         try:
             for i in range(0, len(caches), per):
-                rows += pool.recordings.run(tokens[i : i + per], device_tokens[i : i + per],
-                                            caches[i : i + per])
+                parts.append(pool.recordings.run(tokens[i : i + per],
+                                                 device_tokens[i : i + per],
+                                                 caches[i : i + per]))
         except _FusedStepMismatch as e:  # record the layers' kernels one by one instead
             warnings.warn(f"{e}; recording the unfused decode step", RuntimeWarning,
                           stacklevel=2)
@@ -207,14 +210,13 @@ class DeviceLlamaModel:
             return self._direct_step(tokens, caches, device_tokens)
         for c, t in zip(caches, tokens):
             c.advance([int(t)])
-        return rows
+        return parts[0] if len(parts) == 1 else self.xp.concatenate(parts)
 
-    def _direct_step(self, tokens: np.ndarray, caches: list, device_tokens: list) -> list:
+    def _direct_step(self, tokens: np.ndarray, caches: list, device_tokens: list) -> Any:
         """`step_logits` unrecorded: `decode` at the caches' positions, then the logits."""
         on_device = (None if any(d is None for d in device_tokens)
-                     else self.xp.concatenate(device_tokens))
-        logits = self.device_logits(self.decode(tokens, caches, on_device))  # (N, n_vocab)
-        return [logits[j] for j in range(len(caches))]
+                     else stack_rows(self.xp, device_tokens).reshape(len(caches)))
+        return self.device_logits(self.decode(tokens, caches, on_device))  # (N, n_vocab)
 
     def _recorded_step(self, tokens, slots, pos, keys: list, values: list):
         """The decode step as `Backend.capture` records it: B tokens, each of the sequence
@@ -308,29 +310,34 @@ class _StepRecordings:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def run(self, tokens: np.ndarray, device_tokens: list, caches: list) -> list:
-        """Logits (n_vocab,) on the device of each cache's token at the cache's offset,
+    def run(self, tokens: np.ndarray, device_tokens: list, caches: list) -> Any:
+        """Logits (n, n_vocab) on the device of each cache's token at the cache's offset,
         for up to step_rows caches: `tokens[i]` on the host, `device_tokens[i]` the same
-        id on the device ((1,)), or None where it is only on the host (a prompt's tail
-        read on the decode path)."""
+        id on the device (a (1,) array or a `BatchRow` of one), or None where it is only
+        on the host (a prompt's tail read on the decode path)."""
         n = len(caches)
         rows = min(1 << (n - 1).bit_length(), self.tokens.shape[0])
         order = list(range(n)) + [0] * (rows - n)  # the sequence of each row
         self._place([(caches[i].slot, caches[i].offset) for i in order])
         if all(d is not None for d in device_tokens):
-            self.tokens[:rows] = device_tokens[0] if rows == 1 else \
-                self.model.xp.concatenate([device_tokens[i] for i in order])
+            if n == 1 and type(device_tokens[0]) is not BatchRow:
+                self.tokens[:1] = device_tokens[0]
+            else:  # the picked ids of a step come back whole (`stack_rows`)
+                ids = stack_rows(self.model.xp, device_tokens)  # (n, 1)
+                self.tokens[:n] = ids.reshape(n)
+                if rows > n:
+                    self.tokens[n:rows] = ids[0]
         else:
             for j, i in enumerate(order):
                 if device_tokens[i] is None:
                     self.tokens[j : j + 1].fill(int(tokens[i]))
                 else:
-                    self.tokens[j : j + 1] = device_tokens[i]
+                    d = device_tokens[i]
+                    self.tokens[j : j + 1] = d.get() if type(d) is BatchRow else d
         step = self.steps.get(rows)
         if step is None:
             step = self._record(rows)
-        logits = step()[:n].copy()  # the recording's output is overwritten by its next replay
-        return [logits[i] for i in range(n)]
+        return step()[:n].copy()  # the recording's output is overwritten by its next replay
 
     def _place(self, want: list[tuple[int, int]]) -> None:
         """Write each row's slot and position into the buffers: one add where every row

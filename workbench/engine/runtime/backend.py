@@ -174,6 +174,38 @@ def widened(w: QuantizedWeight, dtype: str) -> QuantizedWeight:
     return QuantizedWeight.from_gguf_tensor(out, qtype, (n, k))
 
 
+class BatchRow:
+    """Row `index` of an array `batch` ((N, ...): one step's logits, one per sequence, or
+    their picked ids, (N, 1)), kept as the pair instead of sliced. On a GPU each slice is
+    an array object of its own, a few microseconds of Python each, so a step of N
+    sequences that sliced its logits, stacked them again to pick, and sliced and
+    concatenated the ids to feed them back cost O(N) of those per step; `stack_rows`
+    gives the batch back whole when its rows come back in order."""
+
+    __slots__ = ("batch", "index")
+
+    def __init__(self, batch: Any, index: int):
+        self.batch, self.index = batch, index
+
+    def get(self) -> Any:
+        """The row as an array of its own: batch[index]."""
+        return self.batch[self.index]
+
+
+def stack_rows(xp: Any, rows: list) -> Any:
+    """Rows (`BatchRow`s or arrays of one shape) as one array (len(rows), ...): where they
+    are rows 0 .. n-1 of one batch, in order, that batch's first n rows (a view: no copy,
+    no launch); else a stack of each."""
+    first = rows[0]
+    if isinstance(first, BatchRow):
+        batch = first.batch
+        if len(rows) <= len(batch) and all(
+                type(r) is BatchRow and r.batch is batch and r.index == i
+                for i, r in enumerate(rows)):
+            return batch if len(rows) == len(batch) else batch[: len(rows)]
+    return xp.stack([r.get() if isinstance(r, BatchRow) else r for r in rows])
+
+
 class Backend:
     """An array module and what the device forward passes need beyond it."""
 
