@@ -16,7 +16,10 @@ Rows (medians of `--rounds` after a warm-up; every answer greedy, end tokens off
 - decode tok/s of 1 sequence (the tokens after the first), and aggregate decode of 8,
   32 and 64 sequences decoded together (`generate_batch` / a batched `generate`:
   every generated token over the whole call, 16-token prompts);
-- prefill tok/s at 512 and 2048 tokens, and TTFT (ms) of a 128-token prompt;
+- prefill tok/s at 512 and 2048 tokens, and TTFT (ms) of a 128-token prompt; where our
+  engine reads that prompt with the decode step's recordings (up to
+  `RECORDED_PREFILL_ROWS` tokens), also without them ("unrecorded": the layers'
+  kernels one by one), so that one run on a card tells which is faster;
 - 32 concurrent requests through the scheduler (threads calling `generate`, the
   server's path) against one request alone, and whether each request's greedy answer
   equals the same request alone;
@@ -38,6 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -219,13 +223,36 @@ class Ours:
                 timer.cancel()
         return run
 
-    def prefill(self, length: int) -> Callable[[float], float]:
+    def prefill(self, length: int, recorded: bool = True) -> Callable[[float], float]:
         def run(limit: float) -> float:
-            return length / self._first_token(length)
+            with self.prompts_recorded(recorded):
+                return length / self._first_token(length)
         return run
 
-    def ttft_ms(self, limit: float) -> float:
-        return self._first_token(TTFT_PROMPT) * 1e3
+    def ttft_ms(self, limit: float, recorded: bool = True) -> float:
+        with self.prompts_recorded(recorded):
+            return self._first_token(TTFT_PROMPT) * 1e3
+
+    def reads_recorded(self, length: int) -> bool:
+        """Whether a prompt of `length` tokens is read by the decode step's recordings
+        (`DeviceLlamaModel.recorded_prefill_rows`) on this file."""
+        model = self.m.model
+        if not hasattr(model, "_prefills_recorded"):
+            return False
+        return model._prefills_recorded(length, n_slots=2)  # the scheduler's pool: many
+
+    @contextmanager
+    def prompts_recorded(self, on: bool):
+        """Prompts read by the recordings (where they are) or, `on` False, by the layers'
+        kernels one by one: both are measured, to set the model's threshold from a card."""
+        model, was = self.m.model, getattr(self.m.model, "recorded_prefill_rows", None)
+        if not on and was is not None:
+            model.recorded_prefill_rows = 0
+        try:
+            yield
+        finally:
+            if was is not None:
+                model.recorded_prefill_rows = was
 
     def _first_token(self, length: int) -> float:
         prompt = self._prompts(1, length)[0]
@@ -382,6 +409,14 @@ def speed_rows(engine: Ours | Torch, tokens: int, rounds: int, budget: Budget, e
     for n in PREFILLS:
         rows[f"prefill {n}"] = measure(engine.prefill(n), rounds, budget, share())
     rows["ttft ms"] = measure(engine.ttft_ms, rounds, budget, share())
+    if isinstance(engine, Ours):  # the prompts the recordings read, also read without them
+        for n in PREFILLS:
+            if engine.reads_recorded(n):
+                rows[f"prefill {n} unrecorded"] = measure(engine.prefill(n, recorded=False),
+                                                          rounds, budget, share())
+        if engine.reads_recorded(TTFT_PROMPT):
+            rows["ttft ms unrecorded"] = measure(
+                lambda limit: engine.ttft_ms(limit, recorded=False), rounds, budget, share())
     return rows
 
 
@@ -445,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name}: {'tiny' if args.tiny else shape_name} shape, {qtype}, {size_mb:.0f} MB "
               f"(built in {built:.0f} s, loaded on {device} in {time.perf_counter() - t0:.1f} s)",
               flush=True)
-        o = ours_by_file[name] = speed_rows(ours, tokens, args.rounds, budget, end, 8)
+        o = ours_by_file[name] = speed_rows(ours, tokens, args.rounds, budget, end, 10)
         print("  " + "; ".join(f"{k} {v}" for k, v in o.items()), flush=True)
         step = ours.step_kind()
         print(f"  decode step: {step}", flush=True)

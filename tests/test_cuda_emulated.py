@@ -47,7 +47,10 @@ def test_fused_step_gives_transformers_greedy_tokens(built):
         warnings.simplefilter("error")  # a recording dropped for a disagreement warns
         assert m.model._fused
         assert m.generate(PROMPT, max_tokens=GREEDY_STEPS, temperature=0).token_ids == want
-        assert m.model._fused and len(m._cache.pool.recordings) == 1
+        # one recording of the decode step (one row), one of the prompt's tokens
+        assert m.model._fused and (1, True) in m._cache.pool.recordings.steps
+        assert m.model.recorded_prefill_rows and \
+            [logits for _, logits in m._cache.pool.recordings.steps] == [False, True]
 
 
 @pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3"])
@@ -74,11 +77,13 @@ def test_unfused_recorded_step_on_gemma3():
 
 
 def _prompted(m):
-    """A cache with a 5-token prompt in it, and its step recording of one row made."""
-    cache = m.new_cache()
+    """A cache (of a pool of two, as the scheduler's of many: a pool of one reads its
+    prompts without recordings) with a 5-token prompt in it, and its step recording of
+    one row made."""
+    cache = m.model.new_pool(2).caches()[0]
     m.model.hidden(np.asarray(PROMPT[:5]), cache)
     m.model.step_logits([7], [cache], [None])
-    assert set(cache.pool.recordings.steps) == {1}
+    assert (1, True) in cache.pool.recordings.steps  # (and the prompt's, of 8 rows)
     return cache
 
 
@@ -102,8 +107,9 @@ def test_a_decode_step_is_six_launches_a_layer_plus_four(tmp_path):
 
 
 def test_every_kernel_of_a_step_runs_inside_its_recording(tmp_path):
-    """With a recording made, a decode step launches no kernel of its own outside the
-    replay: the per-step work from Python is writing the buffers and the replay."""
+    """With a recording made, a decode step, or a short prompt's pass, launches no kernel
+    of its own outside the replay: the work from Python is writing the buffers and the
+    replay."""
     built = Built("llama", tmp_path)
     backend = cuda_emulated()
     replaying = []
@@ -135,9 +141,30 @@ def test_every_kernel_of_a_step_runs_inside_its_recording(tmp_path):
         try:
             for token in (9, 11, 13):
                 m.model.step_logits([token], [cache], [None])
+            m.model.hidden(np.asarray(PROMPT[8:14]), cache)  # on the prompt's 8-row recording
         finally:
             cuda_emulator.EmulatedKernel.__call__ = real
     assert outside == []
+
+
+def test_a_prompt_read_on_the_recordings_gives_the_layers_hidden_states(tmp_path):
+    """Prompt tokens read by the fused step's recordings (each token a row at its own
+    position, 8 rows a replay here: 19 tokens in three) give the hidden states and the
+    keys the layers' kernels give, to float32 summation order."""
+    built = Built("qwen2-q8_0", tmp_path)
+    with open_llm(built.path, "cuda-emulated") as m:
+        model = m.model
+        model.backend.fused_rows = 8  # rows a recording takes: three replays, not one
+        recorded, layers = model.new_pool(2).caches()
+        assert model._prefills_recorded(19, n_slots=2)
+        h = model.hidden(np.asarray(PROMPT[:19]), recorded)
+        assert sorted(recorded.pool.recordings.steps) == [(4, False), (8, False)]
+        model.recorded_prefill_rows = 0
+        want = model.hidden(np.asarray(PROMPT[:19]), layers)
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(h, want, rtol=0, atol=1e-4 * scale)
+        keys, want_keys = (c.pool.keys[1][c.slot, :, :19] for c in (recorded, layers))
+        np.testing.assert_allclose(keys, want_keys, rtol=0, atol=1e-4 * np.abs(want_keys).max())
 
 
 def test_a_stacked_matrix_steps_each_part_into_its_columns():

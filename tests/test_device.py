@@ -235,9 +235,10 @@ def test_batched_decode_copies_the_token_ids_once_per_step(tiny_path, n_seq):
              max_batch=n_seq) as m:
         alone = [m.generate(p, max_tokens=7, temperature=0, logit_bias=bias).token_ids
                  for p in prompts]
-        # its recording first (each new one is checked against the unfused step: two
-        # floats come down then)
-        m.generate_batch(prompts, max_tokens=2, temperature=0, logit_bias=bias)
+        # its recordings first (each new one is checked against the unfused step: two
+        # floats come down then), the prompts' tails after what the slots cached included
+        for _ in range(2):
+            m.generate_batch(prompts, max_tokens=2, temperature=0, logit_bias=bias)
         DeviceArray.traffic = xp.log
         try:
             step_logits, steps, inside = m.model.step_logits, [], []
@@ -465,6 +466,9 @@ def test_sampled_batches_copy_the_token_ids_once_per_step(tiny_path):
                 logit_bias={VOCAB.eos_id: -100.0})
     with LLM(open_gguf(tiny_path), backend=CupyBackend(xp, ReferenceKernels())) as m:
         first = [o.token_ids for o in m.generate_batch(prompts, **opts)]
+        # once more first: the prompts' tails, read after what the slots cached, make
+        # recordings of their own (each new one checked with a copy of two floats)
+        assert [o.token_ids for o in m.generate_batch(prompts, **opts)] == first
         DeviceArray.traffic = xp.log
         try:
             xp.log.clear()

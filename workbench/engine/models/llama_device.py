@@ -32,6 +32,7 @@ from workbench.engine.models.moe import DeviceMoEFeedForward, MoEFeedForward
 from workbench.engine.runtime.backend import BatchRow, stack_rows
 
 _RECORDING_ERRORS = (RuntimeError,)  # what CuPy raises when a CUDA graph cannot be made
+RECORDED_PREFILL_ROWS = 512  # `DeviceLlamaModel.recorded_prefill_rows`' default
 
 
 class DeviceLlamaModel:
@@ -74,6 +75,11 @@ class DeviceLlamaModel:
         self._fused = (self._recording and backend.fused_rows > 0
                        and hasattr(self.output, "step_matmul") and hasattr(self.embed, "rows")
                        and all(layer.fusable for layer in self.layers))
+        # prompts of up to this many tokens (in one pass) are read by the fused step's
+        # recordings, `step_rows` tokens a replay (`_recorded_hidden`); longer ones by the
+        # layers' kernels one by one (a few dozen launches a layer, cuBLAS for the
+        # products). An estimate until measured on a card (bench/gpu.py prints both).
+        self.recorded_prefill_rows = RECORDED_PREFILL_ROWS
 
     @property
     def step_rows(self) -> int:
@@ -110,8 +116,11 @@ class DeviceLlamaModel:
         if not ids.size:
             raise ValueError("hidden needs at least one token")
         cache.check_room(ids.size)
-        x = self._embed(ids if device_ids is None else device_ids)  # (T, D)
-        h = self._layers(x, [cache], [ids.size])
+        if self._prefills_recorded(ids.size, cache.pool.shape[1]):
+            h = self._recorded_hidden([ids], [cache])
+        else:
+            x = self._embed(ids if device_ids is None else device_ids)  # (T, D)
+            h = self._layers(x, [cache], [ids.size])
         cache.advance(ids)
         return h
 
@@ -122,11 +131,46 @@ class DeviceLlamaModel:
         if not chunks:
             return []
         ids, caches, counts = check_chunks(chunks, self.config.n_vocab)
-        h = self._layers(self._embed(np.concatenate(ids)), caches, counts)  # (sum T_i, D)
+        if self._prefills_recorded(sum(counts), caches[0].pool.shape[1]):
+            h = self._recorded_hidden(ids, caches)  # (sum T_i, D)
+        else:
+            h = self._layers(self._embed(np.concatenate(ids)), caches, counts)
         for c, t in zip(caches, ids):
             c.advance(t)
         bounds = np.cumsum(counts).tolist()
         return [h[lo:hi] for lo, hi in zip([0] + bounds[:-1], bounds)]
+
+    def _prefills_recorded(self, rows: int, n_slots: int) -> bool:
+        """Whether prompt tokens (`rows` in one pass, in a pool of `n_slots`) run on the
+        recorded decode step's kernels (`_recorded_hidden`) rather than the layers'
+        kernels one by one. Recordings belong to a KV pool and cost a few passes to make
+        and check, so a pool of one sequence (`new_cache`: a branch's, `forward`'s) reads
+        without them; the scheduler's pool of many slots makes them once."""
+        return (self._recording and self._fused and rows <= self.recorded_prefill_rows
+                and n_slots > 1)
+
+    def _recorded_hidden(self, ids: list[np.ndarray], caches: list):
+        """Prompt chunks `ids[i]` of `caches[i]` (at the caches' offsets; not advanced
+        here) through the fused step's recordings, up to `step_rows` tokens a replay,
+        each token a row at its own slot and position -> final-normed hidden states
+        (sum T_i, D) on the device."""
+        tokens = np.concatenate(ids).astype(np.int32)
+        slots = np.concatenate([np.full(len(t), c.slot, np.int32) for t, c in zip(ids, caches)])
+        pos = np.concatenate([np.arange(c.offset, c.offset + len(t), dtype=np.int32)
+                              for t, c in zip(ids, caches)])
+        pool = caches[0].pool
+        if pool.recordings is None:
+            pool.recordings = _StepRecordings(self, pool)
+        per, parts = self.step_rows, []
+        for i in range(0, tokens.size, per):
+            try:
+                parts.append(pool.recordings.hidden(tokens[i : i + per], slots[i : i + per],
+                                                    pos[i : i + per]))
+            except _RECORDING_ERRORS as e:  # the layers' kernels one by one instead
+                self._recording_failed(e, pool)
+                counts = [len(t) for t in ids]
+                return self._layers(self._embed(tokens), caches, counts)
+        return parts[0] if len(parts) == 1 else self.xp.concatenate(parts)
 
     def decode(self, ids, caches, device_ids=None):
         """One token for each of N caches (of one pool): final-normed hidden states (N, D).
@@ -196,21 +240,26 @@ class DeviceLlamaModel:
                 parts.append(pool.recordings.run(tokens[i : i + per],
                                                  device_tokens[i : i + per],
                                                  caches[i : i + per]))
-        except _FusedStepMismatch as e:  # record the layers' kernels one by one instead
-            warnings.warn(f"{e}; recording the unfused decode step", RuntimeWarning,
-                          stacklevel=2)
-            self._fused = False
-            pool.recordings = None
+        except _RECORDING_ERRORS as e:
+            self._recording_failed(e, pool)
             return self.step_logits(tokens, caches, device_tokens)
-        except _RECORDING_ERRORS as e:  # the backend could not record it: run unrecorded
-            warnings.warn(f"recording the decode step failed ({e}); decoding without it",
-                          RuntimeWarning, stacklevel=2)
-            self._recording = False
-            pool.recordings = None
-            return self._direct_step(tokens, caches, device_tokens)
         for c, t in zip(caches, tokens):
             c.advance([int(t)])
         return parts[0] if len(parts) == 1 else self.xp.concatenate(parts)
+
+    def _recording_failed(self, error: RuntimeError, pool) -> None:
+        """A recording could not be made (warned once): where the fused step disagreed
+        with the layers' kernels, record those instead; where the backend could not
+        record at all (or a replay disagreed), run without recordings."""
+        if isinstance(error, _FusedStepMismatch):
+            warnings.warn(f"{error}; recording the unfused decode step", RuntimeWarning,
+                          stacklevel=3)
+            self._fused = False
+        else:
+            warnings.warn(f"recording the decode step failed ({error}); decoding without it",
+                          RuntimeWarning, stacklevel=3)
+            self._recording = False
+        pool.recordings = None
 
     def _direct_step(self, tokens: np.ndarray, caches: list, device_tokens: list) -> Any:
         """`step_logits` unrecorded: `decode` at the caches' positions, then the logits."""
@@ -218,30 +267,34 @@ class DeviceLlamaModel:
                      else stack_rows(self.xp, device_tokens).reshape(len(caches)))
         return self.device_logits(self.decode(tokens, caches, on_device))  # (N, n_vocab)
 
-    def _recorded_step(self, tokens, slots, pos, keys: list, values: list):
+    def _recorded_step(self, tokens, slots, pos, keys: list, values: list,
+                       logits: bool = True):
         """The decode step as `Backend.capture` records it: B tokens, each of the sequence
         in pool slot slots[b] at position pos[b] ((B,) int32 device buffers), over the
-        pool's keys and values per layer ((n_slots, n_kv, max_len, hd)) -> (B, n_vocab).
+        pool's keys and values per layer ((n_slots, n_kv, max_len, hd)) -> (B, n_vocab),
+        or with `logits` False the final-normed hidden states (B, D) (prompt tokens).
         Nothing here depends on a slot or a position as a Python value. The fused step
         where this model has it (`_fused_step`), else the layers' kernels one by one."""
         if self._fused:
-            return self._fused_step(tokens, slots, pos, keys, values)
-        return self._unfused_step(tokens, slots, pos, keys, values)
+            return self._fused_step(tokens, slots, pos, keys, values, logits)
+        return self._unfused_step(tokens, slots, pos, keys, values, logits)
 
-    def _unfused_step(self, tokens, slots, pos, keys: list, values: list):
+    def _unfused_step(self, tokens, slots, pos, keys: list, values: list,
+                      logits: bool = True):
         """`_recorded_step` with each norm, product, RoPE and activation its own kernel."""
         cfg, be = self.config, self.backend
         x = self._embed(tokens)  # (B, D)
         h = self._stack(x, lambda i, layer, h: layer.attend_rows(
             be, cfg, h, keys[i], values[i], slots, pos))
-        return self.device_logits(h)  # (B, n_vocab)
+        return self.device_logits(h) if logits else h  # (B, n_vocab) or (B, D)
 
-    def _fused_step(self, tokens, slots, pos, keys: list, values: list):
+    def _fused_step(self, tokens, slots, pos, keys: list, values: list, logits: bool = True):
         """`_recorded_step` in six launches a layer (`Backend.fused_rows`): the QKV product
         with the norm before it and the bias; the per-head norms, RoPE and the KV writes
         (`rope_store`); the attention; the output product added to the residual stream;
         gate and up with the norm before them and the activation after; down, added to the
-        residual stream. Then the final norm with the output product."""
+        residual stream. Then the final norm with the output product (with `logits`
+        False, the final norm alone)."""
         cfg, be, xp = self.config, self.backend, self.xp
         eps, b = cfg.norm_eps, tokens.shape[0]
         scale = 1.0 / float(np.sqrt(cfg.head_dim))
@@ -256,9 +309,11 @@ class DeviceLlamaModel:
                                scale)  # (B, n_head * hd)
             layer.wo.step_matmul(a, x, epilogue="add")
             layer.down.step_matmul(layer.gated_step(be, x, eps, self.gelu), x, epilogue="add")
-        logits = xp.empty((b, self.output.shape[0]), dtype=xp.float32)
-        self.output.step_matmul(x, logits, self.norm, eps)
-        return logits
+        if not logits:
+            return be.rms_norm(x, self.norm, eps)  # (B, D)
+        out = xp.empty((b, self.output.shape[0]), dtype=xp.float32)
+        self.output.step_matmul(x, out, self.norm, eps)
+        return out
 
     def device_logits(self, hidden):
         """(T, n_embd) device hidden states -> (T, n_vocab) device logits."""
@@ -305,7 +360,9 @@ class _StepRecordings:
         self.slots = xp.zeros((n,), dtype=xp.int32)
         self.pos = xp.zeros((n,), dtype=xp.int32)
         self.written = [(0, 0)] * n  # (slot, position) in each row of the buffers
-        self.steps: dict[int, Callable[[], Any]] = {}  # rows -> its recording
+        # (rows, logits) -> its recording: the decode step's (logits out), and the
+        # prompts' (final-normed hidden states out)
+        self.steps: dict[tuple[int, bool], Callable[[], Any]] = {}
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -334,10 +391,28 @@ class _StepRecordings:
                 else:
                     d = device_tokens[i]
                     self.tokens[j : j + 1] = d.get() if type(d) is BatchRow else d
-        step = self.steps.get(rows)
+        return self._replay(rows, True)[:n].copy()  # (the next replay overwrites it)
+
+    def hidden(self, tokens: np.ndarray, slots: np.ndarray, pos: np.ndarray) -> Any:
+        """Final-normed hidden states (n, D) on the device of n <= step_rows prompt tokens,
+        row i token tokens[i] of the sequence in slot slots[i] at position pos[i] (host
+        int32 arrays: one copy up each). The rows past n repeat the last token (the same
+        key and value written at the same place)."""
+        n = tokens.size
+        rows = min(1 << (n - 1).bit_length(), self.tokens.shape[0])
+        order = np.minimum(np.arange(rows), n - 1)  # the token of each row
+        xp = self.model.xp
+        for buffer, values in ((self.tokens, tokens), (self.slots, slots), (self.pos, pos)):
+            buffer[:rows] = xp.asarray(values[order])
+        self.written[:rows] = list(zip(slots[order].tolist(), pos[order].tolist()))
+        return self._replay(rows, False)[:n].copy()
+
+    def _replay(self, rows: int, logits: bool) -> Any:
+        """The recording of `rows` rows (made on first use) run on the buffers as they are."""
+        step = self.steps.get((rows, logits))
         if step is None:
-            step = self._record(rows)
-        return step()[:n].copy()  # the recording's output is overwritten by its next replay
+            step = self._record(rows, logits)
+        return step()
 
     def _place(self, want: list[tuple[int, int]]) -> None:
         """Write each row's slot and position into the buffers: one add where every row
@@ -354,32 +429,33 @@ class _StepRecordings:
                 self.pos[j : j + 1].fill(p)
         self.written[:rows] = want
 
-    def _record(self, rows: int) -> Callable[[], Any]:
+    def _record(self, rows: int, logits: bool) -> Callable[[], Any]:
         """Run the step of `rows` rows directly (kernels compile before the capture),
         record it, and check the recording against it."""
         tokens, slots, pos = self.tokens[:rows], self.slots[:rows], self.pos[:rows]
 
         def unrecorded():
-            return self.model._recorded_step(tokens, slots, pos, self.keys, self.values)
+            return self.model._recorded_step(tokens, slots, pos, self.keys, self.values,
+                                             logits)
 
         # the layers' kernels one by one first (they write the same keys and values at
         # the same places, which the fused step then overwrites)
-        unfused = self.model._unfused_step(tokens, slots, pos, self.keys, self.values) \
-            if self.model._fused else None
+        unfused = self.model._unfused_step(tokens, slots, pos, self.keys, self.values,
+                                           logits) if self.model._fused else None
         direct = unrecorded()
         if unfused is not None:
             err, scale = self._difference(direct, unfused)
             if not err <= 1e-3 * scale:  # summation orders differ; NaN fails too
                 raise _FusedStepMismatch(
                     f"the fused decode step disagrees with the layers' kernels (max "
-                    f"|difference| {err:.3g}, logits up to {scale:.3g})")
+                    f"|difference| {err:.3g}, values up to {scale:.3g})")
         recorded = self.model.backend.capture(unrecorded) or unrecorded
         if recorded is not unrecorded:
             err, scale = self._difference(recorded(), direct)
             if not err <= 1e-4 * scale:  # also catches NaN
                 raise RuntimeError(f"the recorded decode step disagrees with the direct one "
-                                   f"(max |difference| {err:.3g}, logits up to {scale:.3g})")
-        self.steps[rows] = recorded
+                                   f"(max |difference| {err:.3g}, values up to {scale:.3g})")
+        self.steps[rows, logits] = recorded
         return recorded
 
     def _difference(self, logits, reference) -> tuple[float, float]:
