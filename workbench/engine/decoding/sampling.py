@@ -171,10 +171,12 @@ class DeviceSampler(Sampler):
         grammar ask for them."""
         be, p = self.backend, self.params
         xp = be.xp
-        x = logits.astype(xp.float32)
+        penalize = p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        # a copy only where the penalties write into it (float32 logits are read as they
+        # are: one launch less a token)
+        x = logits if logits.dtype == xp.float32 and not penalize else logits.astype(xp.float32)
         if self._dev_bias is not None:
             x = x + self._dev_bias
-        penalize = p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
         if penalize and p.repeat_last_n != 0 and len(history):
             recent = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history
             ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
