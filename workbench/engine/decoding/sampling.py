@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from workbench.engine.options import SamplingParams  # noqa: F401  (its home; kept importable here)
-from workbench.engine.runtime.backend import BatchRow, stack_rows
+from workbench.engine.runtime.backend import row_array, stack_rows
 
 
 class Sampler:
@@ -211,9 +211,8 @@ class DeviceSampler(Sampler):
         if all(s._dev_bias is None for s in samplers):
             x = stack_rows(xp, list(rows))  # (k, n_vocab)
         else:
-            arrays = [row.get() if isinstance(row, BatchRow) else row for row in rows]
             x = xp.stack([row if s._dev_bias is None else row + s._dev_bias
-                          for s, row in zip(samplers, arrays)])
+                          for s, row in zip(samplers, map(row_array, rows))])
         ids = xp.argmax(x, axis=1)  # (k,): ties go to the lowest id, as in sample_device
         if any(s.params.temperature != 0 for s in samplers):
             ids = DeviceSampler._draw_rows(samplers, x, ids)

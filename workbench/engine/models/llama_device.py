@@ -29,7 +29,7 @@ from workbench.engine.models.llama import (
 )
 from workbench.engine.models.llama_config import LlamaConfig
 from workbench.engine.models.moe import DeviceMoEFeedForward, MoEFeedForward
-from workbench.engine.runtime.backend import BatchRow, stack_rows
+from workbench.engine.runtime.backend import BatchRow, row_array, stack_rows
 
 _RECORDING_ERRORS = (RuntimeError,)  # what CuPy raises when a CUDA graph cannot be made
 RECORDED_PREFILL_ROWS = 512  # `DeviceLlamaModel.recorded_prefill_rows`' default
@@ -159,12 +159,10 @@ class DeviceLlamaModel:
         pos = np.concatenate([np.arange(c.offset, c.offset + len(t), dtype=np.int32)
                               for t, c in zip(ids, caches)])
         pool = caches[0].pool
-        if pool.recordings is None:
-            pool.recordings = _StepRecordings(self, pool)
         per, parts = self.step_rows, []
         for i in range(0, tokens.size, per):
             try:
-                parts.append(pool.recordings.hidden(tokens[i : i + per], slots[i : i + per],
+                parts.append(self._recordings(pool).hidden(tokens[i : i + per], slots[i : i + per],
                                                     pos[i : i + per]))
             except _RECORDING_ERRORS as e:  # the layers' kernels one by one instead
                 self._recording_failed(e, pool)
@@ -232,12 +230,10 @@ class DeviceLlamaModel:
         for c in caches:
             c.check_room(1)
         pool = caches[0].pool
-        if pool.recordings is None:
-            pool.recordings = _StepRecordings(self, pool)
         parts, per = [], self.step_rows
         try:
             for i in range(0, len(caches), per):
-                parts.append(pool.recordings.run(tokens[i : i + per],
+                parts.append(self._recordings(pool).run(tokens[i : i + per],
                                                  device_tokens[i : i + per],
                                                  caches[i : i + per]))
         except _RECORDING_ERRORS as e:
@@ -246,6 +242,12 @@ class DeviceLlamaModel:
         for c, t in zip(caches, tokens):
             c.advance([int(t)])
         return parts[0] if len(parts) == 1 else self.xp.concatenate(parts)
+
+    def _recordings(self, pool) -> _StepRecordings:
+        """`pool`'s recordings of the step (made empty on first use)."""
+        if pool.recordings is None:
+            pool.recordings = _StepRecordings(self, pool)
+        return pool.recordings
 
     def _recording_failed(self, error: RuntimeError, pool) -> None:
         """A recording could not be made (warned once): where the fused step disagreed
@@ -389,8 +391,7 @@ class _StepRecordings:
                 if device_tokens[i] is None:
                     self.tokens[j : j + 1].fill(int(tokens[i]))
                 else:
-                    d = device_tokens[i]
-                    self.tokens[j : j + 1] = d.get() if type(d) is BatchRow else d
+                    self.tokens[j : j + 1] = row_array(device_tokens[i])
         return self._replay(rows, True)[:n].copy()  # (the next replay overwrites it)
 
     def hidden(self, tokens: np.ndarray, slots: np.ndarray, pos: np.ndarray) -> Any:

@@ -192,6 +192,11 @@ class BatchRow:
         return self.batch[self.index]
 
 
+def row_array(row: Any) -> Any:
+    """A row as an array of its own: a `BatchRow`'s `get()`, or the array itself."""
+    return row.get() if type(row) is BatchRow else row
+
+
 def stack_rows(xp: Any, rows: list) -> Any:
     """Rows (`BatchRow`s or arrays of one shape) as one array (len(rows), ...): where they
     are rows 0 .. n-1 of one batch, in order, that batch's first n rows (a view: no copy,
@@ -203,7 +208,7 @@ def stack_rows(xp: Any, rows: list) -> Any:
                 type(r) is BatchRow and r.batch is batch and r.index == i
                 for i, r in enumerate(rows)):
             return batch if len(rows) == len(batch) else batch[: len(rows)]
-    return xp.stack([r.get() if isinstance(r, BatchRow) else r for r in rows])
+    return xp.stack([row_array(r) for r in rows])
 
 
 class Backend:
