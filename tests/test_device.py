@@ -400,7 +400,8 @@ def test_device_greedy_equals_the_host_sampler(device):
     dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
     dict(temperature=1.5, top_k=0, top_p=0.7, min_p=0.0),
     dict(temperature=0.5, top_k=5, top_p=1.0, min_p=0.0, repeat_penalty=1.5),
-], ids=["defaults", "top-p", "top-k"])
+    dict(temperature=0.7, min_p=0.1),
+], ids=["defaults", "top-p", "top-k", "min-p"])
 def test_device_sampling_draws_from_the_host_distribution(device, params):
     """Many draws on the device and on the host: the same tokens, with frequencies within
     a total variation distance of 0.05 (2000 draws each; the seeds are fixed)."""
@@ -450,6 +451,45 @@ def test_rows_picked_together_draw_as_each_alone(device):
     ids, on_device = DeviceSampler.pick_rows(samplers[:1] * 2, rows[:2])
     assert ids == [int(np.argmax(logits[0] + bias)), int(np.argmax(logits[1] + bias))]
     assert [int(t) for t in be.to_host(on_device)] == ids
+
+
+@pytest.mark.parametrize("device", GPU_DEVICES)
+def test_without_top_k_or_top_p_the_device_draws_the_host_tokens(device, monkeypatch):
+    """Without top-k or top-p nothing is sorted (on the host, 152k logits took 16 ms a
+    token to sort): the device draws through the vocabulary in its order, as the host
+    sampler does, from the same one uniform number a token. So the same seed gives the
+    host's tokens on the device, alone (`sample_device`) and in a batch's pick
+    (`pick_rows`), with a bias, min-p and masked tokens: all but the few draws (1 to 3
+    in 600 here) that fall within the device's float32 rounding of the boundary between
+    two tokens, where the host sums in float64."""
+    from workbench.engine.decoding.sampling import DeviceSampler, Sampler, SamplingParams
+
+    be = _backend(device)
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("the vocabulary was sorted")
+
+    monkeypatch.setattr(be.xp, "argsort", no_sort)
+    monkeypatch.setattr(np, "argsort", no_sort)
+    n_vocab = 5000
+    rng = np.random.default_rng(2)
+    logits = [(rng.standard_normal(n_vocab) * s).astype(np.float32) for s in (1.0, 3.0)]
+    logits[1][rng.random(n_vocab) < 0.5] = -np.inf
+    params = [SamplingParams(temperature=1.0, seed=4, logit_bias={7: 3.0}),
+              SamplingParams(temperature=0.6, min_p=0.02, seed=5)]
+    for p, x in zip(params, logits):
+        host, dev = Sampler(p, n_vocab), DeviceSampler(p, n_vocab, be)
+        on_device = be.asarray(x)
+        want = [host.sample(x) for _ in range(300)]
+        got = [dev.sample_device(on_device)[0] for _ in range(300)]
+        assert sum(a == b for a, b in zip(got, want)) >= 285, (got, want)
+        assert len(set(want)) > 20  # they really are draws
+    hosts = [Sampler(p, n_vocab) for p in params]
+    devs = [DeviceSampler(p, n_vocab, be) for p in params]
+    rows = be.asarray(np.stack(logits))
+    picks = [DeviceSampler.pick_rows(devs, [rows[0], rows[1]])[0] for _ in range(300)]
+    want = [[h.sample(x) for h, x in zip(hosts, logits)] for _ in range(300)]
+    assert sum(a == b for a, b in zip(np.ravel(picks), np.ravel(want))) >= 570
 
 
 def test_sampled_batches_copy_the_token_ids_once_per_step(tiny_path):

@@ -9,6 +9,9 @@ alternates them round by round and prints the medians and their ratio:
 - decode tokens/s over `--decode-tokens` (128) greedy tokens, after a short prompt
   and after the `--prompt-tokens` one (where attention reads the cache of that many
   positions for every token; llama.cpp keeps its cache in fp16, we keep fp32);
+- sampled decode tokens/s: the same after a short prompt at temperature 1 with every
+  filter off (what the server does for a request that leaves them out), each engine's
+  own sampler (llama.cpp's chain of temperature and dist);
 - time to first token of a short chat prompt (nothing cached);
 - peak resident memory while generating (each engine alone in a child process);
 - aggregate decode tokens/s with N = 1, 4, 8, 16 sequences decoded together
@@ -193,6 +196,13 @@ class Bench:
         return decode_rate(self.ours.generate(prompt, max_tokens=n, temperature=0,
                                               logit_bias=self.no_eos))
 
+    def ours_sampled(self) -> float:
+        """Decode speed at temperature 1, filters off, after a short prompt."""
+        self.ours.reset()
+        return decode_rate(self.ours.generate(PROMPTS[0], max_tokens=self.args.decode_tokens,
+                                              temperature=1.0, seed=0,
+                                              logit_bias=self.no_eos))
+
     def ours_ttft(self) -> float:
         self.ours.reset()
         t = time.perf_counter()
@@ -217,6 +227,8 @@ class Bench:
              lambda: self.peer.measure("decode"), "higher"),
             (f"  the same after {len(self.long_ids)} tokens", lambda: self.ours_decode(True),
              lambda: self.peer.measure("decode", True), "higher"),
+            ("sampled decode tok/s (temperature 1)", self.ours_sampled,
+             lambda: self.peer.measure("sampled"), "higher"),
             ("time to first token ms (chat)", self.ours_ttft,
              lambda: self.peer.measure("ttft"), "lower"),
         ]
@@ -295,6 +307,27 @@ class LlamaCppSide:
         for _ in range(n - 1):
             peer.eval([_peer_greedy(peer)])
         return (n - 1) / (time.perf_counter() - t)
+
+    def sampled(self) -> float:
+        """`decode` after the short prompt, each token drawn by llama.cpp's own sampler
+        chain at temperature 1 with no filter (temp, then dist)."""
+        import llama_cpp
+
+        peer = self.peer
+        peer.reset()
+        peer.eval(peer.tokenize(PROMPTS[0].encode(), add_bos=False))
+        chain = llama_cpp.llama_sampler_chain_init(
+            llama_cpp.llama_sampler_chain_default_params())
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(1.0))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(0))
+        try:
+            n = self.decode_tokens
+            t = time.perf_counter()
+            for _ in range(n - 1):
+                peer.eval([llama_cpp.llama_sampler_sample(chain, peer.ctx, -1)])
+            return (n - 1) / (time.perf_counter() - t)
+        finally:
+            llama_cpp.llama_sampler_free(chain)
 
     def ttft(self) -> float:
         self.peer.reset()

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from workbench.engine.decoding.generation_model import GenerationModel
-from workbench.engine.decoding.sampling import Sampler
+from workbench.engine.decoding.sampling import Sampler, draw
 from workbench.engine.decoding.sequence import Decoding
 from workbench.engine.results import DraftCounts
 from workbench.engine.runtime.kv_cache import ContextFullError, KVCache
@@ -174,7 +174,7 @@ class _DraftModel:
                 logits = draft.logits_out(draft.hidden(np.asarray(feed), cache)[-1:],
                                           on_device=False)[0]
             q = self.sampler.probabilities(logits, history + proposal)
-            token = _draw(q, rng)
+            token = draw(q, rng)
             proposal.append(token)
             dists.append(q)
             feed = [token]
@@ -239,18 +239,10 @@ def _verify(sampler: Sampler, logits: np.ndarray, history: list[int], proposal: 
             out.append(x)
             continue
         residual = np.maximum(p - q[j], 0.0)
-        out.append(_draw(residual if residual.sum() > 0 else p, rng))
+        out.append(draw(residual if residual.sum() > 0 else p, rng))
         return out
-    out.append(_draw(sampler.probabilities(logits[len(proposal)], history + out), rng))
+    out.append(draw(sampler.probabilities(logits[len(proposal)], history + out), rng))
     return out
-
-
-def _draw(weights: np.ndarray, rng: np.random.Generator) -> int:
-    """A token id drawn in proportion to `weights` (n_vocab,), non-negative, not all 0."""
-    ids = np.flatnonzero(weights)
-    cdf = np.cumsum(weights[ids])
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return int(ids[min(i, len(ids) - 1)])
 
 
 def _check_vocabulary(target: GenerationModel, draft: GenerationModel) -> None:
