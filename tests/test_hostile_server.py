@@ -96,7 +96,7 @@ def _healthy(server, baseline: int) -> None:
 def _send_raw(server, path: str, body: bytes, length: int | None = None) -> socket.socket:
     """A request on a socket of our own, to leave in the middle of it."""
     sock = socket.create_connection((server.host, server.port), timeout=30)
-    head = (f"POST {path} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {KEY}\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
             f"Content-Type: application/json\r\n"
             f"Content-Length: {len(body) if length is None else length}\r\n\r\n")
     sock.sendall(head.encode() + body)
@@ -183,7 +183,7 @@ def test_leaving_a_transcription_frees_the_slot(server, engines, baseline):
             f"name=\"file\"; filename=\"long.wav\"\r\nContent-Type: audio/wav\r\n\r\n"
             ).encode() + out.getvalue() + f"\r\n--{boundary}--\r\n".encode()
     sock = socket.create_connection((server.host, server.port), timeout=30)
-    sock.sendall((f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: test\r\n"
+    sock.sendall((f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                   f"Authorization: Bearer {KEY}\r\nContent-Type: multipart/form-data; "
                   f"boundary={boundary}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
                  + body)

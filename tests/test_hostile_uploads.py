@@ -8,6 +8,8 @@ loopback port serving stand-in engines (no model: each test takes seconds).
   that does not and a folder. Every allowed container still decodes.
 - A cross-site request from a browser (multipart, JSON) gets 403 unless `cors_origins`
   allows its origin; clients without `Origin` / `Sec-Fetch-Site` are not affected.
+- A page that reaches the loopback server by DNS rebinding (its browser sends its own
+  name as `Host`, and calls itself same-origin) gets 403 unless `allowed_hosts` names it.
 - 1,000 connections that never finish their headers lock nobody out; they get 408 after
   `header_timeout`; past `max_connections` the oldest half-open one makes room, or, all
   busy, the new one gets a readable 503; running out of file descriptors is logged
@@ -252,6 +254,61 @@ def test_cors_origins_lets_its_pages_in(ear):
         error(upload(s, tone_wav(), headers=CROSS_SITE), 403)
     with workbench.serve({"ear": ear}, port=0, cors_origins=["*"]) as s:
         assert upload(s, tone_wav(), headers=CROSS_SITE).status_code == 200
+
+
+# -- DNS rebinding -------------------------------------------------------------------------------
+def rebound(server, name: str) -> dict:
+    """The headers a browser sends for a page at http://<name>:<port> whose name now
+    resolves to this server's address: its own host, and same-origin."""
+    return {"Host": f"{name}:{server.port}", "Origin": f"http://{name}:{server.port}",
+            "Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"}
+
+
+def test_a_page_rebound_to_loopback_is_refused(server):
+    """A loopback server answers to loopback names only: a rebound page's requests (JSON,
+    an upload, /health) get 403 and reach no engine, whatever else they say; localhost,
+    127.0.0.1, [::1], *.localhost and a request without Host (HTTP/1.0) are answered."""
+    for name in ("evil.example", "attacker.test.", "192.168.1.20", "localhost.evil.example"):
+        e = error(upload(server, tone_wav(), headers=rebound(server, name)), 403)
+        assert e["code"] == "host_not_allowed" and "allowed_hosts" in e["message"]
+    r = httpx.post(server.base_url + "/embeddings", json={"model": "ear", "input": "hi"},
+                   headers=rebound(server, "evil.example"))
+    error(r, 403)
+    error(httpx.get(server.url + "/health", headers={"Host": "evil.example"}), 403)
+    for name in ("localhost", "127.0.0.1", "127.0.0.2", "[::1]", "app.localhost", "LOCALHOST."):
+        r = upload(server, tone_wav(), headers={"Host": f"{name}:{server.port}"})
+        assert r.json() == {"text": "16000 samples"}, name
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+
+
+def test_allowed_hosts_names_the_hosts_a_server_answers_to(ear):
+    """`allowed_hosts` adds names (a tunnel's, a proxy's); "*" allows any; a server
+    listening on other interfaces answers to any name unless told otherwise."""
+    import workbench
+    from workbench.server.gatekeeper import allowed_hosts_for
+
+    with workbench.serve({"ear": ear}, port=0, allowed_hosts=["wb.internal"]) as s:
+        assert upload(s, tone_wav(), headers={"Host": "WB.internal"}).status_code == 200
+        assert upload(s, tone_wav(), headers={"Host": "localhost"}).status_code == 200
+        error(upload(s, tone_wav(), headers={"Host": "evil.example"}), 403)
+    with workbench.serve({"ear": ear}, port=0, allowed_hosts=["*"]) as s:
+        assert upload(s, tone_wav(), headers=rebound(s, "evil.example")).status_code == 200
+    assert allowed_hosts_for("127.0.0.1", None) == frozenset()
+    assert allowed_hosts_for("::1", None) == allowed_hosts_for("localhost", None) == frozenset()
+    assert allowed_hosts_for("0.0.0.0", None) is None  # any: the user serves the network
+    assert allowed_hosts_for("192.168.1.5", None) is None
+    assert allowed_hosts_for("0.0.0.0", ["box.lan"]) == {"box.lan"}
+
+
+def test_serve_takes_allowed_host_from_the_command_line():
+    from workbench import cli
+
+    args = cli._parser().parse_args(["serve", "--allowed-host", "a.lan", "--allowed-host",
+                                     "b.lan"])
+    assert args.allowed_host == ["a.lan", "b.lan"]
+    assert cli._parser().parse_args(["serve"]).allowed_host is None
 
 
 # -- connections that never finish their headers -------------------------------------------------

@@ -198,6 +198,11 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                      help="let web pages from ORIGIN call the API from a browser (repeat "
                           "for several; '*' for any); none by default")
+    srv.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                     help="a name requests may give in their Host header besides "
+                          "localhost and 127.0.0.1 (repeat for several; '*' for any); "
+                          "by default a loopback server answers to those only, against "
+                          "DNS rebinding, and one on other interfaces to any")
     srv.add_argument("--max-concurrent", type=int, default=limits.MAX_CONCURRENT,
                      help="engine calls at once; a chat model decodes them together "
                           f"(default: {limits.MAX_CONCURRENT})")
@@ -560,6 +565,7 @@ def _serve(args) -> int:
           request_timeout=args.request_timeout or None, body_timeout=args.body_timeout or None,
           max_audio_seconds=args.max_audio_seconds or None,
           max_embedding_tokens=args.max_embedding_tokens or None, cors_origins=args.cors_origin,
+          allowed_hosts=args.allowed_host,
           protect_docs=False if args.open_docs else None, draft=draft,
           draft_tokens=args.draft_tokens, background=False)
     return 0

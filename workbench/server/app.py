@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Annotated, Any
 
 import numpy as np
@@ -53,6 +53,7 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
                max_audio_seconds: float | None = limits.MAX_AUDIO_SECONDS,
                max_embedding_tokens: int | None = limits.MAX_EMBEDDING_TOKENS,
                protect_docs: bool | None = None, cors_origins: Sequence[str] = (),
+               allowed_hosts: Collection[str] | None = None,
                drafts: Mapping[str, Mapping[str, Any]] | None = None) -> FastAPI:
     """The FastAPI app serving `engines` ({model id: engine}) with OpenAI's API.
 
@@ -80,6 +81,9 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
         user visits cannot drive the models: a browser's request from another origin
         gets 403, a form or an upload as much as JSON. Preflight requests are answered
         before the key is checked (browsers send them without it).
+    allowed_hosts: where not None, a request whose `Host` header is neither a loopback
+        name nor one of these gets 403 (`serve` passes `gatekeeper.allowed_hosts_for`
+        its listening address: loopback names only on loopback); None: any host.
     drafts: {model id: {"draft": a draft LLM or "ngram", "draft_tokens": k}}: that
         model's chat and text completions decode speculatively (not those with a
         `response_format` or `grammar`, which speculation does not support).
@@ -95,7 +99,8 @@ def create_app(engines: Mapping[str, Any], *, api_key: str | None = None,
                   description="An OpenAI-compatible API over local workbench engines.")
     app.state.workbench = state
     _install_errors(app)
-    app.add_middleware(Gatekeeper, state=state, cors_origins=cors_origins)
+    app.add_middleware(Gatekeeper, state=state, cors_origins=cors_origins,
+                       allowed_hosts=allowed_hosts)
     if cors_origins:  # added last, so it runs first: preflights never meet the gate
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"])

@@ -1,7 +1,9 @@
 """`Gatekeeper`: the ASGI middleware that checks a request before its body is read.
 
-It answers 403 for a request a web page sent from another origin (unless `cors_origins`
-allows it), 401 for a missing or wrong API key, 413 for a body over `max_body_bytes`
+It answers 403 for a request that names a host the server does not answer to (a page
+on another site reaching a loopback server by DNS rebinding), 403 for a request a web
+page sent from another origin (unless `cors_origins` allows it), 401 for a missing or
+wrong API key, 413 for a body over `max_body_bytes`
 and 408 for a body that does not arrive within `body_timeout`, each as OpenAI's error
 JSON, and counts the requests answered.
 """
@@ -9,8 +11,9 @@ JSON, and counts the requests answered.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from starlette.exceptions import HTTPException
 
@@ -18,19 +21,56 @@ from workbench.server.jobs import ServerState
 from workbench.server.schemas import APIError
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an IP address, without a port) always means this machine:
+    a loopback address, `localhost` or a name under `.localhost` (RFC 6761: resolved to
+    loopback without asking DNS)."""
+    host = host.lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts_for(listen_host: str, allowed: Sequence[str] | None) -> frozenset[str] | None:
+    """The names a request's `Host` may give, besides the loopback ones (`is_loopback`),
+    for a server listening on `listen_host`; None: any. By default (`allowed` None) a
+    server listening on loopback answers to loopback names only, since a web page that
+    rebinds its own name to 127.0.0.1 sends that name; one listening on other interfaces
+    answers any (its clients name it as they reach it: set an API key). "*" allows any."""
+    if allowed is None:
+        return frozenset() if is_loopback(listen_host.strip("[]")) else None
+    if "*" in allowed:
+        return None
+    return frozenset(h.lower().rstrip(".") for h in allowed)
+
+
+def _host_name(header: bytes) -> str:
+    """The host of a `Host` header, without its port: "[::1]:8000" -> "::1"."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1 : text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
 class Gatekeeper:
-    """ASGI middleware, before any body is read: a browser's request from another web
-    origin (403, unless `cors_origins` names it); the API key (401) for `/v1/*` (and the
-    docs with `protect_docs`); the body size (413, by Content-Length up front or while a
-    body without one streams in) and the time to send it (408); the count of answered
-    requests.
+    """ASGI middleware, before any body is read: a `Host` the server does not answer to
+    (403, where `allowed_hosts` is not None: `allowed_hosts_for`); a browser's request
+    from another web origin (403, unless `cors_origins` names it); the API key (401) for
+    `/v1/*` (and the docs with `protect_docs`); the body size (413, by Content-Length up
+    front or while a body without one streams in) and the time to send it (408); the
+    count of answered requests.
 
     A refused body is not read: the error goes out at once and the HTTP layer (uvicorn)
     drops the rest of the body as it arrives, so a client still sending reads the error
     when it is done instead of a reset connection."""
 
-    def __init__(self, app, state: ServerState, cors_origins: Sequence[str] = ()):
+    def __init__(self, app, state: ServerState, cors_origins: Sequence[str] = (),
+                 allowed_hosts: Collection[str] | None = None):
         self.app, self.state = app, state
+        self.allowed_hosts = allowed_hosts
         self.any_origin = "*" in cors_origins
         self.origins = {origin.encode("latin-1") for origin in cors_origins}
 
@@ -40,6 +80,13 @@ class Gatekeeper:
         state = self.state
         try:
             headers = dict(scope["headers"])
+            if not self.host_allowed(headers.get(b"host")):
+                return await _send_error(send, APIError(
+                    403, "host not allowed: this server answers to its loopback names "
+                    "(localhost, 127.0.0.1) only; a page that renamed itself to reach it "
+                    "sends its own name. Allow a name you reach it by with "
+                    "serve(..., allowed_hosts=[...]) (--allowed-host)",
+                    code="host_not_allowed"))
             if self.cross_site(scope, headers):
                 return await _send_error(send, APIError(
                     403, "cross-site request refused: this server lets no web page of "
@@ -86,6 +133,15 @@ class Gatekeeper:
             await self.app(scope, limited, send)
         finally:
             state.requests.set(state.requests.peek() + 1)
+
+    def host_allowed(self, header: bytes | None) -> bool:
+        """Whether the request's `Host` header names this server: any name where
+        `allowed_hosts` is None; else a loopback name or one of `allowed_hosts`.
+        A request without the header (HTTP/1.0) is no browser's and passes."""
+        if self.allowed_hosts is None or header is None:
+            return True
+        host = _host_name(header)
+        return is_loopback(host) or host.rstrip(".") in self.allowed_hosts
 
     def cross_site(self, scope, headers: dict[bytes, bytes]) -> bool:
         """Whether a browser sent this request for a page of another origin that

@@ -128,7 +128,7 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
           max_tokens_limit: int | None = _DEFAULT, request_timeout: float | None = _DEFAULT,
           body_timeout: float | None = _DEFAULT, max_audio_seconds: float | None = _DEFAULT,
           max_embedding_tokens: int | None = _DEFAULT, protect_docs: bool | None = None,
-          cors_origins: Sequence[str] = (),
+          cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] | None = None,
           max_connections: int | None = None, header_timeout: float | None = _DEFAULT,
           draft: Any = None, draft_tokens: int | None = None,
           background: bool = True, log_level: str | None = None) -> Server:
@@ -173,6 +173,12 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
         makes from another origin (its browser's `Origin` and `Sec-Fetch-Site` say so)
         gets 403, forms and uploads included. Clients that are not browsers (the
         `openai` client, curl) send neither header and are not affected.
+    allowed_hosts: the names, besides localhost and the loopback addresses, that a
+        request's `Host` header may give. By default a server listening on loopback
+        answers to loopback names only (403 otherwise): a web page that points its own
+        name at 127.0.0.1 (DNS rebinding) counts as the server's origin, and its
+        requests name its own host. A server listening on other interfaces answers to
+        any name by default (set an API key there); ["*"] allows any anywhere.
     max_connections: connections open at once (default 1024, lowered to fit the
         process's file-descriptor limit; more than fits raises ValueError). Past it
         the connection that has waited longest for its request's headers is closed,
@@ -194,6 +200,7 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
     from workbench.server import limits
     from workbench.server.app import create_app
     from workbench.server.connections import connection_cap
+    from workbench.server.gatekeeper import allowed_hosts_for
 
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
@@ -221,7 +228,8 @@ def serve(engine: Any | Mapping[str, Any], *, model_id: str | None = None,
                      max_concurrent=(limits.MAX_CONCURRENT if max_concurrent is None
                                      else max_concurrent),
                      max_queue=max_queue, max_body_bytes=max_body_bytes or limits.MAX_BODY_BYTES,
-                     protect_docs=protect_docs, cors_origins=cors_origins, drafts=drafts,
+                     protect_docs=protect_docs, cors_origins=cors_origins,
+                     allowed_hosts=allowed_hosts_for(host, allowed_hosts), drafts=drafts,
                      **chosen)
     old = _running.get((host, port))
     if old is not None:
