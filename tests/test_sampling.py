@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -139,21 +141,24 @@ def test_filters_on_a_large_vocabulary_equal_their_sorted_definition(scale, ties
     logits = (rng.standard_normal(n) * scale).astype(np.float32)
     if ties:  # runs of equal logits, across every nucleus edge
         logits = np.round(logits * 4 / scale) * np.float32(scale / 4)
-    logits[rng.random(n) < 0.2] = -np.inf
-    for params in [dict(), dict(top_p=0.95), dict(top_p=0.5), dict(top_p=0.999),
-                   dict(min_p=0.05), dict(top_p=0.9, min_p=0.2)] + \
-            ([] if ties else [dict(top_k=40), dict(top_k=40, top_p=0.9, min_p=0.05)]):
+    masked = logits.copy()
+    masked[rng.random(n) < 0.2] = -np.inf
+    for params, x in itertools.product(
+            [dict(), dict(top_p=0.95), dict(top_p=0.5), dict(top_p=0.999), dict(min_p=0.05),
+             dict(top_p=0.9, min_p=0.2)]
+            + ([] if ties else [dict(top_k=40), dict(top_k=40, top_p=0.9, min_p=0.05)]),
+            [logits, masked]):
         p = SamplingParams(temperature=0.7, **params)
         sorted_sizes = _sorts_seen(monkeypatch)
-        got = Sampler(p, n).probabilities(logits)
+        got = Sampler(p, n).probabilities(x)
         monkeypatch.undo()
-        want = _sorted_definition(logits, p)
+        want = _sorted_definition(x, p)
         assert np.array_equal(got > 0, want > 0), params
         assert np.abs(got - want).max() < 1e-12, params
         if "top_k" not in params and "top_p" not in params:
             assert sorted_sizes == [], params  # vocabulary order
         elif scale == 4.0:  # a peaked distribution: its nucleus, never the vocabulary
-            assert max(sorted_sizes) < len(np.flatnonzero(np.isfinite(logits))), params
+            assert max(sorted_sizes) < np.isfinite(x).sum(), params
 
 
 def _sorts_seen(monkeypatch) -> list[int]:

@@ -15,6 +15,7 @@ long as Qwen2.5-0.5B's whole decode step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,18 +126,26 @@ class Sampler:
                 keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
                 ids, vals, probs = ids[:keep], vals[:keep], probs[:keep]
         else:
-            ids = np.flatnonzero(np.isfinite(logits))
-            if not len(ids):
-                raise ValueError(_nothing_left(allowed))
-            vals = logits[ids].astype(np.float64)
+            finite = np.isfinite(logits)
+            if finite.all():  # (no mask, no -inf bias: the common case, without a copy)
+                ids, vals = _every_id(n), logits.astype(np.float64)
+            else:
+                ids = np.flatnonzero(finite)
+                if not len(ids):
+                    raise ValueError(_nothing_left(allowed))
+                vals = logits[ids].astype(np.float64)
             if p.top_p < 1.0:  # the nucleus, sorted
                 ids, vals, probs = _nucleus(ids, vals, p.top_p)
             elif p.min_p > 0.0:  # in vocabulary order; e: probability over the best one's
                 keep = np.exp(vals - vals.max()) >= p.min_p
                 keep[np.argmax(vals)] = True
                 return ids[keep], _softmax(vals[keep] / p.temperature)
-            else:
-                return ids, _softmax(vals / p.temperature)
+            else:  # in vocabulary order, in place (each 1 MB temporary cost ~0.2 ms)
+                vals /= p.temperature
+                vals -= vals.max()
+                np.exp(vals, out=vals)
+                vals /= vals.sum()
+                return ids, vals
         if p.min_p > 0.0:  # most likely first: a prefix
             keep = max(1, int(np.sum(probs >= p.min_p * probs[0])))
             ids, vals = ids[:keep], vals[:keep]
@@ -150,6 +159,14 @@ def draw(weights: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(weights)
     cdf /= cdf[-1]
     return min(int(cdf.searchsorted(rng.random(), side="right")), len(weights) - 1)
+
+
+@functools.lru_cache(maxsize=4)
+def _every_id(n: int) -> np.ndarray:
+    """0 .. n - 1 (read-only): the candidates where every token may be drawn."""
+    ids = np.arange(n)
+    ids.flags.writeable = False
+    return ids
 
 
 def _nucleus(ids: np.ndarray, vals: np.ndarray, top_p: float,
