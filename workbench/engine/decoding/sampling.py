@@ -310,13 +310,15 @@ class DeviceSampler(Sampler):
             vals = xp.where(place < top_k, vals, -np.inf)
         else:  # vocabulary order, as the host sampler draws without top-k or top-p
             vals = x
-        probs = be.softmax(vals, axis=-1)  # -inf (masked, past top-k) entries get 0
-        keep = probs >= min_p * probs.max(axis=1, keepdims=True)
-        if ranked:
-            before = xp.cumsum(probs, axis=1) - probs
-            keep = keep & ((before < top_p) | (top_p >= 1.0))  # the prefix reaching top_p
-            keep = (keep & xp.isfinite(vals)) | (place == 0)  # the best token always stays
-        w = be.softmax(xp.where(keep, vals / temperature, -np.inf), axis=-1)
+        if ranked or any(s.params.min_p > 0.0 for s in samplers):
+            probs = be.softmax(vals, axis=-1)  # -inf (masked, past top-k) entries get 0
+            keep = probs >= min_p * probs.max(axis=1, keepdims=True)
+            if ranked:
+                before = xp.cumsum(probs, axis=1) - probs
+                keep = keep & ((before < top_p) | (top_p >= 1.0))  # the prefix reaching top_p
+                keep = (keep & xp.isfinite(vals)) | (place == 0)  # the best token stays
+            vals = xp.where(keep, vals, -np.inf)
+        w = be.softmax(vals / temperature, axis=-1)  # (masked entries: -inf, weight 0)
         cdf = xp.cumsum(w, axis=1)  # (k, width)
         i = xp.minimum((cdf <= u * cdf[:, -1:]).astype(xp.int32).sum(axis=1), vals.shape[1] - 1)
         drawn = xp.take_along_axis(order, i[:, None], axis=1)[:, 0] if ranked else i  # (k,)
@@ -337,17 +339,18 @@ class DeviceSampler(Sampler):
             vals = x[order]
         else:
             vals = x
-        probs = be.softmax(vals)  # -inf (masked) entries get 0
-        keep = xp.isfinite(vals)
-        if p.top_p < 1.0:  # the smallest prefix whose mass reaches top_p
-            before = xp.cumsum(probs) - probs
-            keep = keep & (before < p.top_p)
-        if p.min_p > 0.0:
-            keep = keep & (probs >= p.min_p * probs.max())
-        if ranked:
-            keep = keep | (xp.arange(vals.shape[0]) == 0)  # the best token always stays
-        scaled = xp.where(keep, vals / p.temperature, -np.inf)
-        w = be.softmax(scaled)
+        if ranked or p.min_p > 0.0:
+            probs = be.softmax(vals)  # -inf (masked) entries get 0
+            keep = xp.isfinite(vals)
+            if p.top_p < 1.0:  # the smallest prefix whose mass reaches top_p
+                before = xp.cumsum(probs) - probs
+                keep = keep & (before < p.top_p)
+            if p.min_p > 0.0:
+                keep = keep & (probs >= p.min_p * probs.max())
+            if ranked:
+                keep = keep | (xp.arange(vals.shape[0]) == 0)  # the best token always stays
+            vals = xp.where(keep, vals, -np.inf)
+        w = be.softmax(vals / p.temperature)  # (masked entries: -inf, weight 0)
         cdf = xp.cumsum(w)
         u = float(self.rng.random()) * cdf[-1]
         i = xp.minimum((cdf <= u).astype(xp.int32).sum(), vals.shape[0] - 1).reshape(1)
