@@ -224,3 +224,20 @@ def test_the_remote_client_reaches_only_the_light_engine_modules():
          "('numba', 'llvmlite', 'fastapi') or m.startswith('workbench.kernels'))))"],
         capture_output=True, text=True, check=True, cwd=PACKAGE.parent).stdout.split()
     assert loaded == []
+
+
+def test_every_public_name_resolves_and_the_errors_a_caller_catches_are_among_them():
+    """`workbench.__all__` is what `from workbench import *` and the docs promise: each
+    name resolves (most lazily, on first use), and every error the engine raises for a
+    caller to handle is one of them, not only in its module."""
+    import workbench
+
+    for name in workbench.__all__:
+        assert getattr(workbench, name) is not None, name
+    for name in ("ContextFullError", "IncompleteOutputError", "TooManyTokensError",
+                 "GrammarError", "GrammarBudgetError", "UnsupportedSchemaError",
+                 "ChatTemplateError", "PrefixCacheError", "GGUFError",
+                 "UnsupportedArchitectureError", "WhisperFileError", "AudioError",
+                 "DeviceUnavailableError", "TraceTooLargeError", "ModelNotFoundError",
+                 "PullError", "TruncationWarning", "ClosedEarlyWarning"):
+        assert name in workbench.__all__ and issubclass(getattr(workbench, name), Exception)

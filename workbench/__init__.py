@@ -55,7 +55,10 @@ __all__ = ["LLM", "Completion", "TokenEvent", "GenerationOptions", "Encoder", "W
            "Grammar", "parse_gbnf", "compile_schema", "UnsupportedSchemaError", "Closing",
            "ClosedEarlyWarning", "GrammarBudgetError", "validate_chat_template",
            "ChatTemplateError", "PrefixCacheError", "GGUFError", "AudioError", "Cancelled",
-           "Trace", "TraceTooLargeError",
+           "Trace", "TraceTooLargeError", "ContextFullError", "IncompleteOutputError",
+           "TooManyTokensError", "GrammarError", "WhisperFileError", "DeviceUnavailableError",
+           "UnsupportedArchitectureError", "TruncationWarning", "ModelNotFoundError",
+           "PullError",
            "pull", "register_alias", "unregister_alias", "resolve_alias", "architectures",
            "__version__"]
 # name: the module that defines it, imported on first use: the engine imports NumPy and
@@ -80,12 +83,21 @@ _LAZY = {
     "GGUFError": "engine.formats.gguf", "AudioError": "engine.audio.pcm",
     "Cancelled": "engine.cancel",
     "Trace": "engine.models.trace", "TraceTooLargeError": "engine.models.trace",
+    "ContextFullError": "engine.runtime.kv_cache",
+    "IncompleteOutputError": "engine.results", "TooManyTokensError": "engine.results",
+    "GrammarError": "engine.decoding.grammar",
+    "WhisperFileError": "engine.formats.whisper_file",
+    "DeviceUnavailableError": "engine.runtime.backend",
+    "UnsupportedArchitectureError": "engine.formats.gguf",
+    "TruncationWarning": "engine.encoder",
     "RemoteEngine": "server.remote",
     "pull": "engine.formats.sources", "architectures": "engine.models.families",
 }
 
 # the server's packages (FastAPI, uvicorn) load when `serve` is called, not here
 from workbench.registry import (  # noqa: E402
+    ModelNotFoundError,
+    PullError,
     register_alias,
     resolve_alias,
     unregister_alias,
@@ -98,19 +110,29 @@ if TYPE_CHECKING:
     from workbench.engine.decoding.closing import ClosedEarlyWarning, Closing, GrammarBudgetError
     from workbench.engine.decoding.grammar import (
         Grammar,
+        GrammarError,
         UnsupportedSchemaError,
         compile_schema,
         parse_gbnf,
     )
-    from workbench.engine.encoder import Encoder
+    from workbench.engine.encoder import Encoder, TruncationWarning
     from workbench.engine.explore.branch import Branch, BranchStore
-    from workbench.engine.formats.gguf import GGUFError
+    from workbench.engine.formats.gguf import GGUFError, UnsupportedArchitectureError
     from workbench.engine.formats.sources import pull
+    from workbench.engine.formats.whisper_file import WhisperFileError
     from workbench.engine.llm import LLM
     from workbench.engine.models.families import architectures
     from workbench.engine.models.trace import Trace, TraceTooLargeError
     from workbench.engine.options import GenerationOptions
-    from workbench.engine.results import Completion, TokenEvent, Transcript
+    from workbench.engine.results import (
+        Completion,
+        IncompleteOutputError,
+        TokenEvent,
+        TooManyTokensError,
+        Transcript,
+    )
+    from workbench.engine.runtime.backend import DeviceUnavailableError
+    from workbench.engine.runtime.kv_cache import ContextFullError
     from workbench.engine.runtime.prefix_cache import PrefixCache, PrefixCacheError
     from workbench.engine.text.chat_template import ChatTemplateError, validate_chat_template
     from workbench.engine.whisper import WhisperModel
