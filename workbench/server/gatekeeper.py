@@ -3,9 +3,9 @@
 It answers 403 for a request that names a host the server does not answer to (a page
 on another site reaching a loopback server by DNS rebinding), 403 for a request a web
 page sent from another origin (unless `cors_origins` allows it), 401 for a missing or
-wrong API key, 413 for a body over `max_body_bytes`
-and 408 for a body that does not arrive within `body_timeout`, each as OpenAI's error
-JSON, and counts the requests answered.
+wrong API key, 413 for a body over `max_body_bytes` and 408 for a body that does not
+arrive within `body_timeout`, each as OpenAI's error JSON, and counts the requests
+answered.
 """
 
 from __future__ import annotations
@@ -80,13 +80,13 @@ class Gatekeeper:
         state = self.state
         try:
             headers = dict(scope["headers"])
-            if not self.host_allowed(headers.get(b"host")):
+            host = headers.get(b"host")
+            if not self.host_allowed(host):
                 return await _send_error(send, APIError(
-                    403, "host not allowed: this server answers to its loopback names "
-                    "(localhost, 127.0.0.1) only; a page that renamed itself to reach it "
-                    "sends its own name. Allow a name you reach it by with "
-                    "serve(..., allowed_hosts=[...]) (--allowed-host)",
-                    code="host_not_allowed"))
+                    403, f"host {_host_name(host)!r} not allowed: this server answers to "
+                    "localhost, 127.0.0.1 and the names serve(..., allowed_hosts=[...]) "
+                    "(--allowed-host) adds; a web page that points its own name at this "
+                    "machine sends that name", code="host_not_allowed"))
             if self.cross_site(scope, headers):
                 return await _send_error(send, APIError(
                     403, "cross-site request refused: this server lets no web page of "

@@ -5,11 +5,13 @@ The chain follows llama.cpp's default order: logit bias -> repetition penalty
 `temperature == 0` is greedy argmax (ties go to the lowest id, as llama.cpp's
 argmax does).
 
-Nothing sorts the whole vocabulary: top-k sorts the k it keeps, top-p sorts only as
-many of the most likely tokens as its nucleus needs (`_nucleus`), and without either
-the draw goes through the candidates in vocabulary order, which gives the same
-distribution. Sorting 152k logits took 16 ms a token on this project's CPU, about as
-long as Qwen2.5-0.5B's whole decode step.
+The host sampler sorts about what the filters keep: top-k sorts its k, top-p as many of
+the most likely tokens as its nucleus needs (`_nucleus`: 256, then 8x more, the whole
+vocabulary only for a nucleus past 16k tokens), and without either the draw goes
+through the candidates in vocabulary order, which gives the same distribution. Sorting
+Qwen's 152k logits took 16 ms a token on this project's CPU, about as long as
+Qwen2.5-0.5B's whole decode step. The device sampler sorts the vocabulary only for
+top-k or top-p.
 """
 
 from __future__ import annotations
