@@ -289,3 +289,23 @@ def test_the_server_answers_hostile_grammars_with_a_fast_400(server):
         "grammar": grouped_chain(350, 20)})
     assert r.status_code == 200, r.text
     assert set(r.json()["choices"][0]["message"]["content"]) <= set("abcq")
+
+
+def test_a_repetition_past_the_parser_limit_is_a_400_with_a_readable_message(server):
+    """`"x"{1000000}` compiles (the count is symbolic) but needs more parser work than
+    llguidance's per-token limit at the first token: a 400 within a few seconds whose
+    message is one line saying so, not the parser's state dump (a page of internal
+    counters), and the server goes on answering."""
+    hi = [{"role": "user", "content": "hi"}]
+    start = time.monotonic()
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smollm2-135m", "messages": hi, "max_tokens": 8,
+        "grammar": 'root ::= "x"{1000000}'})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "Too many items" in message and "repetition" in message, message
+    assert "\n" not in message and "<state>" not in message and len(message) < 400, message
+    assert time.monotonic() - start < 10
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smollm2-135m", "messages": hi, "max_tokens": 4, "grammar": 'root ::= "ok"'})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"

@@ -279,7 +279,7 @@ class GrammarMatcher:
         self._matcher = _on_compile_stack(llguidance.LLMatcher, vocab.lltokenizer, grammar.spec,
                                           log_level=0, limits=PARSER_LIMITS)
         if self._matcher.is_error():
-            raise GrammarError(self._matcher.get_error())
+            raise self._failed()
         self._bits = np.zeros((1, (self.n_vocab + 31) // 32), dtype=np.int32)
         self.mask_times: list[float] = []
 
@@ -293,7 +293,7 @@ class GrammarMatcher:
                                 bitorder="little").view(bool)
         self.mask_times.append(time.perf_counter() - start)
         if self._matcher.is_error():
-            raise GrammarError(f"the grammar matcher failed: {self._matcher.get_error()}")
+            raise self._failed()
         return allowed
 
     def allows(self, token: int) -> bool:
@@ -305,7 +305,7 @@ class GrammarMatcher:
         and the matcher then stays where it was."""
         if self._matcher.try_consume_tokens([int(token)]) != 1:  # refused: nothing consumed
             if self._matcher.is_error():
-                raise GrammarError(f"the grammar matcher failed: {self._matcher.get_error()}")
+                raise self._failed()
             raise GrammarError(f"token {token} is not allowed here by the grammar")
 
     def accepts(self, tokens: Iterable[int]) -> int:
@@ -314,8 +314,17 @@ class GrammarMatcher:
         tokens = [int(t) for t in tokens]
         n = self._matcher.validate_tokens(tokens)
         if n and not self._matcher.consume_tokens(tokens[:n]):
-            raise GrammarError(self._matcher.get_error())
+            raise self._failed()
         return n
+
+    def _failed(self) -> GrammarError:
+        """The matcher's error: llguidance's message without the parser state it dumps
+        after it (a page of internal counters, sent on to HTTP clients otherwise)."""
+        message = self._matcher.get_error().split("\n<state>", 1)[0].strip()
+        if "Too many items" in message or "ParserTooComplex" in message:
+            message += (" (the grammar needs more parser work per token than allowed: a "
+                        "long fixed repetition of short pieces, such as \"x\"{1000000}?)")
+        return GrammarError(f"the grammar matcher failed: {message}")
 
     @property
     def llmatcher(self) -> llguidance.LLMatcher:
