@@ -187,20 +187,15 @@ class Bench:
         next(iter(self.ours.generate(self.long_ids, max_tokens=1, temperature=0).iter_events()))
         return len(self.long_ids) / (time.perf_counter() - t)
 
-    def ours_decode(self, after_long: bool = False) -> float:
+    def ours_decode(self, after_long: bool = False, sampled: bool = False) -> float:
         """Decode speed after a short prompt, or after the `--prompt-tokens` one (where
-        attention reads that much more cache per token)."""
+        attention reads that much more cache per token); greedy, or `sampled` at
+        temperature 1 with every filter off."""
         self.ours.reset()
         n = self.args.decode_tokens
         prompt = self.long_ids if after_long else PROMPTS[0]
-        return decode_rate(self.ours.generate(prompt, max_tokens=n, temperature=0,
-                                              logit_bias=self.no_eos))
-
-    def ours_sampled(self) -> float:
-        """Decode speed at temperature 1, filters off, after a short prompt."""
-        self.ours.reset()
-        return decode_rate(self.ours.generate(PROMPTS[0], max_tokens=self.args.decode_tokens,
-                                              temperature=1.0, seed=0,
+        return decode_rate(self.ours.generate(prompt, max_tokens=n,
+                                              temperature=1.0 if sampled else 0, seed=0,
                                               logit_bias=self.no_eos))
 
     def ours_ttft(self) -> float:
@@ -227,8 +222,8 @@ class Bench:
              lambda: self.peer.measure("decode"), "higher"),
             (f"  the same after {len(self.long_ids)} tokens", lambda: self.ours_decode(True),
              lambda: self.peer.measure("decode", True), "higher"),
-            ("sampled decode tok/s (temperature 1)", self.ours_sampled,
-             lambda: self.peer.measure("sampled"), "higher"),
+            ("sampled decode tok/s (temperature 1)", lambda: self.ours_decode(sampled=True),
+             lambda: self.peer.measure("decode", False, True), "higher"),
             ("time to first token ms (chat)", self.ours_ttft,
              lambda: self.peer.measure("ttft"), "lower"),
         ]
@@ -297,37 +292,32 @@ class LlamaCppSide:
         _peer_greedy(self.peer)
         return len(self.long_ids) / (time.perf_counter() - t)
 
-    def decode(self, after_long: bool = False) -> float:
-        peer = self.peer
-        peer.reset()
-        peer.eval(self.long_ids if after_long
-                  else peer.tokenize(PROMPTS[0].encode(), add_bos=False))
-        n = self.decode_tokens
-        t = time.perf_counter()
-        for _ in range(n - 1):
-            peer.eval([_peer_greedy(peer)])
-        return (n - 1) / (time.perf_counter() - t)
-
-    def sampled(self) -> float:
-        """`decode` after the short prompt, each token drawn by llama.cpp's own sampler
-        chain at temperature 1 with no filter (temp, then dist)."""
+    def decode(self, after_long: bool = False, sampled: bool = False) -> float:
+        """`Bench.ours_decode` on llama.cpp: the argmax of each token's logits, or with
+        `sampled` a draw of llama.cpp's own sampler chain at temperature 1 with no filter
+        (temp, then dist)."""
         import llama_cpp
 
         peer = self.peer
         peer.reset()
-        peer.eval(peer.tokenize(PROMPTS[0].encode(), add_bos=False))
-        chain = llama_cpp.llama_sampler_chain_init(
-            llama_cpp.llama_sampler_chain_default_params())
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(1.0))
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(0))
+        peer.eval(self.long_ids if after_long
+                  else peer.tokenize(PROMPTS[0].encode(), add_bos=False))
+        chain = None
+        if sampled:
+            chain = llama_cpp.llama_sampler_chain_init(
+                llama_cpp.llama_sampler_chain_default_params())
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(1.0))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(0))
         try:
             n = self.decode_tokens
             t = time.perf_counter()
             for _ in range(n - 1):
-                peer.eval([llama_cpp.llama_sampler_sample(chain, peer.ctx, -1)])
+                peer.eval([_peer_greedy(peer) if chain is None
+                           else llama_cpp.llama_sampler_sample(chain, peer.ctx, -1)])
             return (n - 1) / (time.perf_counter() - t)
         finally:
-            llama_cpp.llama_sampler_free(chain)
+            if chain is not None:
+                llama_cpp.llama_sampler_free(chain)
 
     def ttft(self) -> float:
         self.peer.reset()

@@ -48,11 +48,12 @@ def allowed_hosts_for(listen_host: str, allowed: Sequence[str] | None) -> frozen
 
 
 def _host_name(header: bytes) -> str:
-    """The host of a `Host` header, without its port: "[::1]:8000" -> "::1"."""
+    """The host of a `Host` header, without its port, lower case, without a final dot:
+    "[::1]:8000" -> "::1", "Box.LAN.:80" -> "box.lan"."""
     text = header.decode("latin-1").strip().lower()
     if text.startswith("["):
         return text[1 : text.find("]")] if "]" in text else text
-    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+    return (text.rsplit(":", 1)[0] if text.count(":") == 1 else text).rstrip(".")
 
 
 class Gatekeeper:
@@ -141,7 +142,7 @@ class Gatekeeper:
         if self.allowed_hosts is None or header is None:
             return True
         host = _host_name(header)
-        return is_loopback(host) or host.rstrip(".") in self.allowed_hosts
+        return is_loopback(host) or host in self.allowed_hosts
 
     def cross_site(self, scope, headers: dict[bytes, bytes]) -> bool:
         """Whether a browser sent this request for a page of another origin that
