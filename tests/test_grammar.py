@@ -620,3 +620,57 @@ def test_matcher_clone_is_independent(smollm2):
     assert not twin.is_accepting
     assert twin.accepts(cd) == len(cd) and twin.is_accepting
     assert m.clone().accepts(cd) == 0
+
+
+def test_prefetched_masks_are_the_masks_computed_in_place(smollm2):
+    """`prefetch` computes the next mask on a worker thread: along a valid instance the
+    masks are the in-place ones, a clone or a consume while one is being computed waits
+    for it, and the clone's masks are its own arrays."""
+    g = Grammar.from_json_schema(TOOL_SCHEMA)
+    tok = smollm2.tokenizer
+    ids = smollm2.tokenize('{"tool": "reply", "args": {"text": "hi"}}', add_bos=False)
+    ahead, here = g.matcher(tok), g.matcher(tok)
+    for i, t in enumerate(ids):
+        ahead.prefetch()
+        if i == 3:
+            twin = ahead.clone()
+            assert np.array_equal(twin.mask(), here.mask())
+        expected = here.mask()
+        got = ahead.mask()
+        assert np.array_equal(got, expected) and got[t], i
+        ahead.prefetch()  # dropped by the consume, which waits for it
+        ahead.consume(t)
+        here.consume(t)
+    assert ahead.is_accepting and here.is_accepting
+    assert len(ahead.mask_times) >= len(ids)
+
+
+def test_a_long_forced_literal_is_tokenized_from_its_beginning_only(smollm2, monkeypatch):
+    """llguidance tokenizes the text a grammar forces next to find its first token, at
+    every step while it lasts. Our tokenizer reads only FORCED_BYTES_READ bytes of it
+    (a forced million-byte literal held the GIL, and every stream, for 2.4 s), and the
+    first token is still the tokenizer's own; the closer's plans, which need every
+    token, are encoded whole."""
+    from workbench.engine.decoding.closing import Closer, Closing
+    from workbench.engine.decoding.grammar import FORCED_BYTES_READ
+
+    text = "The quick brown fox jumps over the lazy dog, again and again. " * 800  # 50 KB
+    tok = smollm2.tokenizer
+    first = tok.encode(text, add_bos=False)[0]
+    asked: list[int] = []
+    encode = type(tok).encode
+
+    def counting(self, s, *args, **kwargs):
+        asked.append(len(s.encode()))
+        return encode(self, s, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "encode", counting)
+    m = Grammar.from_gbnf(f'root ::= "{text}"').matcher(tok)
+    allowed = m.mask()
+    assert np.flatnonzero(allowed).tolist() == [first]
+    assert asked and max(asked) <= FORCED_BYTES_READ
+
+    schema = Grammar.from_json_schema({"const": text[:6000]})
+    closer = Closer(schema.matcher(tok), Closing.of(True), 4000, np.array([2]))
+    assert tok.decode(closer.plan.tokens).encode() == closer.plan.data
+    assert len(closer.plan.tokens) < len(closer.plan.data) / 3

@@ -12,6 +12,7 @@ import pytest
 from tests.support.memory import resident_bytes
 from workbench import LLM
 from workbench.engine.cancel import Cancelled
+from workbench.engine.decoding.grammar import Grammar, GrammarMatcher
 from workbench.engine.decoding.scheduler import MIN_SHARED
 from workbench.engine.formats.gguf import open_gguf
 from workbench.engine.runtime.prefix_cache import common_prefix
@@ -189,6 +190,48 @@ def test_a_failing_request_leaves_the_others_running(smollm2):
     list(it_ok)
     m.reset()
     assert ok.token_ids == m.chat(_chat(QUESTIONS[0]), **GREEDY).token_ids
+
+
+def test_a_late_grammar_mask_holds_back_only_its_own_sequence(smollm2, monkeypatch):
+    """Grammar masks are computed on worker threads beside the forward pass. While one is
+    late (here held until the test lets it go; a grammar whose parser work blows up holds
+    it for seconds), its sequence sits the steps out and the others run to their end;
+    then it goes on, and both answers are what each gets alone."""
+    m = smollm2
+    yes_no = Grammar.from_gbnf('root ::= ("yes" | "no") ", because " [a-z ]{4,40} "."')
+    constrained = {"grammar": yes_no, "temperature": 0, "max_tokens": 24}
+    question = _chat("Is the sea salty?")
+    alone = _alone(m, [question], **constrained)[0]
+    other_alone = _alone(m, [_chat(QUESTIONS[1])], **GREEDY)[0]
+    m.reset()
+
+    released = threading.Event()
+    compute = GrammarMatcher._compute
+
+    def held(self):
+        released.wait(60)
+        return compute(self)
+
+    monkeypatch.setattr(GrammarMatcher, "_compute", held)
+    held_ids: list = []
+    other_ids: list = []
+    slow = threading.Thread(target=lambda: held_ids.append(
+        m.chat(question, **constrained).token_ids))
+    slow.start()
+    other = threading.Thread(target=lambda: other_ids.append(
+        m.chat(_chat(QUESTIONS[1]), **GREEDY).token_ids))
+    other.start()
+    other.join(30)
+    try:
+        assert not other.is_alive(), "the unconstrained request waited for the held mask"
+        assert slow.is_alive() and not held_ids
+    finally:
+        released.set()
+        slow.join(60)
+        other.join(60)
+    assert other_ids == [other_alone]
+    assert held_ids == [alone]
+    assert len(alone) > 3
 
 
 # -- sharing the cores (workbench.engine.runtime.cores) --------------------------------------------

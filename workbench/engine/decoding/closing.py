@@ -160,7 +160,7 @@ def plan_of(matcher: llguidance.LLMatcher, vocab: _Vocabulary, data: bytes,
         if len(known) >= MEMO_SIZE:
             known.clear()
         try:
-            known[data] = vocab.lltokenizer.tokenize_bytes(data)
+            known[data] = vocab.encode(data)
         except Exception:  # a tokenizer that cannot encode these bytes alone: the bytes
             known[data] = tokens
     shorter = known[data]

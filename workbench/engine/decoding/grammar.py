@@ -24,6 +24,8 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +72,15 @@ MAX_GBNF_NESTING = 28  # parentheses in parentheses; llguidance's Lark parser re
 # is refused by llguidance's reader anyway).
 MAX_SCHEMA_DEPTH = 256
 COMPILE_STACK_BYTES = 256 << 20
+# Threads computing prefetched masks, shared by every matcher: a mask past the parser's
+# limits takes seconds (`"x"{1000000}`: ~2.4 s before its error), and a few of those at
+# once must leave threads for the other sequences' masks.
+MASK_THREADS = 8
+# The bytes of a forced text that llguidance's tokenizer callback reads (`_TokenSource`):
+# ~10 ms of our tokenizer at worst (one 4 KB word), where a million took 2.4 s.
+FORCED_BYTES_READ = 4096
+_MASK_POOL: ThreadPoolExecutor | None = None
+_MASK_POOL_LOCK = threading.Lock()
 
 __all__ = [
     "Grammar", "GrammarMatcher", "GrammarError", "GrammarTooLargeError", "SchemaError",
@@ -269,7 +280,14 @@ class GrammarMatcher:
     """Where one sequence stands in a grammar: the tokens allowed next, fed token by token.
 
     `mask()` before sampling, `consume(token)` after. `mask_times` holds the
-    seconds each `mask()` took.
+    seconds each mask took to compute.
+
+    `prefetch()` starts the next mask on a worker thread (llguidance releases the GIL
+    while it computes), so that it runs beside the forward pass instead of after it, and
+    a grammar whose parser work blows up does not stall the thread that asked: the
+    scheduler lets a sequence whose mask is late sit a step out (`ready`, `wait`). Every
+    other use of the matcher first waits for a mask being computed (llguidance's matcher
+    takes one caller at a time).
     """
 
     def __init__(self, grammar: Grammar, vocab: _Vocabulary):
@@ -282,10 +300,40 @@ class GrammarMatcher:
             raise self._failed()
         self._bits = np.zeros((1, (self.n_vocab + 31) // 32), dtype=np.int32)
         self.mask_times: list[float] = []
+        self._next: Future | None = None  # the next mask, being computed by `prefetch`
 
     def mask(self) -> np.ndarray:
         """Which tokens may come next: bool (n_vocab,). The end-of-generation tokens are
         allowed exactly when the text so far is a complete match."""
+        if self._next is not None:
+            future, self._next = self._next, None
+            return future.result()
+        return self._compute()
+
+    def prefetch(self) -> None:
+        """Start computing the next `mask()` on a worker thread (nothing if it is already
+        under way)."""
+        if self._next is None:
+            self._next = _mask_workers().submit(self._compute)
+
+    @property
+    def ready(self) -> bool:
+        """Whether `mask()` would return at once: no mask is being computed, or it is done
+        (a mask not prefetched is computed by `mask()` itself)."""
+        return self._next is None or self._next.done()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` seconds for a prefetched mask; whether it is `ready`."""
+        if self._next is not None:
+            futures.wait([self._next], timeout)
+        return self.ready
+
+    def _settle(self) -> None:
+        """Wait for a mask being computed (its result is kept for `mask()`)."""
+        if self._next is not None:
+            futures.wait([self._next])
+
+    def _compute(self) -> np.ndarray:
         start = time.perf_counter()
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         # bit i of 32-bit word w is token 32 * w + i
@@ -298,11 +346,14 @@ class GrammarMatcher:
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows `token` next (nothing is consumed)."""
+        self._settle()
         return self._matcher.validate_tokens([int(token)]) == 1
 
     def consume(self, token: int) -> None:
         """Advance past `token`; raises `GrammarError` if the grammar does not allow it,
-        and the matcher then stays where it was."""
+        and the matcher then stays where it was. A prefetched mask is dropped."""
+        self._settle()
+        self._next = None
         if self._matcher.try_consume_tokens([int(token)]) != 1:  # refused: nothing consumed
             if self._matcher.is_error():
                 raise self._failed()
@@ -312,6 +363,8 @@ class GrammarMatcher:
         """Feed `tokens` while the grammar allows them; returns how many it took (the
         matcher stays usable: a refused token is not consumed)."""
         tokens = [int(t) for t in tokens]
+        self._settle()
+        self._next = None
         n = self._matcher.validate_tokens(tokens)
         if n and not self._matcher.consume_tokens(tokens[:n]):
             raise self._failed()
@@ -330,6 +383,7 @@ class GrammarMatcher:
     def llmatcher(self) -> llguidance.LLMatcher:
         """llguidance's matcher underneath, for dry runs on its copies (`deep_copy()`);
         feed this matcher through `consume` only."""
+        self._settle()
         return self._matcher
 
     @property
@@ -340,16 +394,20 @@ class GrammarMatcher:
     @property
     def is_accepting(self) -> bool:
         """Whether the text so far is a complete match (the sequence may end here)."""
+        self._settle()
         return self._matcher.is_accepting()
 
     @property
     def is_finished(self) -> bool:
         """Whether no further token can be added (only an end token may follow)."""
+        self._settle()
         return self._matcher.is_stopped()
 
     def clone(self) -> GrammarMatcher:
         """An independent copy at the same position (for branching a generation)."""
+        self._settle()
         twin = copy.copy(self)
+        twin._next = None  # its own masks: the caller writes into the arrays
         twin._matcher = self._matcher.deep_copy()
         twin._bits = self._bits.copy()
         twin.mask_times = list(self.mask_times)
@@ -365,6 +423,14 @@ class _Vocabulary:
     plans: dict = field(default_factory=dict, compare=False)
     # the most bytes one token writes (text tokens; 0: not known, see `longest_token`)
     longest_token: int = 0
+    source: _TokenSource | None = field(default=None, compare=False)  # the tokenizer
+
+    def encode(self, data: bytes) -> list[int]:
+        """The tokenizer's own encoding of `data` (llguidance's `tokenize_bytes` reads
+        only a beginning of long texts: `_TokenSource.__call__`)."""
+        if self.source is None:
+            return self.lltokenizer.tokenize_bytes(data)
+        return self.source.encode(data)
 
     def longest(self) -> int:
         """The most bytes one text token writes (an output of N bytes takes at least
@@ -398,10 +464,11 @@ def _vocabulary(tokenizer: Tokenizer, n_vocab: int) -> _Vocabulary:
             tokens.append(piece)
         tokens += [b""] * (n_vocab - len(tokens))  # logits rows past the vocabulary
         eos = sorted(tokenizer.eot_ids) or [tokenizer.eos_id or 0]
-        wrapper = llguidance.TokenizerWrapper(_TokenSource(tokenizer, tokens, special, eos[0]))
+        source = _TokenSource(tokenizer, tokens, special, eos[0])
         built[n_vocab] = _Vocabulary(
-            llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos), n_vocab,
-            byte_tokens, longest_token=longest)
+            llguidance.LLTokenizer(llguidance.TokenizerWrapper(source), n_vocab=n_vocab,
+                                   eos_token=eos),
+            n_vocab, byte_tokens, longest_token=longest, source=source)
     return built[n_vocab]
 
 
@@ -418,6 +485,20 @@ class _TokenSource:
         self._tokenizer = weakref.ref(tokenizer)
 
     def __call__(self, data: bytes) -> list[int]:
+        """llguidance's tokenization: only the first FORCED_BYTES_READ bytes (cut at a
+        character's start) of what it asks. It asks for the bytes a grammar forces next,
+        at every step while they last, and uses the first token (the rest may be cut
+        where a token could merge with what follows): our tokenizer would hold the GIL,
+        and so every other thread, for seconds over a literal of a million bytes."""
+        if len(data) > FORCED_BYTES_READ:
+            cut = FORCED_BYTES_READ
+            while cut > 0 and data[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte
+                cut -= 1
+            data = data[:cut]
+        return self.encode(data)
+
+    def encode(self, data: bytes) -> list[int]:
+        """The tokenizer's encoding of `data`, whole."""
         tokenizer = self._tokenizer()
         if tokenizer is None:
             raise RuntimeError("the tokenizer of this grammar vocabulary is gone")
@@ -432,6 +513,16 @@ def _validation_error(spec: str) -> str | None:
 
 
 _STACK_SIZE_LOCK = threading.Lock()
+
+
+def _mask_workers() -> ThreadPoolExecutor:
+    """The threads that compute prefetched masks (`GrammarMatcher.prefetch`), made on
+    first use."""
+    global _MASK_POOL
+    with _MASK_POOL_LOCK:
+        if _MASK_POOL is None:
+            _MASK_POOL = ThreadPoolExecutor(MASK_THREADS, thread_name_prefix="workbench-mask")
+        return _MASK_POOL
 
 
 def _on_compile_stack(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -65,6 +66,11 @@ MIN_SHARED = 64  # a prompt forks another slot's cached beginning when it shares
 # After a prefix cache, tails up to this long run token by token on the decode path, which
 # beats one small prefill chunk (16 tokens after a 995-token prefix: 0.19 s against 0.40 s)
 STEPWISE_TAIL = 16
+# How long a step waits for a constrained sequence's grammar mask before it runs without
+# it (`Scheduler._late_masks`): while others have work, as long as the last decode pass
+# took and at least MASK_GRACE_S; with nothing else to do, MASK_IDLE_WAIT_S at a time.
+MASK_GRACE_S = 0.005
+MASK_IDLE_WAIT_S = 0.1
 IDLE_EXIT_S = 5.0  # the thread ends after this long without work (and restarts on demand)
 _DONE = object()  # a request's last queue item: its finish reason is on its Decoding
 
@@ -117,6 +123,7 @@ class Scheduler:
         self._closed = False
         self._cores: CoreShare | None = None  # the CPU's compute threads per step
         self.steps = 0  # steps run (each: at most one decode and one prefill pass)
+        self._decode_s = 0.0  # how long the last decode pass took
 
     # -- the callers' side -------------------------------------------------------------------
     @property
@@ -279,8 +286,12 @@ class Scheduler:
         feed: list[tuple[Request, int]] = []
         drafted: list[tuple[Request, list[int], list[Any]]] = []
         picked = self._pick_together()
+        late = self._late_masks()
         for r in list(self._running):
-            if r.stepwise and r.pending:  # a short tail read on the decode path
+            if r in late:  # keeps its logits (a copy: the next pass may reuse the array)
+                xp = np if self.model.backend is None else self.model.backend.xp
+                r.row = BatchRow(xp.array(r.row.get())[None], 0)
+            elif r.stepwise and r.pending:  # a short tail read on the decode path
                 token = r.pending.pop(0)
                 if r.drafting is not None and not r.pending and self._propose(r, drafted):
                     continue
@@ -334,6 +345,22 @@ class Scheduler:
         column = on_device[:, None]  # (k, 1): each sequence's id as a (1,) row
         return {r: (t, BatchRow(column, i)) for i, (r, t) in enumerate(zip(ready, ids))}
 
+    def _late_masks(self) -> set[Request]:
+        """The constrained sequences due a token whose grammar mask, computed on a worker
+        thread since their last token (`GrammarMatcher.prefetch`), is not ready after the
+        wait the others allow (see MASK_GRACE_S). They sit this step out, so that a
+        grammar whose parser work blows up (seconds a mask) slows the other sequences by
+        about half instead of stalling them."""
+        due = [r for r in self._running if r.row is not None and not r.seq.mask_ready]
+        if not due:
+            return set()
+        others = any(r.pending or (r.row is not None and r.seq.mask_ready)
+                     for r in self._running)
+        deadline = time.perf_counter() + (max(MASK_GRACE_S, self._decode_s) if others
+                                          else MASK_IDLE_WAIT_S)
+        return {r for r in due
+                if not r.seq.matcher.wait(max(0.0, deadline - time.perf_counter()))}
+
     def _guarded(self, requests: list[Request], run) -> None:
         """Run a forward pass; if it fails, every request in it gets the error."""
         try:
@@ -349,8 +376,10 @@ class Scheduler:
         model = self.model
         tokens = np.asarray([t for _, t in feed])
         caches = [r.cache for r, _ in feed]
+        start = time.perf_counter()
         with model.forward_lock, span("decode", tokens=len(feed)):
             rows = model.decode_step(tokens, caches, [r.seq.device_token for r, _ in feed])
+        self._decode_s = time.perf_counter() - start
         for i, (r, _) in enumerate(feed):
             if not r.pending:
                 r.row = BatchRow(rows, i)

@@ -52,6 +52,8 @@ class Decoding:
         self.n_generated = 0
         self.finish_reason: str | None = None
         self.device_token = None  # on a GPU backend: the last sampled id, still on the device
+        if matcher is not None:  # the first mask is computed while the prompt is read
+            matcher.prefetch()
 
     @classmethod
     def start(cls, tokenizer: Tokenizer, prompt_ids: list[int], options: GenerationOptions,
@@ -130,6 +132,12 @@ class Decoding:
         return self._emit(token, room, logp, ent, mask_ms, closed, closing_ms)
 
     @property
+    def mask_ready(self) -> bool:
+        """Whether `step` would not wait for the grammar: no grammar, or its next mask
+        (computed on a worker thread since the last token) is ready."""
+        return self.matcher is None or self.matcher.ready
+
+    @property
     def plain(self) -> bool:
         """Whether the next token depends on the (biased) logits alone: no grammar,
         penalties, logits processors or logprobs. The scheduler picks such sequences'
@@ -197,6 +205,8 @@ class Decoding:
             return None, events + self._finish("stop")
         if at_budget:
             return None, events + self._finish("length")
+        if matcher is not None:  # the next mask is computed beside the forward pass
+            matcher.prefetch()
         return token, events
 
     def _sample(self, logits: Any, allowed: np.ndarray | None, on_device: bool) -> int:
