@@ -311,3 +311,35 @@ def test_qwen_tokenizer_loads_fast():
     elapsed = time.perf_counter() - start
     assert tok.vocab_size == 151936
     assert elapsed < 2.0, f"loading the Qwen tokenizer took {elapsed:.2f} s"
+
+
+def _resident_mib() -> float:
+    """Resident memory after handing the allocator's free pages back."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.parametrize("alias, n_words", [("smollm2-135m", 30), ("minilm-l6", 300)])
+def test_long_random_words_do_not_pile_up_in_the_word_memo(alias, n_words):
+    """The tokenizers memoise the encodings of words, 65,536 of them. A client's long
+    random words (a prompt or a text to embed holds a few hundred kB) must not be kept:
+    memoised, each 100,000-character word held ~1 MB (BPE) or its 100 kB text
+    (WordPiece's [UNK]). Resident memory stays flat over them, and a long word encodes
+    the same each time."""
+    tok = model_tokenizer(alias)
+    rng = random.Random(7)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
+                                 k=100_000)) for _ in range(n_words + 3)]
+    for w in words[:3]:  # the allocator's and the pre-tokenizer's first growth
+        tok.encode(w)
+    before = _resident_mib()
+    for w in words[3:]:
+        tok.encode(w)
+    grown = _resident_mib() - before
+    assert grown < 10, f"{grown:.0f} MiB kept after {n_words} long words"
+    assert tok.encode(words[0]) == tok.encode(words[0])

@@ -12,6 +12,11 @@ from typing import Any
 
 import numpy as np
 
+# Words (pre-tokenized pieces) up to this long are memoised by the tokenizers that cache
+# their encodings; longer ones are encoded each time. Memoising every word let a client's
+# long random words grow a cache of 65,536 entries by ~1 MB a word (BPE).
+CACHED_WORD_CHARS = 64
+
 
 def token_texts(tokens: Iterable[str]) -> list[str]:
     """The token texts as the vocabulary keys them: an empty text becomes `[EMPTY_i]`

@@ -33,7 +33,11 @@ from typing import Any
 
 import regex
 
-from workbench.engine.text.tokenizers.base import Tokenizer, UnsupportedTokenizerError
+from workbench.engine.text.tokenizers.base import (
+    CACHED_WORD_CHARS,
+    Tokenizer,
+    UnsupportedTokenizerError,
+)
 
 # -- pre-tokenizer regexes (llama.cpp's, by pre-tokenizer type) ------------------------------
 
@@ -380,9 +384,10 @@ class BPETokenizer(Tokenizer):
                 word_ids = cache.get(word)
                 if word_ids is None:
                     word_ids = self._encode_word(word)
-                    if len(cache) >= self._CACHE_LIMIT:
-                        cache.clear()
-                    cache[word] = word_ids
+                    if len(word) <= CACHED_WORD_CHARS:
+                        if len(cache) >= self._CACHE_LIMIT:
+                            cache.clear()
+                        cache[word] = word_ids
                 ids.extend(word_ids)
         return ids
 

@@ -33,7 +33,7 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
-from workbench.engine.text.tokenizers.base import Tokenizer
+from workbench.engine.text.tokenizers.base import CACHED_WORD_CHARS, Tokenizer
 
 SPACE_MARK = "\u2581"  # "▁": marks a word-initial piece in the GGUF vocabulary
 MAX_WORD_CHARS = 100  # longer words become [UNK], as in BERT's WordPiece
@@ -161,7 +161,7 @@ class WordPieceTokenizer(Tokenizer):
                     ids = []
                     break
         result = tuple(ids) if ids else (self.unk_id,)
-        if len(self._words) < 1 << 16:
+        if len(word) <= CACHED_WORD_CHARS and len(self._words) < 1 << 16:
             self._words[word] = result
         return result
 
