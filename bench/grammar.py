@@ -38,6 +38,7 @@ import numba
 import numpy as np
 
 from workbench import LLM, Grammar
+from workbench.bench import load_llama_cpp
 from workbench.engine.decoding.grammar import SchemaError
 from workbench.engine.formats import sources
 
@@ -156,12 +157,13 @@ def peer_rate(peer, ids: list[int], tokens: int, grammar=None, eot: Sequence[int
 
 def versus_llama_cpp(model: LLM, path: str, rounds: int, tokens: int, threads: int) -> None:
     try:
-        from llama_cpp import Llama, LlamaGrammar
+        from llama_cpp import LlamaGrammar
     except ImportError:
         print("\nllama-cpp-python is not installed: no comparison with llama.cpp "
               "(pip install llama-cpp-python)")
         return
-    peer = Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+    peer = load_llama_cpp(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
     json_gbnf = (GRAMMARS / "gbnf" / "json.gbnf").read_text()
     cases = [(prompt, Grammar.from_json_schema(schema),
               LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False))

@@ -66,6 +66,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from thread_pools import pin_thread_pools
 
@@ -325,13 +326,18 @@ class LlamaCppServer:
         import importlib.util
         import subprocess
 
+        from workbench.bench import has_amx
+
         if importlib.util.find_spec("llama_cpp.server") is None:
             raise ImportError("llama_cpp.server")
         with socket.create_server(("127.0.0.1", 0)) as probe:
             port = probe.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}/v1"
+        launcher = [sys.executable, str(Path(__file__).with_name("llama_cpp_server.py"))]
+        if has_amx():
+            launcher.append("--no-extra-buffers")
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "m",
+            [*launcher, "--model", path, "--model_alias", "m",
              "--n_ctx", str(n_ctx), "--n_threads", str(threads),
              "--n_threads_batch", str(threads), "--interrupt_requests", "False",
              "--verbose", "False", "--host", "127.0.0.1", "--port", str(port)],

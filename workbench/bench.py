@@ -343,7 +343,7 @@ def load_llama_cpp(path: str, **options):
 
     import llama_cpp
 
-    if not _has_amx():
+    if not has_amx():
         return llama_cpp.Llama(path, **options)
     defaults = llama_cpp.llama_cpp.llama_model_default_params
 
@@ -357,7 +357,9 @@ def load_llama_cpp(path: str, **options):
         return llama_cpp.Llama(path, **options)
 
 
-def _has_amx() -> bool:
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles (where llama-cpp-python needs `load_llama_cpp`'s
+    workaround)."""
     try:
         with open("/proc/cpuinfo") as f:
             return any(line.startswith("flags") and " amx_tile" in line for line in f)
