@@ -72,9 +72,9 @@ MAX_GBNF_NESTING = 28  # parentheses in parentheses; llguidance's Lark parser re
 # is refused by llguidance's reader anyway).
 MAX_SCHEMA_DEPTH = 256
 COMPILE_STACK_BYTES = 256 << 20
-# Threads computing prefetched masks, shared by every matcher: a mask past the parser's
-# limits takes seconds (`"x"{1000000}`: ~2.4 s before its error), and a few of those at
-# once must leave threads for the other sequences' masks.
+# Threads computing prefetched masks, shared by every matcher: a mask whose parser work
+# blows up runs up to PARSER_LIMITS' million items (a few hundred ms), and a few of those
+# at once must leave threads for the other sequences' masks.
 MASK_THREADS = 8
 # The bytes of a forced text that llguidance's tokenizer callback reads (`_TokenSource`):
 # ~10 ms of our tokenizer at worst (one 4 KB word), where a million took 2.4 s.
