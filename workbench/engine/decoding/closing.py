@@ -278,6 +278,7 @@ def _signature(m: llguidance.LLMatcher, vocab: _Vocabulary, words: np.ndarray | 
 
 # The order in which `_probe` tries bytes: what closes first.
 PROBE_ORDER = [b for b in b'"\')]}>,;:0.' + bytes(range(0x21, 0x7F))]
+_PROBED = frozenset(PROBE_ORDER)
 PROBE_BYTES = 24
 GREEDY_BYTES = 512
 # The probe takes one byte at most this many times in a row where another is allowed
@@ -297,10 +298,17 @@ def _probe(m: llguidance.LLMatcher, byte_tokens: np.ndarray, length: int = PROBE
     for _ in range(length):
         if m.is_accepting():
             break
-        tired = (taken[-1] if len(taken) >= PROBE_RUN
-                 and taken[-PROBE_RUN:] == taken[-1:] * PROBE_RUN else None)
-        byte = next((b for b in PROBE_ORDER if b != tired and _allows(m, byte_tokens, b)),
-                    tired if tired is not None and _allows(m, byte_tokens, tired) else None)
+        forced = m.compute_ff_bytes()
+        if forced:  # the one byte that can come next (a key's or a keyword's letters):
+            # what the scan below would find, without asking for the bytes before it
+            byte = forced[0] if forced[0] in _PROBED and _allows(m, byte_tokens, forced[0]) \
+                else None
+        else:
+            tired = (taken[-1] if len(taken) >= PROBE_RUN
+                     and taken[-PROBE_RUN:] == taken[-1:] * PROBE_RUN else None)
+            byte = next((b for b in PROBE_ORDER if b != tired and _allows(m, byte_tokens, b)),
+                        tired if tired is not None and _allows(m, byte_tokens, tired)
+                        else None)
         if byte is None:
             break
         m.consume_token(int(byte_tokens[byte]))
