@@ -305,3 +305,33 @@ def test_core_share_uses_the_cores_other_work_leaves(tmp_path):
     stat.running(5)
     assert readings(5) == 2
     assert CoreShare(pool=2, path=str(tmp_path / "none")).enabled is False
+
+
+def test_steps_run_with_a_short_switch_interval_and_restore_it(smollm2):
+    """Numba takes the GIL back after each parallel region, ~240 times a decode step;
+    beside another thread running Python each of those waited the switch interval (5 ms:
+    0.7 tok/s instead of ~160). Steps run at STEP_SWITCH_INTERVAL_S, and the interval the
+    program had is back after them, also when several users overlap."""
+    import sys
+
+    from workbench.engine.runtime.cores import STEP_SWITCH_INTERVAL_S, prompt_gil
+
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+
+    def look(ids, logits):
+        seen.append(sys.getswitchinterval())
+        return logits
+
+    text = smollm2.generate("Once upon a time", max_tokens=4, temperature=0,
+                            logits_processors=[look]).text
+    assert text
+    short = pytest.approx(STEP_SWITCH_INTERVAL_S)
+    assert before > 2 * STEP_SWITCH_INTERVAL_S  # Python's default, 5 ms
+    assert seen and all(s == short for s in seen), seen
+    assert sys.getswitchinterval() == before
+    with prompt_gil():
+        with prompt_gil():
+            assert sys.getswitchinterval() == short
+        assert sys.getswitchinterval() == short
+    assert sys.getswitchinterval() == before

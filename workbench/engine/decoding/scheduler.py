@@ -48,7 +48,7 @@ from workbench.engine.decoding.sequence import Decoding
 from workbench.engine.decoding.speculative import Drafting
 from workbench.engine.results import TokenEvent
 from workbench.engine.runtime.backend import BatchRow
-from workbench.engine.runtime.cores import CoreShare
+from workbench.engine.runtime.cores import CoreShare, prompt_gil
 from workbench.engine.runtime.kv_cache import ContextFullError, KVCache
 from workbench.engine.runtime.prefix_cache import PrefixCache, common_prefix
 from workbench.engine.runtime.profiling import span
@@ -255,7 +255,7 @@ class Scheduler:
                     self._thread = None
                     closing = self._closed
                     break
-            with self._step_lock, span("step", cat="step"):
+            with self._step_lock, span("step", cat="step"), prompt_gil():
                 try:
                     self._use_cores()
                     self._step()
