@@ -349,8 +349,8 @@ class Scheduler:
         """The constrained sequences due a token whose grammar mask, computed on a worker
         thread since their last token (`GrammarMatcher.prefetch`), is not ready after the
         wait the others allow (see MASK_GRACE_S). They sit this step out, so that a
-        grammar whose parser work blows up (seconds a mask) slows the other sequences by
-        about half instead of stalling them."""
+        grammar whose parser work blows up (up to the parser's item limit a mask) slows
+        the other sequences by about half instead of stalling them."""
         due = [r for r in self._running if r.row is not None and not r.seq.mask_ready]
         if not due:
             return set()
