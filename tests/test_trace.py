@@ -150,6 +150,34 @@ def test_choosing_layers_heads_and_messages():
         assert "".join(chat.tokens) == m.detokenize(chat.ids)
 
 
+
+@pytest.mark.parametrize("rows", [16, 200])  # under and over the Numba kernels' row counts
+def test_lens_runs_with_openblas_quiet(monkeypatch, rows):
+    """Where NumPy came first (a notebook), OpenBLAS's workers spin after each call, and a
+    Numba product right after one waits for them: the trace keeps OpenBLAS at one thread
+    while it runs (a 64-token SmolLM2 trace took 2.8 s instead of 0.8 s), at any length,
+    since its lens products are Numba's whatever the prompt's length."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from workbench.engine.models import trace as trace_module
+    from workbench.engine.runtime import cores
+
+    seen: list[list[int]] = []
+    lens_rows = trace_module.lens_rows
+
+    def recording(*args):
+        seen.append([p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"])
+        return lens_rows(*args)
+
+    monkeypatch.setattr(cores, "_blas_spins", True)
+    monkeypatch.setattr(trace_module, "lens_rows", recording)
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 200, rows)]
+    path = load("tiny-family-gemma3").file("model.gguf")
+    with (threadpool_limits(limits=2, user_api="blas"),
+          open_llm(path, "cpu", kv_cache_size=256, prepare_kernels=False) as m):
+        m.trace(ids, layers=[0, -1])
+        assert seen and all(threads and set(threads) == {1} for threads in seen), seen
+        assert {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"} == {2}
 def test_lens_kernel_equals_float64_numpy():
     from workbench.kernels.lens import lens_rows
 

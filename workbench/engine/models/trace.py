@@ -52,6 +52,7 @@ from workbench.engine.models.llama import (
     norm_rows,
     split_heads,
 )
+from workbench.engine.runtime.cores import quiet_blas
 from workbench.kernels import cpu
 from workbench.kernels.lens import lens_rows
 
@@ -209,7 +210,10 @@ def trace(llm: LLM, prompt: str | Sequence[int] | Sequence[Mapping[str, Any]], *
     def lens(x: np.ndarray) -> np.ndarray:
         return model.logits(norm_rows(x, model.norm, cfg.norm_eps))
 
-    with llm._busy, llm._forward_lock:
+    # The lens's Numba products follow each layer's BLAS calls (attention, and the layers'
+    # products past GEMV_MAX_T rows), so OpenBLAS is kept quiet at any T: where its workers
+    # spin, each lens product waited for them (a 64-token trace of SmolLM2 2.8 s, quiet 0.8 s).
+    with llm._busy, llm._forward_lock, quiet_blas(T, most=T):
         x = model._embed(np.asarray(ids, dtype=np.int64))  # (T, n_embd)
         last = traced[-1] if traced else -1
         for i, block in enumerate(model.blocks[: last + 1]):
