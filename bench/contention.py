@@ -1,12 +1,15 @@
-"""Speed beside busy programs: our engine and llama.cpp, quiet and beside 1 and 2 busy
-processes, in one run.
+"""Speed beside busy programs: our engine and llama.cpp, quiet, beside 1 and 2 busy
+processes, and beside a busy thread of our own process, in one run.
 
     python bench/contention.py [--model smollm2-135m] [--rounds 3] [--threads N]
 
 A notebook never has the machine to itself: the browser, JupyterLab's server and
 whatever else is open share the cores. Each load level starts its busy processes (a
 Python loop each, as a busy browser tab or an indexer would be), then measures, round
-by round and alternating the engines:
+by round and alternating the engines. The last level is a thread of this process running
+a Python loop, as a notebook cell runs while a chat streams or `serve()` answers: it
+contends for the GIL as well as a core (llama.cpp, in its own process, sees only the
+busy core). Measured:
 
 - decode tokens/s: 128 greedy tokens after a short prompt (end tokens banned);
 - prefill tokens/s: a 512-token prompt;
@@ -22,16 +25,18 @@ quiet speed. Run it on an otherwise quiet machine: the busy processes are the lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from workbench.bench import PROMPTS, SETTLE_S, PeerProcess, decode_rate, set_threads
 
-LOADS = (0, 1, 2)  # busy processes beside the engines
+LOADS = ("quiet", "1 busy", "2 busy", "thread")  # beside the engines (see `busy`)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
                                            "country": {"type": "string"},
                                            "population": {"type": "integer"}},
@@ -39,9 +44,31 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
 QUESTION = [{"role": "user", "content": "Describe Paris as JSON."}]
 
 
-def busy(n: int) -> list[subprocess.Popen]:
-    """n processes that each keep one core busy until killed."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+@contextlib.contextmanager
+def busy(load: str) -> Iterator[None]:
+    """The load `load` names while the block runs: processes that each keep one core busy
+    ("1 busy", "2 busy"), or one thread of this process running a Python loop ("thread")."""
+    n = {"1 busy": 1, "2 busy": 2}.get(load, 0)
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    stop = threading.Event()
+    thread = threading.Thread(target=_spin, args=(stop,), daemon=True)
+    if load == "thread":
+        thread.start()
+    try:
+        time.sleep(1.0)  # the load is running
+        yield
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _spin(stop: threading.Event) -> None:
+    while not stop.is_set():
+        pass
 
 
 class Ours:
@@ -114,9 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.rounds} rounds per cell")
     rows: dict[tuple[str, str], dict[int, float]] = {}
     for load in LOADS:
-        procs = busy(load)
-        try:
-            time.sleep(1.0)  # the busy processes are running
+        with busy(load):
             for engine in ("ours, sharing", "ours, all threads", "llama.cpp"):
                 if engine == "llama.cpp":
                     if peer is None:
@@ -129,21 +154,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "chat_json s": ours.chat_json}
                 for what, fn in cells.items():
                     rows.setdefault((engine, what), {})[load] = median_of(fn, args.rounds)
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
     ours.share_cores(True)
-    head = f"{'':<20} {'':<14}" + "".join(f"{f'{n} busy':>18}" for n in LOADS)
+    head = f"{'':<20} {'':<14}" + "".join(f"{n:>18}" for n in LOADS)
     print(head)
     for (engine, what), by_load in rows.items():
-        quiet = by_load[0]
+        quiet = by_load["quiet"]
         cells = []
         for n in LOADS:
             v = by_load[n]
             # the fraction of the quiet speed (for seconds: quiet time over this time)
             frac = (quiet / v) if what.endswith(" s") else (v / quiet)
-            cells.append(f"{v:9.2f} ({frac:4.0%})" if n else f"{v:9.2f}       ")
+            cells.append(f"{v:9.2f}       " if n == "quiet" else f"{v:9.2f} ({frac:4.0%})")
         print(f"{engine:<20} {what:<14}" + "".join(f"{c:>18}" for c in cells))
     if peer is not None:
         peer.close()

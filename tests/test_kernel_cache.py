@@ -139,9 +139,11 @@ def test_every_compiled_function_uses_the_source_keyed_cache():
 def test_stamp_follows_the_modules_a_kernel_module_reaches():
     from workbench.kernels import cache, cpu, decode  # noqa: F401 (loaded: what is reached)
 
-    assert cache._reached_modules("workbench.kernels.cpu") == [  # cache: the file format
+    # cache: the file format; gil: how parallel loops are launched
+    assert cache._reached_modules("workbench.kernels.cpu") == [
         "workbench.kernels.blocks", "workbench.kernels.cache", "workbench.kernels.cpu",
-        "workbench.kernels.formats", "workbench.kernels.loops", "workbench.kernels.simd"]
+        "workbench.kernels.formats", "workbench.kernels.gil", "workbench.kernels.loops",
+        "workbench.kernels.simd"]
     reached = cache._reached_modules("workbench.kernels.decode")
     assert {"workbench.kernels.cpu", "workbench.kernels.layers",
             "workbench.kernels.simd"} <= set(reached)

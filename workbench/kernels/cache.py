@@ -39,6 +39,8 @@ import llvmlite
 import numba
 from numba.core.caching import CacheImpl, FunctionCache, IndexDataCacheFile, _CacheLocator
 
+from workbench.kernels import gil
+
 _PACKAGE = "workbench."
 
 
@@ -143,6 +145,7 @@ def _writable(path: Path) -> bool:
 
 if SourceKeyedLocator not in CacheImpl._locator_classes:
     CacheImpl._locator_classes.insert(0, SourceKeyedLocator)
+gil.install()  # before any kernel compiles
 
 
 # -- a cache that heals itself ------------------------------------------------------------------
@@ -297,15 +300,17 @@ class CheckedFunctionCache(FunctionCache):
 
 
 def njit(*args, **kwargs):
-    """Numba's `njit`; with `cache=True`, cached in `cache_dir()` through
-    `SourceKeyedLocator` and `CheckedFunctionCache`, or compiled in memory where that
-    folder cannot be written (one `KernelCacheWarning`)."""
+    """Numba's `njit`, with `nogil=True` unless told otherwise (parallel loops then run
+    without touching the GIL: `workbench.kernels.gil`); with `cache=True`, cached in
+    `cache_dir()` through `SourceKeyedLocator` and `CheckedFunctionCache`, or compiled in
+    memory where that folder cannot be written (one `KernelCacheWarning`)."""
     if args and inspect.isfunction(args[0]):
         return _njit(args[0], args[1:], kwargs)
     return lambda func: _njit(func, args, kwargs)
 
 
 def _njit(func, args: tuple, kwargs: dict):
+    kwargs = {"nogil": True, **kwargs}
     if kwargs.get("cache") and func.__module__.startswith(_PACKAGE):
         folder = cache_dir() / func.__module__.replace(".", "_")  # SourceKeyedLocator's
         if not _writable(folder):  # rather than Numba's other locators, or its error
