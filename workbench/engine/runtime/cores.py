@@ -156,15 +156,17 @@ def quiet_blas(rows: int, most: int) -> Iterator[None]:
                 _blas_limit = None
 
 
-# -- the GIL between the steps' parallel regions --------------------------------------------
+# -- the GIL between the steps' kernel calls ---------------------------------------------
 
-# Python's switch interval while steps run (`prompt_gil`). Numba takes the GIL at the start
-# and end of every parallel region (its launcher's PyGILState_Ensure / restore), ~240 a
-# token for SmolLM2's decode stack, and a thread waiting for the GIL gets it only after
-# the switch interval. Beside another thread of the process running Python (a notebook
-# cell, while a chat streams or `serve()` answers), each wait was the default 5 ms: greedy
-# SmolLM2 decoded 0.7 tok/s instead of 189. At 0.1 ms: 24 tok/s, the other thread keeping
-# ~80% of its speed (2-vCPU AVX-512 host).
+# Python's switch interval while steps run (`prompt_gil`). A step hands the GIL to other
+# threads and takes it back many times: around each kernel call (the kernels release it,
+# `workbench.kernels.cache.njit`), and around llguidance's masks and the sampler's NumPy
+# calls. A thread waiting for the GIL gets it only after the switch interval. Beside
+# another thread of the process running Python (a notebook cell, while a chat streams or
+# `serve()` answers), each wait was the default 5 ms. Before the kernels' parallel loops
+# stopped taking the GIL (`workbench.kernels.gil`), greedy SmolLM2 decoded 0.7 tok/s there
+# instead of 189, and 24 tok/s at 0.1 ms, the other thread keeping ~80% of its speed; with
+# them, 23 tok/s at 5 ms and ~60 at 0.1 ms (quiet ~120-160; 2-vCPU AVX-512 host).
 STEP_SWITCH_INTERVAL_S = 1e-4
 _gil_lock = threading.Lock()
 _gil_users = 0  # `prompt_gil` blocks running now, in any thread
@@ -174,8 +176,8 @@ _gil_before = 0.0  # the switch interval before the first of them
 @contextlib.contextmanager
 def prompt_gil() -> Iterator[None]:
     """Python's switch interval at STEP_SWITCH_INTERVAL_S (where it was longer) for the
-    duration, so that the engine's thread gets the GIL back soon after each parallel
-    region while other threads run Python. Blocks in several threads at once share it;
+    duration, so that the engine's thread gets the GIL back soon after each kernel call
+    while other threads run Python. Blocks in several threads at once share it;
     the interval before the first is restored when the last ends."""
     global _gil_users, _gil_before
     with _gil_lock:
