@@ -313,3 +313,27 @@ def test_min_json_bytes_never_exceeds_a_completion_the_search_finds(smollm2):
         m = Grammar.from_json_schema(schema).matcher(smollm2.tokenizer)
         plan = shortest_completion(m.llmatcher, m.vocabulary)
         assert plan is not None and min_json_bytes(schema)[0] <= len(plan.data), schema
+
+
+def test_remembered_plans_stay_within_their_bounds():
+    """A grammar's remembered searches hold at most MEMO_SIZE entries and MEMO_BYTES of
+    completions (a grammar forcing long literals finds long ones): past either bound the
+    memo starts over, and a completion longer than MEMO_BYTES is not kept at all."""
+    from workbench.engine.decoding.closing import MEMO_BYTES, MEMO_SIZE, _Plans
+
+    def held(plans: _Plans) -> int:
+        return sum(len(v or b"") for v in plans.values())
+
+    plans = _Plans()
+    for i in range(MEMO_SIZE + 10):
+        plans.remember(i, b"}" if i % 2 else None)
+        assert len(plans) <= MEMO_SIZE
+    assert len(plans) == 10 and plans.nbytes == 5
+    big = MEMO_BYTES // 3
+    for i in range(7):
+        plans.remember(("long", i), bytes(big))
+        assert plans.nbytes <= MEMO_BYTES and plans.nbytes == held(plans)
+    plans.remember("too long", bytes(MEMO_BYTES + 1))
+    assert "too long" not in plans
+    plans.remember(("long", 6), b"x")  # found again: replaced, counted once
+    assert plans[("long", 6)] == b"x" and plans.nbytes == held(plans)

@@ -65,9 +65,12 @@ LOOP_PERIOD = 16
 SEARCH_MASKS = 2000
 SEARCH_WIDTH = 64
 # Searches one sequence may run, and those remembered per grammar and vocabulary
-# (signature -> the bytes found).
+# (signature -> the bytes found): at most MEMO_SIZE of them and MEMO_BYTES of found bytes
+# per grammar (a grammar that forces long literals finds long plans), for MEMO_GRAMMARS
+# grammars, so at most 64 MiB of plans per model however many requests bring new ones.
 SEARCHES = 4
 MEMO_SIZE = 4096
+MEMO_BYTES = 1 << 20
 MEMO_GRAMMARS = 64
 # What a byte costs in the search: whitespace and other bytes cost more than printable
 # ASCII, so that a completion pads with none (JSON's optional whitespace would otherwise
@@ -345,6 +348,25 @@ def _representatives(allowed: np.ndarray) -> list[int]:
     return sorted(rest) + picked + high[:1]
 
 
+class _Plans(dict):
+    """One grammar's remembered searches (state signature -> the completion's bytes, or
+    None where none was found), within MEMO_SIZE entries and MEMO_BYTES bytes."""
+
+    nbytes = 0  # the bytes of the completions held
+
+    def remember(self, signature: Any, data: bytes | None) -> None:
+        size = 0 if data is None else len(data)
+        old = self.pop(signature, None)
+        self.nbytes -= 0 if old is None else len(old)
+        if size > MEMO_BYTES:
+            return  # longer than the memo holds: searched again where needed
+        if len(self) >= MEMO_SIZE or self.nbytes + size > MEMO_BYTES:
+            self.clear()
+            self.nbytes = 0
+        self[signature] = data
+        self.nbytes += size
+
+
 class Closer:
     """Keeps one sequence's constrained output able to end valid (see the module docs).
 
@@ -371,7 +393,7 @@ class Closer:
         plans = matcher.vocabulary.plans
         if matcher.grammar.spec not in plans and len(plans) >= MEMO_GRAMMARS:
             plans.clear()  # a long session of many grammars: start over
-        self._memo = plans.setdefault(matcher.grammar.spec, {})
+        self._memo: _Plans = plans.setdefault(matcher.grammar.spec, _Plans())
         self._encoded: dict[bytes, list[int]] = {}  # the tokenizer's encodings of plans
         self._searches = 0
         self.free_limit = (max(16, max_tokens // 2) if options.free_text_tokens is None
@@ -515,9 +537,7 @@ class Closer:
                 and self._searches < SEARCHES):
             self._searches += 1
             searched = shortest_completion(matcher, vocab)
-            if len(self._memo) >= MEMO_SIZE:
-                self._memo.clear()
-            self._memo[signature] = None if searched is None else searched.data
+            self._memo.remember(signature, None if searched is None else searched.data)
             if searched is not None and (best is None or len(searched) < len(best)):
                 best = searched
         return best
