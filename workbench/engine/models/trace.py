@@ -212,7 +212,7 @@ def trace(llm: LLM, prompt: str | Sequence[int] | Sequence[Mapping[str, Any]], *
 
     # The lens's Numba products follow each layer's BLAS calls (attention, and the layers'
     # products past GEMV_MAX_T rows), so OpenBLAS is kept quiet at any T: where its workers
-    # spin, each lens product waited for them (a 64-token trace of SmolLM2 2.8 s, quiet 0.8 s).
+    # spin, each lens product waited for them (a 64-token trace of SmolLM2: 2.8 s, quiet 0.72 s).
     with llm._busy, llm._forward_lock, quiet_blas(T, most=T):
         x = model._embed(np.asarray(ids, dtype=np.int64))  # (T, n_embd)
         last = traced[-1] if traced else -1
