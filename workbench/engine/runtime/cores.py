@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 READ_EVERY_S = 0.1  # seconds between readings of /proc/stat while steps run
 DOWN_READINGS = 2  # readings in a row that see fewer free cores before using fewer
@@ -111,12 +111,38 @@ class CoreShare:
         return self.threads
 
 
+# -- process-wide settings that blocks in several threads share --------------------------
+
+class _SharedOverride:
+    """A process-wide setting that blocks in several threads (or nested ones) change
+    together: the first block in applies it, the last one out undoes it. `apply()`
+    changes the setting and returns what undoes the change."""
+
+    def __init__(self, apply: Callable[[], Callable[[], None]]):
+        self._apply = apply
+        self._lock = threading.Lock()
+        self._users = 0  # blocks inside now, in any thread
+        self._undo: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._undo = self._apply()
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0 and self._undo is not None:
+                    self._undo()
+                    self._undo = None
+
+
 # -- NumPy's OpenBLAS pool ------------------------------------------------------------------
 
 _blas_spins = False  # OpenBLAS loaded before workbench could shorten its workers' spin
-_blas_lock = threading.Lock()
-_blas_quiet = 0  # forward passes inside `quiet_blas` now, in any thread
-_blas_limit = None  # threadpoolctl's limit while they run
 _blas_pools = None  # threadpoolctl's controller, made once: making one looks through every
 #                     library the process has loaded (~2 ms in a process with a model)
 
@@ -128,32 +154,26 @@ def blas_loaded_first() -> None:
     _blas_spins = True
 
 
-@contextlib.contextmanager
-def quiet_blas(rows: int, most: int) -> Iterator[None]:
+def _blas_at_one_thread() -> Callable[[], None]:
+    global _blas_pools
+    if _blas_pools is None:
+        from threadpoolctl import ThreadpoolController
+
+        _blas_pools = ThreadpoolController()
+    return _blas_pools.limit(limits=1, user_api="blas").restore_original_limits
+
+
+_blas_quiet = _SharedOverride(_blas_at_one_thread)
+
+
+def quiet_blas(rows: int, most: int) -> contextlib.AbstractContextManager[None]:
     """A forward pass over `rows` rows: where OpenBLAS's workers spin long
     (`blas_loaded_first`) and rows <= `most` (the Numba kernels' share of the pass), with
     OpenBLAS at one thread for its duration; else nothing. Passes in several threads at
     once share one limit, lifted when the last ends."""
-    global _blas_quiet, _blas_limit, _blas_pools
     if not _blas_spins or rows > most:
-        yield
-        return
-    with _blas_lock:
-        if _blas_quiet == 0:
-            if _blas_pools is None:
-                from threadpoolctl import ThreadpoolController
-
-                _blas_pools = ThreadpoolController()
-            _blas_limit = _blas_pools.limit(limits=1, user_api="blas")
-        _blas_quiet += 1
-    try:
-        yield
-    finally:
-        with _blas_lock:
-            _blas_quiet -= 1
-            if _blas_quiet == 0 and _blas_limit is not None:
-                _blas_limit.restore_original_limits()
-                _blas_limit = None
+        return contextlib.nullcontext()
+    return _blas_quiet.held()
 
 
 # -- the GIL between the steps' kernel calls ---------------------------------------------
@@ -168,28 +188,21 @@ def quiet_blas(rows: int, most: int) -> Iterator[None]:
 # instead of 189, and 24 tok/s at 0.1 ms, the other thread keeping ~80% of its speed; with
 # them, 23 tok/s at 5 ms and ~60 at 0.1 ms (quiet ~120-160; 2-vCPU AVX-512 host).
 STEP_SWITCH_INTERVAL_S = 1e-4
-_gil_lock = threading.Lock()
-_gil_users = 0  # `prompt_gil` blocks running now, in any thread
-_gil_before = 0.0  # the switch interval before the first of them
 
 
-@contextlib.contextmanager
-def prompt_gil() -> Iterator[None]:
+def _short_switch_interval() -> Callable[[], None]:
+    before = sys.getswitchinterval()
+    if before > STEP_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(STEP_SWITCH_INTERVAL_S)
+    return lambda: sys.setswitchinterval(before)
+
+
+_prompt_gil = _SharedOverride(_short_switch_interval)
+
+
+def prompt_gil() -> contextlib.AbstractContextManager[None]:
     """Python's switch interval at STEP_SWITCH_INTERVAL_S (where it was longer) for the
     duration, so that the engine's thread gets the GIL back soon after each kernel call
     while other threads run Python. Blocks in several threads at once share it;
     the interval before the first is restored when the last ends."""
-    global _gil_users, _gil_before
-    with _gil_lock:
-        if _gil_users == 0:
-            _gil_before = sys.getswitchinterval()
-            if _gil_before > STEP_SWITCH_INTERVAL_S:
-                sys.setswitchinterval(STEP_SWITCH_INTERVAL_S)
-        _gil_users += 1
-    try:
-        yield
-    finally:
-        with _gil_lock:
-            _gil_users -= 1
-            if _gil_users == 0:
-                sys.setswitchinterval(_gil_before)
+    return _prompt_gil.held()
